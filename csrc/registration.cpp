@@ -1,0 +1,89 @@
+// The op table: every torch.ops.eagle3 schema, in one place, grouped by area.
+//
+// Conventions (STYLE.md "Schemas", DESIGN.md "The op table"):
+//  - argument order and names are DESIGN.md's; one name per argument everywhere;
+//  - a mutated tensor carries a distinct alias name (a!), (b!), ... and a mutating op returns ();
+//  - no streams or pointers: kernels run on the current stream of the inputs' device;
+//  - values that change every step under CUDA-graph replay (seed, offset, temperature) are tensors.
+//
+// Implementations: CPU = the pure-PyTorch reference (eagle3_ops/reference.py, registered from
+// Python), fakes in eagle3_ops/_register.py, CUDA kernels in csrc/<op>.cu (TORCH_LIBRARY_IMPL there).
+
+#include <torch/library.h>
+#include <pybind11/pybind11.h>
+
+#include <string>
+
+TORCH_LIBRARY(eagle3, m) {
+  // ---- capture --------------------------------------------------------------------------------
+  // aux[r, slot*H:(slot+1)*H] = (hidden + residual)[rows[r]]
+  m.def("capture_aux(Tensor hidden, Tensor? residual, Tensor(a!) aux, int slot, Tensor? rows) -> ()");
+  // residual += x; x = rmsnorm(residual) * weight; aux[r, slot*H:(slot+1)*H] = residual[rows[r]]
+  m.def(
+      "add_rmsnorm_capture(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps, "
+      "Tensor(c!)? aux, int slot, Tensor? rows) -> ()");
+
+  // ---- fc ---------------------------------------------------------------------------------------
+  // out = norm(aux[rows]) @ (weight * weight_scale)^T; norm_mode: "none" | "norm_before_fc" | "fc_norm"
+  m.def(
+      "fc_proj(Tensor aux, Tensor weight, Tensor? weight_scale, Tensor? norm_weight, float eps, "
+      "str norm_mode, Tensor? rows, Tensor(a!) out) -> ()");
+
+  // ---- tree -------------------------------------------------------------------------------------
+  // draft steps' top-k candidates -> canonical tree (tokens, parents), positions, tree_mask
+  m.def(
+      "build_tree(Tensor root_tokens, Tensor draft_tokens, Tensor draft_scores, Tensor draft_parents, "
+      "Tensor prefix_lens, Tensor(a!) tokens, Tensor(b!) parents, Tensor(c!) positions, "
+      "Tensor(d!) tree_mask) -> ()");
+
+  // ---- attention --------------------------------------------------------------------------------
+  m.def(
+      "tree_attention_mla(Tensor q, Tensor kv_cache, Tensor page_table, Tensor prefix_lens, "
+      "Tensor tree_mask, float scale, Tensor(a!) out, Tensor(b!)? lse) -> ()");
+  m.def(
+      "tree_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor page_table, Tensor prefix_lens, "
+      "Tensor tree_mask, float scale, Tensor(a!) out, Tensor(b!)? lse) -> ()");
+
+  // ---- verify -----------------------------------------------------------------------------------
+  m.def("verify_greedy(Tensor logits, Tensor tokens, Tensor parents) -> (Tensor accept_nodes, Tensor accept_len, Tensor emitted)");
+  m.def(
+      "verify_sampling(Tensor target_logits, Tensor? draft_probs, Tensor? d2t, Tensor tokens, Tensor parents, "
+      "Tensor temperature, Tensor seed, Tensor offset) -> (Tensor accept_nodes, Tensor accept_len, Tensor emitted)");
+
+  // ---- kv ---------------------------------------------------------------------------------------
+  m.def(
+      "kv_accept(Tensor(a!)[] caches, Tensor page_table, Tensor(b!) prefix_lens, Tensor accept_nodes, "
+      "Tensor accept_len) -> ()");
+}
+
+// ---- build information, exposed through pybind11 as eagle3_ops._C.build_info() ---------------------
+// The defines come from setup.py; the defaults say what a bare compile would mean.
+#ifndef EAGLE3_CUDA_ARCHS
+#define EAGLE3_CUDA_ARCHS ""
+#endif
+#ifndef EAGLE3_CUDA_VERSION
+#define EAGLE3_CUDA_VERSION ""
+#endif
+#ifndef EAGLE3_TORCH_VERSION
+#define EAGLE3_TORCH_VERSION ""
+#endif
+#ifndef EAGLE3_CUDA_KERNELS
+#define EAGLE3_CUDA_KERNELS ""
+#endif
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "eagle3_ops native extension: the op table (torch.ops.eagle3) and the CUDA kernels";
+  m.def("build_info", []() {
+    pybind11::dict info;
+#ifdef EAGLE3_WITH_CUDA
+    info["cuda"] = true;
+#else
+    info["cuda"] = false;
+#endif
+    info["cuda_archs"] = std::string(EAGLE3_CUDA_ARCHS);
+    info["cuda_version"] = std::string(EAGLE3_CUDA_VERSION);
+    info["torch_version"] = std::string(EAGLE3_TORCH_VERSION);
+    info["cuda_kernels"] = std::string(EAGLE3_CUDA_KERNELS);
+    return info;
+  }, "What this build of _C holds: CUDA kernels compiled or not, for which archs, against which CUDA and torch.");
+}

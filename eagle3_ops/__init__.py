@@ -1,0 +1,23 @@
+"""eagle3_ops: kernels for the hot paths of EAGLE-3 speculative decoding on MLA + MoE targets.
+
+`import eagle3_ops` loads the native extension (the op table, and the CUDA kernels when it was built
+with them), then registers each op's CPU implementation (its pure-PyTorch reference), its fake
+implementation and any Triton launchers. It does no GPU work. Call the ops as `torch.ops.eagle3.*` or
+through the typed wrappers in `eagle3_ops.ops`.
+"""
+
+import torch  # noqa: F401  (loads libtorch before _C)
+
+from . import _C  # noqa: F401  (defines torch.ops.eagle3.*)
+from . import _register  # noqa: F401  (CPU references, fakes, Triton launchers)
+from . import ops, reference  # noqa: F401
+from .ops import *  # noqa: F401,F403
+
+__version__ = "0.1.0"
+
+
+def build_info() -> dict:
+    """What this build holds: {'cuda': bool, 'cuda_archs', 'cuda_version', 'torch_version', 'cuda_kernels'}."""
+    info = dict(_C.build_info())
+    info["cuda_kernels"] = [k for k in info["cuda_kernels"].split(",") if k]
+    return info

@@ -1,0 +1,556 @@
+"""The specification: one pure-PyTorch reference per torch.ops.eagle3 op.
+
+Each function has exactly its op's schema signature (same names, same order) and is registered as the
+op's CPU implementation. Written for clarity, never for speed. Floating-point math runs in float32, or
+in float64 when the inputs are float64 (tests call the references on upcast inputs to get the float64
+truth a kernel is compared with). Mutating ops compute everything and check every index first, then
+write: a failed call leaves the caller's tensors as they were.
+
+On CUDA, where a data-dependent error cannot be raised without a host sync, the kernels never read or
+write out of bounds and document what they do instead (each op's docstring says). The references,
+which may look at values, raise IndexError naming the argument.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from . import _philox, _validate, tree
+
+
+def _acc(*ts: Optional[Tensor]) -> torch.dtype:
+    """Accumulation dtype: float64 if any input is float64, else float32."""
+    return torch.float64 if any(t is not None and t.dtype == torch.float64 for t in ts) else torch.float32
+
+
+def _check_index(idx: Tensor, upper: int, name: str, what: str) -> None:
+    bad = (idx < 0) | (idx >= upper)
+    if bool(bad.any()):
+        where = tuple(int(i) for i in bad.nonzero()[0])
+        raise IndexError(f"{name}{list(where)} = {int(idx[where])} is out of range for {what} (valid: 0..{upper - 1})")
+
+
+# ---- capture ----------------------------------------------------------------------------------------
+
+
+def capture_aux(hidden: Tensor, residual: Optional[Tensor], aux: Tensor, slot: int, rows: Optional[Tensor]) -> None:
+    """Capture the residual stream into the drafter's aux buffer: aux[r, slot*H:(slot+1)*H] = (hidden + residual)[rows[r]].
+
+    Parameters
+    ----------
+    hidden : Tensor [T, H] bf16 | fp16 | fp32
+        Sublayer output (or the full residual stream when residual is None).
+    residual : Tensor [T, H] same dtype, optional
+        Residual stream before the add; the sum is rounded once to the dtype, as `hidden + residual`.
+    aux : Tensor [R, n_aux * H] same dtype, mutated
+        Preallocated capture buffer; may be a strided view (last dim contiguous). Only column block
+        `slot` is written.
+    slot : int
+        Which of the n_aux column blocks, 0 <= slot < n_aux.
+    rows : Tensor [R] int32 | int64, optional
+        Source row of each aux row (e.g. the last token of each request in prefill); None means R = T
+        and row r <- r. On CUDA an index outside [0, T) fills that aux row with NaN (no host sync to
+        raise); here it raises IndexError.
+    """
+    s = _validate.capture_aux(hidden, residual, aux, slot, rows)
+    H = s["H"]
+    src = hidden if residual is None else hidden + residual
+    if rows is not None:
+        _check_index(rows, s["T"], "rows", f"T = {s['T']} hidden rows")
+        src = src[rows.long()]
+    aux[:, slot * H:(slot + 1) * H] = src
+
+
+def add_rmsnorm_capture(x: Tensor, residual: Tensor, weight: Tensor, eps: float, aux: Optional[Tensor], slot: int,
+                        rows: Optional[Tensor]) -> None:
+    """Fused residual add + RMSNorm that also captures the new residual: the target's capture point.
+
+    `residual += x` (rounded once to residual's dtype), then
+    `x = residual * rsqrt(mean(residual**2) + eps) * weight` (fp32 math on the rounded residual,
+    rounded once to x's dtype), and when aux is given `aux[r, slot*H:(slot+1)*H] = residual[rows[r]]`.
+    At the input norm of layer k + 1 the new residual is the output of layer k: aux id k (wiring.py).
+
+    Parameters
+    ----------
+    x : Tensor [T, H] bf16 | fp16 | fp32, mutated
+        Sublayer output in, normed hidden out.
+    residual : Tensor [T, H] bf16 | fp16 | fp32, mutated
+        Residual stream in, residual stream plus x out.
+    weight : Tensor [H]
+        RMSNorm weight.
+    eps : float
+        RMSNorm epsilon (1e-6 for Kimi-K2, 1e-5 for K2.5).
+    aux : Tensor [R, n_aux * H] residual's dtype, optional, mutated
+        Capture buffer as in capture_aux; None skips the capture (a plain fused add + RMSNorm).
+    slot : int
+        Column block of aux to write, 0 <= slot < n_aux (ignored without aux).
+    rows : Tensor [R] int32 | int64, optional
+        Residual rows to capture; None means all T. Out-of-range: as in capture_aux.
+    """
+    s = _validate.add_rmsnorm_capture(x, residual, weight, eps, aux, slot, rows)
+    if rows is not None:
+        _check_index(rows, s["T"], "rows", f"T = {s['T']} residual rows")
+    acc = _acc(x, residual, weight)
+    new_residual = (x.to(acc) + residual.to(acc)).to(residual.dtype)
+    r = new_residual.to(acc)
+    normed = r * torch.rsqrt(r.pow(2).mean(-1, keepdim=True) + eps) * weight.to(acc)
+    residual.copy_(new_residual)
+    x.copy_(normed.to(x.dtype))
+    if aux is not None:
+        H = s["H"]
+        aux[:, slot * H:(slot + 1) * H] = new_residual if rows is None else new_residual[rows.long()]
+
+
+# ---- fc ---------------------------------------------------------------------------------------------
+
+
+def fc_proj(aux: Tensor, weight: Tensor, weight_scale: Optional[Tensor], norm_weight: Optional[Tensor], eps: float,
+            norm_mode: str, rows: Optional[Tensor], out: Tensor) -> None:
+    """The drafter's fc: out = norm(aux[rows]) @ (weight * weight_scale[:, None])^T.
+
+    Parameters
+    ----------
+    aux : Tensor [T, n_aux * H] bf16 | fp16 | fp32
+        Captured target features (may be a strided view of the capture buffer).
+    weight : Tensor [Hd, n_aux * H] bf16 | fp16 | fp32 | fp8-e4m3
+        fc weight in nn.Linear layout (or its prepared form, e.g. with per-chunk norm weights folded
+        into the columns).
+    weight_scale : Tensor [Hd] fp32, optional
+        Per-output-channel dequantisation scale; required for an fp8 weight.
+    norm_weight : Tensor, optional
+        "norm_before_fc": [n_aux * H] (None = ones); "fc_norm": [n_aux, H] (ones when folded into
+        weight; it also gives n_aux); "none": must be None.
+    eps : float
+        RMSNorm epsilon of the norm modes.
+    norm_mode : str
+        "none"; "norm_before_fc" (one RMSNorm over the whole n_aux * H row); "fc_norm" (an RMSNorm per
+        H-wide chunk, EAGLE-3.1's fc_norm.{0,1,2}). The norm is applied in fp32, unrounded.
+    rows : Tensor [R] int32 | int64, optional
+        Rows of aux to project (e.g. the accepted tokens), gathered without a copy; None: all T.
+    out : Tensor [R, Hd] bf16 | fp16 | fp32, mutated
+        Projected hidden; R = T without rows.
+    """
+    s = _validate.fc_proj(aux, weight, weight_scale, norm_weight, eps, norm_mode, rows, out)
+    if rows is not None:
+        _check_index(rows, s["T"], "rows", f"T = {s['T']} aux rows")
+    acc = _acc(aux, out)
+    a = (aux if rows is None else aux[rows.long()]).to(acc)
+    if norm_mode != "none":
+        n = 1 if norm_mode == "norm_before_fc" else s["n_aux"]
+        chunks = a.view(a.shape[0], n, s["K"] // n)
+        chunks = chunks * torch.rsqrt(chunks.pow(2).mean(-1, keepdim=True) + eps)
+        if norm_weight is not None:
+            chunks = chunks * norm_weight.to(acc).view(1, n, s["K"] // n)
+        a = chunks.reshape(a.shape[0], s["K"])
+    w = weight.to(acc)
+    if weight_scale is not None:
+        w = w * weight_scale.to(acc)[:, None]
+    out.copy_((a @ w.T).to(out.dtype))
+
+
+# ---- tree -------------------------------------------------------------------------------------------
+
+
+def build_tree(root_tokens: Tensor, draft_tokens: Tensor, draft_scores: Tensor, draft_parents: Tensor,
+               prefix_lens: Tensor, tokens: Tensor, parents: Tensor, positions: Tensor, tree_mask: Tensor) -> None:
+    """EAGLE-2/3 dynamic tree: the N - 1 best draft candidates by cumulative score, as a canonical tree.
+
+    Candidate (d, m) is the m-th candidate proposed at draft depth d (it would sit at depth d + 1 of
+    the tree). Its effective score is its cumulative score capped by its parent's effective score,
+    `eff(d, m) = min(draft_scores[d, m], eff(d - 1, draft_parents[d, m]))`, so a parent never ranks
+    below its child (cumulative log-probabilities already satisfy this). Candidates are ranked by
+    (eff descending, d ascending, m ascending); the first N - 1 become nodes 1..N-1 in rank order.
+    The selection is closed under ancestry and parents precede children, so the order is
+    topological and siblings are ordered by score (lower index = higher score).
+
+    Parameters
+    ----------
+    root_tokens : Tensor [B] int64
+        Node 0's token: the last verified token.
+    draft_tokens : Tensor [B, S, M] int64
+        Candidate tokens per draft depth (S steps, M candidates per step, e.g. M = topk * topk).
+    draft_scores : Tensor [B, S, M] fp32 | bf16 | fp16
+        Cumulative scores (sum of log-probabilities along the path); -inf marks padding; never NaN.
+    draft_parents : Tensor [B, S, M] int32 | int64
+        Parent of each candidate: -1 (the root) at depth 0; at depth d >= 1 an index in [0, M) into
+        depth d - 1's candidates. Out-of-range parents raise here; on CUDA they are read as the root.
+    prefix_lens : Tensor [B] int32
+        Verified tokens per request; positions = prefix_lens + depth.
+    tokens : Tensor [B, N] int64, mutated
+        Canonical tree tokens; node 0 = root_tokens. 1 <= N <= 1 + S * M.
+    parents : Tensor [B, N] int32, mutated
+        Parent node index, -1 for the root.
+    positions : Tensor [B, N] int64, mutated
+        prefix_lens + depth.
+    tree_mask : Tensor [B, N, ceil(N / 32)] int32, mutated
+        Bit j % 32 of word j // 32 of row i set iff node j is i or an ancestor of i (tree.tree_mask).
+    """
+    s = _validate.build_tree(root_tokens, draft_tokens, draft_scores, draft_parents, prefix_lens, tokens, parents,
+                             positions, tree_mask)
+    B, S, M, N = s["B"], s["S"], s["M"], s["N"]
+    if bool(torch.isnan(draft_scores).any()):
+        raise ValueError("draft_scores must not contain NaN (use -inf for padding candidates)")
+    if S > 0:
+        if bool((draft_parents[:, 0] != -1).any()):
+            raise IndexError("draft_parents[:, 0] must be -1: depth-0 candidates are children of the root")
+        if S > 1:
+            _check_index(draft_parents[:, 1:], M, "draft_parents[:, 1:]", f"M = {M} candidates of the previous depth")
+    scores = draft_scores.to(torch.float64)
+    new_tokens = torch.empty(B, N, dtype=torch.int64)
+    new_parents = torch.empty(B, N, dtype=torch.int32)
+    for b in range(B):
+        eff = scores[b].clone()
+        for d in range(1, S):
+            eff[d] = torch.minimum(eff[d], eff[d - 1][draft_parents[b, d].long()])
+        # rank by (eff desc, d asc, m asc): a stable sort on -eff over the (d, m)-ordered flat list
+        order = torch.sort(-eff.reshape(-1), stable=True).indices[: N - 1].tolist()
+        node_of = {}  # flat candidate index -> node index
+        new_tokens[b, 0], new_parents[b, 0] = root_tokens[b], -1
+        for rank, flat in enumerate(order):
+            d, m = divmod(flat, M)
+            node_of[flat] = rank + 1
+            new_tokens[b, rank + 1] = draft_tokens[b, d, m]
+            new_parents[b, rank + 1] = 0 if d == 0 else node_of[(d - 1) * M + int(draft_parents[b, d, m])]
+    tokens.copy_(new_tokens)
+    parents.copy_(new_parents)
+    positions.copy_(tree.positions(new_parents, prefix_lens))
+    tree_mask.copy_(tree.tree_mask(new_parents))
+
+
+# ---- attention --------------------------------------------------------------------------------------
+
+
+def _tree_visible(b: int, prefix: int, tree_mask: Tensor) -> Tensor:
+    """[N, prefix + N] bool: every node sees the whole prefix, and its ancestors-or-self in the block."""
+    N = tree_mask.shape[1]
+    block = tree.mask_to_dense(tree_mask[b:b + 1], N)[0]
+    return torch.cat([torch.ones(N, prefix, dtype=torch.bool), block], dim=1)
+
+
+def _gather_pages(cache: Tensor, page_table: Tensor, b: int, length: int) -> Tensor:
+    """The first `length` cached rows of request b, [length, ...], through its page table."""
+    page_size = cache.shape[1]
+    pos = torch.arange(length)
+    pages = page_table[b, pos // page_size].long()
+    _check_index(pages, cache.shape[0], f"page_table[{b}]", f"{cache.shape[0]} pages")
+    return cache[pages, pos % page_size]
+
+
+def _check_capacity(page_table: Tensor, prefix_lens: Tensor, N: int, page_size: int) -> None:
+    cap = page_table.shape[1] * page_size
+    bad = (prefix_lens < 0) | (prefix_lens.long() + N > cap)
+    if bool(bad.any()):
+        b = int(bad.nonzero()[0, 0])
+        raise IndexError(f"prefix_lens[{b}] = {int(prefix_lens[b])} is out of range: prefix + N = "
+                         f"{int(prefix_lens[b]) + N} rows need more than the {cap} that page_table holds "
+                         f"({page_table.shape[1]} pages of {page_size})")
+
+
+def _attend(q: Tensor, k: Tensor, v: Tensor, visible: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+    """q [N, NH, D], k [L, NH, D], v [L, NH, Dv], visible [N, L] -> out [N, NH, Dv], lse [N, NH]."""
+    scores = torch.einsum("nhd,lhd->nhl", q, k) * scale
+    scores = scores.masked_fill(~visible[:, None, :], float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    out = torch.einsum("nhl,lhd->nhd", torch.exp(scores - lse[..., None]), v)
+    return out, lse
+
+
+def tree_attention_mla(q: Tensor, kv_cache: Tensor, page_table: Tensor, prefix_lens: Tensor, tree_mask: Tensor,
+                       scale: float, out: Tensor, lse: Optional[Tensor]) -> None:
+    """Absorbed-MLA tree-verify attention: 64 query heads over one shared latent KV head.
+
+    Request b's tree node i attends to positions [0, prefix_lens[b]) (the whole prefix) and to
+    prefix_lens[b] + j for every j with bit j set in tree_mask[b, i] (its ancestors and itself). Keys
+    are the full D = 576 cached dims, values the first Dv = 512. Softmax in fp32 (float64 here for
+    float64 inputs).
+
+    Parameters
+    ----------
+    q : Tensor [B * N, NH, D] bf16 | fp16 | fp32
+        [q_abs | q_pe] per node and head, node-major per request.
+    kv_cache : Tensor [num_pages, page_size, D] q's dtype
+        Latent cache [c_kv | k_pe]; the N tree tokens are already at positions prefix_len + node.
+    page_table : Tensor [B, max_pages] int32
+        Page of each request's position p is page_table[b, p // page_size].
+    prefix_lens : Tensor [B] int32
+        Verified tokens before the tree; prefix_len + N <= max_pages * page_size.
+    tree_mask : Tensor [B, N, ceil(N / 32)] int32
+        Ancestor-or-self bits over the tree block (tree.tree_mask).
+    scale : float
+        Softmax scale, e.g. 0.130861 for Kimi-K2 (docs/KIMI.md), never 576 ** -0.5.
+    out : Tensor [B * N, NH, Dv] q's dtype, mutated
+        Attention output in latent space.
+    lse : Tensor [B * N, NH] fp32, optional, mutated
+        Natural-log sum of exp(scale * q.k) over the visible positions.
+    """
+    s = _validate.tree_attention_mla(q, kv_cache, page_table, prefix_lens, tree_mask, scale, out, lse)
+    B, N, NH, Dv = s["B"], s["N"], s["NH"], s["Dv"]
+    _check_capacity(page_table, prefix_lens, N, s["page_size"])
+    acc = _acc(q)
+    outs, lses = [], []
+    for b in range(B):
+        prefix = int(prefix_lens[b])
+        kv = _gather_pages(kv_cache, page_table, b, prefix + N).to(acc)  # [L, D]
+        k = kv[:, None, :].expand(-1, NH, -1)
+        o, l = _attend(q[b * N:(b + 1) * N].to(acc), k, k[..., :Dv], _tree_visible(b, prefix, tree_mask), scale)
+        outs.append(o)
+        lses.append(l)
+    out.copy_(torch.cat(outs).to(out.dtype))
+    if lse is not None:
+        lse.copy_(torch.cat(lses).to(lse.dtype))
+
+
+def tree_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, page_table: Tensor, prefix_lens: Tensor,
+                   tree_mask: Tensor, scale: float, out: Tensor, lse: Optional[Tensor]) -> None:
+    """GQA/MHA tree-verify attention (Llama-style targets, the drafter's own layer). Same visibility
+    as tree_attention_mla; query head h reads KV head h // (NH // HKV).
+
+    Parameters
+    ----------
+    q : Tensor [B * N, NH, Dh] bf16 | fp16 | fp32
+        Queries, node-major per request.
+    k_cache : Tensor [num_pages, page_size, HKV, Dh] q's dtype
+        Paged keys; the tree tokens are already at positions prefix_len + node.
+    v_cache : Tensor [num_pages, page_size, HKV, Dv] q's dtype
+        Paged values, same pages as k_cache.
+    page_table : Tensor [B, max_pages] int32
+        As in tree_attention_mla.
+    prefix_lens : Tensor [B] int32
+        Verified tokens before the tree.
+    tree_mask : Tensor [B, N, ceil(N / 32)] int32
+        Ancestor-or-self bits over the tree block.
+    scale : float
+        Softmax scale (Dh ** -0.5 for a plain Llama layer).
+    out : Tensor [B * N, NH, Dv] q's dtype, mutated
+        Attention output.
+    lse : Tensor [B * N, NH] fp32, optional, mutated
+        Natural-log sum of exp(scale * q.k) over the visible positions.
+    """
+    s = _validate.tree_attention(q, k_cache, v_cache, page_table, prefix_lens, tree_mask, scale, out, lse)
+    B, N, NH, HKV = s["B"], s["N"], s["NH"], s["HKV"]
+    _check_capacity(page_table, prefix_lens, N, s["page_size"])
+    acc = _acc(q)
+    outs, lses = [], []
+    for b in range(B):
+        prefix = int(prefix_lens[b])
+        k = _gather_pages(k_cache, page_table, b, prefix + N).to(acc).repeat_interleave(NH // HKV, dim=1)
+        v = _gather_pages(v_cache, page_table, b, prefix + N).to(acc).repeat_interleave(NH // HKV, dim=1)
+        o, l = _attend(q[b * N:(b + 1) * N].to(acc), k, v, _tree_visible(b, prefix, tree_mask), scale)
+        outs.append(o)
+        lses.append(l)
+    out.copy_(torch.cat(outs).to(out.dtype))
+    if lse is not None:
+        lse.copy_(torch.cat(lses).to(lse.dtype))
+
+
+# ---- verify -----------------------------------------------------------------------------------------
+
+
+def _walk_outputs(B: int, N: int, paths: list[list[int]], bonus: list[int], tokens: Tensor):
+    accept_nodes = torch.full((B, N), -1, dtype=torch.int32)
+    accept_len = torch.empty(B, dtype=torch.int32)
+    emitted = torch.full((B, N), -1, dtype=torch.int64)
+    for b, path in enumerate(paths):
+        accept_nodes[b, :len(path)] = torch.tensor(path, dtype=torch.int32)
+        accept_len[b] = len(path) - 1
+        drafts = [int(tokens[b, j]) for j in path[1:]]
+        emitted[b, :len(path)] = torch.tensor(drafts + [bonus[b]], dtype=torch.int64)
+    return accept_nodes, accept_len, emitted
+
+
+def verify_greedy(logits: Tensor, tokens: Tensor, parents: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Greedy tree verification: from the root, follow the child whose token equals the target argmax.
+
+    At the current node c (starting at the root), t = argmax(logits[b * N + c]) (the first maximum);
+    if a child of c carries token t (the lowest-index such child), it is accepted and becomes c;
+    otherwise t is the bonus token and the walk ends.
+
+    Parameters
+    ----------
+    logits : Tensor [B * N, V] bf16 | fp16 | fp32
+        Target logits at every tree node, node-major per request.
+    tokens : Tensor [B, N] int64
+        Draft token per node; node 0 is the root (the last verified token).
+    parents : Tensor [B, N] int32
+        Canonical parents (-1 for the root, parents[b, j] < j).
+
+    Returns
+    -------
+    accept_nodes : Tensor [B, N] int32
+        Accepted path as node indices, root first (accept_nodes[b, 0] = 0), -1 padded.
+    accept_len : Tensor [B] int32
+        Accepted draft tokens, root and bonus excluded: a step emits accept_len + 1 tokens.
+    emitted : Tensor [B, N] int64
+        The accept_len accepted draft tokens, then the bonus token, -1 padded.
+    """
+    s = _validate.verify_greedy(logits, tokens, parents)
+    B, N = s["B"], s["N"]
+    tree.validate(tokens, parents)
+    first_child, next_sibling = tree.children_links(parents)
+    target = logits.argmax(dim=-1).view(B, N)
+    paths, bonus = [], []
+    for b in range(B):
+        path = [0]
+        while True:
+            t, j = int(target[b, path[-1]]), int(first_child[b, path[-1]])
+            while j != -1 and int(tokens[b, j]) != t:
+                j = int(next_sibling[b, j])
+            if j == -1:
+                break
+            path.append(j)
+        paths.append(path)
+        bonus.append(int(target[b, path[-1]]))
+    return _walk_outputs(B, N, paths, bonus, tokens)
+
+
+def verify_sampling(target_logits: Tensor, draft_probs: Optional[Tensor], d2t: Optional[Tensor], tokens: Tensor,
+                    parents: Tensor, temperature: Tensor, seed: Tensor, offset: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Tree rejection sampling that keeps the target distribution exactly.
+
+    At the current node c, p = softmax(target_logits[b * N + c] / temperature[b]). Its children are
+    tried in sibling order (score order). Child k with token x is accepted when u_k * q(x) < p(x),
+    u_k a uniform draw; q is draft_probs[b * N + c] mapped to target ids (target = draft + d2t[draft]),
+    or, without draft_probs, one-hot on x (drafts chosen by top-k, not sampled). On rejection
+    p <- normalize(max(p - q, 0)), and the next sibling is tried against the residual. The first
+    accepted child becomes c and the walk goes on; when every child is rejected, or c is a leaf, the
+    bonus token is sampled from the current p and the walk ends. With one-hot q this is exactly
+    sampling from p; with draft_probs the siblings must be independent draws from q (SpecInfer's
+    multi-step speculative sampling). temperature[b] == 0 makes request b greedy (as verify_greedy).
+
+    Randomness (eagle3_ops._philox): u_k = uniform(seed[b], offset[b], row = b * N + c, idx = k,
+    stream 0); the bonus is argmax_v p(v) / E_v with E_v = -log(uniform(seed[b], offset[b], row, v,
+    stream 1)) (an exponential race: a draw from p with no normalisation pass), ties to the lowest id.
+    Nothing fp32 [B, N, V] is materialised by the kernel.
+
+    Parameters
+    ----------
+    target_logits : Tensor [B * N, V] bf16 | fp16 | fp32
+        Target logits at every tree node, node-major per request.
+    draft_probs : Tensor [B * N, Vd] fp32 | bf16 | fp16, optional
+        Draft distribution each node's children were sampled from, over the draft vocabulary.
+    d2t : Tensor [Vd] int64, optional
+        Draft-to-target id offsets; required when Vd != V, only with draft_probs.
+    tokens : Tensor [B, N] int64
+        Draft token per node (target vocabulary); node 0 is the root.
+    parents : Tensor [B, N] int32
+        Canonical parents.
+    temperature : Tensor [B] fp32
+        Sampling temperature per request, >= 0 (0 = greedy).
+    seed : Tensor [B] int64
+        Philox key per request.
+    offset : Tensor [B] int64
+        Philox counter offset per request; advance it every step.
+
+    Returns
+    -------
+    accept_nodes : Tensor [B, N] int32
+        Accepted path as node indices, root first, -1 padded.
+    accept_len : Tensor [B] int32
+        Accepted draft tokens, root and bonus excluded: a step emits accept_len + 1 tokens.
+    emitted : Tensor [B, N] int64
+        The accept_len accepted draft tokens, then the bonus token, -1 padded.
+    """
+    s = _validate.verify_sampling(target_logits, draft_probs, d2t, tokens, parents, temperature, seed, offset)
+    B, N, V = s["B"], s["N"], s["V"]
+    tree.validate(tokens, parents)
+    if bool((temperature < 0).any()) or bool(torch.isnan(temperature).any()):
+        raise ValueError("temperature must be >= 0 (0 = greedy)")
+    if d2t is not None:
+        _check_index(torch.arange(s["Vd"]) + d2t, V, "d2t", f"the target vocabulary V = {V} (draft + d2t[draft])")
+    first_child, next_sibling = tree.children_links(parents)
+    paths, bonus = [], []
+    for b in range(B):
+        temp, sd, off = float(temperature[b]), int(seed[b]), int(offset[b])
+        path = [0]
+        while True:
+            c = path[-1]
+            row = b * N + c
+            logits = target_logits[row].to(torch.float64)
+            if temp == 0:
+                p = torch.zeros(V, dtype=torch.float64)
+                p[int(logits.argmax())] = 1.0
+            else:
+                p = torch.softmax(logits / temp, dim=-1)
+            q = None
+            if draft_probs is not None:
+                q = torch.zeros(V, dtype=torch.float64)
+                ids = torch.arange(s["Vd"]) + (d2t if d2t is not None else 0)
+                q.index_add_(0, ids, draft_probs[row].to(torch.float64))
+            j, k, accepted = int(first_child[b, c]), 0, False
+            while j != -1:
+                x = int(tokens[b, j])
+                px = float(p[x]) if 0 <= x < V else 0.0
+                qx = float(q[x]) if q is not None and 0 <= x < V else 1.0
+                u = float(_philox.uniform(sd, off, row, [k], _philox.STREAM_ACCEPT)[0])
+                if u * qx < px:
+                    accepted = True
+                    break
+                residual = p.clone()
+                if q is None:
+                    if 0 <= x < V:
+                        residual[x] = 0.0
+                else:
+                    residual = torch.clamp(p - q, min=0.0)
+                if float(residual.sum()) > 0:
+                    p = residual / residual.sum()
+                j, k = int(next_sibling[b, j]), k + 1
+            if accepted:
+                path.append(j)
+                continue
+            e = -np.log(_philox.uniform(sd, off, row, np.arange(V), _philox.STREAM_SAMPLE))
+            bonus.append(int(torch.argmax(p / torch.from_numpy(e))))  # argmax returns the first maximum
+            break
+        paths.append(path)
+    return _walk_outputs(B, N, paths, bonus, tokens)
+
+
+# ---- kv ---------------------------------------------------------------------------------------------
+
+
+def kv_accept(caches: Sequence[Tensor], page_table: Tensor, prefix_lens: Tensor, accept_nodes: Tensor,
+              accept_len: Tensor) -> None:
+    """Compact each request's accepted tree rows into place in every layer's cache, then advance prefix_lens.
+
+    For request b with a = accept_len[b] and P = prefix_lens[b], row i in 0..a moves from position
+    P + accept_nodes[b, i] to position P + i (position p lives at page page_table[b, p // page_size],
+    slot p % page_size), in every cache of the list; all rows are read before any is written, so
+    overlapping moves (accepted [0, 2, 3]: 2 -> 1, 3 -> 2) are safe. Then prefix_lens[b] += a + 1.
+    Rows beyond are left stale (overwritten later). On CUDA an out-of-range index skips that request
+    (its cache rows and prefix_len stay untouched); here it raises IndexError.
+
+    Parameters
+    ----------
+    caches : list of Tensor [num_pages, page_size, ...], mutated
+        Per-layer caches sharing one page layout: MLA latent [num_pages, page_size, 576], or K and V
+        [num_pages, page_size, HKV, Dh]; any dtype, contiguous.
+    page_table : Tensor [B, max_pages] int32
+        Pages of each request.
+    prefix_lens : Tensor [B] int32, mutated
+        Verified tokens before the tree; advanced by accept_len + 1.
+    accept_nodes : Tensor [B, N] int32
+        Accepted nodes, root first, -1 padded (verify_greedy's output); entries 0..accept_len are used.
+    accept_len : Tensor [B] int32
+        Accepted draft tokens (bonus excluded), 0 <= accept_len <= N - 1.
+    """
+    s = _validate.kv_accept(caches, page_table, prefix_lens, accept_nodes, accept_len)
+    B, N, ps = s["B"], s["N"], s["page_size"]
+    _check_index(accept_len, N, "accept_len", f"N = {N} tree nodes (0 <= accept_len <= N - 1)")
+    _check_capacity(page_table, prefix_lens, N, ps)
+    moves = []
+    for b in range(B):
+        a, P = int(accept_len[b]), int(prefix_lens[b])
+        nodes = accept_nodes[b, :a + 1]
+        _check_index(nodes, N, f"accept_nodes[{b}, :{a + 1}]", f"N = {N} tree nodes")
+        src, dst = P + nodes.long(), P + torch.arange(a + 1)
+        for pos in (src, dst):
+            _check_index(page_table[b, pos // ps].long(), s["num_pages"], f"page_table[{b}]", f"{s['num_pages']} pages")
+        moves.append((page_table[b, src // ps].long(), src % ps, page_table[b, dst // ps].long(), dst % ps))
+    for cache in caches:
+        rows = [cache[sp, ss].clone() for sp, ss, _, _ in moves]  # read everything first
+        for (_, _, dp, ds), r in zip(moves, rows):
+            cache[dp, ds] = r
+    prefix_lens += accept_len + 1

@@ -1,0 +1,107 @@
+"""Build eagle3_ops._C: the op table (C++, always) and the CUDA kernels (when torch has CUDA and nvcc exists).
+
+The CUDA sources are compiled whenever torch is a CUDA build and nvcc is found, with or without a GPU
+present (CI has none and must still compile every .cu file). TORCH_CUDA_ARCH_LIST defaults to 9.0a.
+DEBUG=1 gives -O0 -g -lineinfo. Set CUDA_HOME to the toolkit root; when it is unset and `nvcc` on PATH
+is a wrapper script, the toolkit root is asked of nvcc itself (torch would otherwise guess the wrapper's
+folder and link against a libcudart that is not there).
+"""
+
+import glob
+import os
+import subprocess
+import sys
+
+from setuptools import setup
+
+
+def _toolkit_root_from_nvcc():
+    """The CUDA toolkit that `nvcc` on PATH really runs (follows wrapper scripts), or None."""
+    try:
+        probe = subprocess.run(
+            ["nvcc", "--dryrun", "-E", "-x", "cu", os.devnull],
+            capture_output=True, text=True, timeout=60,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    for line in (probe.stdout + probe.stderr).splitlines():
+        if line.startswith("#$ _HERE_="):
+            return os.path.dirname(line.split("=", 1)[1].strip())
+    return None
+
+
+if not os.environ.get("CUDA_HOME") and not os.environ.get("CUDA_PATH"):
+    root = _toolkit_root_from_nvcc()
+    if root:
+        os.environ["CUDA_HOME"] = root
+os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0a")
+
+import torch  # noqa: E402  (CUDA_HOME must be set before cpp_extension reads it)
+from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+DEBUG = os.environ.get("DEBUG", "0") == "1"
+WITH_CUDA = torch.version.cuda is not None and CUDA_HOME is not None
+
+
+def _define(name, value):
+    return f'-D{name}="{value}"'
+
+
+def _pip_cuda_includes():
+    """Headers of the CUDA libraries that pip installed beside torch (cuBLAS, cuSPARSE, ...), for a
+    toolkit that ships only the compiler and runtime."""
+    if os.path.exists(os.path.join(CUDA_HOME, "include", "cublas_v2.h")):
+        return []
+    found = []
+    for path in sys.path:
+        found += glob.glob(os.path.join(path, "nvidia", "*", "include"))
+    return sorted({d for d in found if os.path.exists(os.path.join(d, "cublas_v2.h"))})
+
+
+def extension():
+    cpp = sorted(glob.glob(os.path.join("csrc", "*.cpp")))
+    cuda = sorted(glob.glob(os.path.join("csrc", "*.cu")))
+    opt = ["-O0", "-g"] if DEBUG else ["-O3"]
+    cxx = opt + [_define("EAGLE3_TORCH_VERSION", torch.__version__)]  # torch picks the C++ standard
+    include_dirs = [os.path.join(HERE, "csrc", "include")]
+    if not WITH_CUDA:
+        why = "torch is a CPU build" if torch.version.cuda is None else "nvcc was not found (set CUDA_HOME)"
+        print(f"eagle3_ops: building the C++ op table only; {why}. CUDA kernels: none.", file=sys.stderr)
+        return CppExtension("eagle3_ops._C", cpp, include_dirs=include_dirs, extra_compile_args={"cxx": cxx})
+
+    archs = os.environ["TORCH_CUDA_ARCH_LIST"]
+    kernels = ",".join(os.path.splitext(os.path.basename(f))[0] for f in cuda)
+    defines = [
+        "-DEAGLE3_WITH_CUDA",
+        _define("EAGLE3_CUDA_ARCHS", archs),
+        _define("EAGLE3_CUDA_VERSION", torch.version.cuda),
+        _define("EAGLE3_CUDA_KERNELS", kernels),
+    ]
+    nvcc = opt + ["--expt-relaxed-constexpr"] + (["-lineinfo"] if DEBUG else [])
+    nvcc += ["-Xptxas=-v"] if os.environ.get("PTXAS_VERBOSE") else []
+    include_dirs += _pip_cuda_includes()
+    print(f"eagle3_ops: building C++ + CUDA kernels [{kernels}] for {archs} with {CUDA_HOME}", file=sys.stderr)
+    return CUDAExtension(
+        "eagle3_ops._C",
+        cpp + cuda,
+        include_dirs=include_dirs,
+        extra_compile_args={"cxx": cxx + defines, "nvcc": nvcc + defines},
+    )
+
+
+setup(
+    name="eagle3_ops",
+    version="0.1.0",
+    description="Kernels for EAGLE-3 speculative decoding on MLA + MoE targets (torch.ops.eagle3)",
+    python_requires=">=3.10",
+    # Our Triton kernels ship as eagle3_ops.triton_kernels, never as a top-level `triton_kernels`
+    # (another project's package name).
+    packages=["eagle3_ops", "eagle3_ops.triton_kernels"],
+    package_dir={"eagle3_ops": "eagle3_ops", "eagle3_ops.triton_kernels": "triton_kernels"},
+    ext_modules=[extension()],
+    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+    install_requires=["torch>=2.11", "numpy"],
+    extras_require={"test": ["pytest", "pytest-benchmark", "hypothesis"]},
+    zip_safe=False,
+)
