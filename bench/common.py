@@ -1,0 +1,140 @@
+"""Benchmark plumbing shared by bench/bench_*.py: ceilings measured in the same run, CUDA-graph timing
+over rotated inputs, the roofline fraction, and the results file.
+
+    fraction of the floor = max(bytes / copy_bw, flops / mm_rate) / time
+
+copy_bw counts bytes read plus bytes written by a large device-to-device copy; mm_rate is an
+8192^3 bf16 matmul on random data. Both are measured at the start of every run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Optional
+
+import torch
+
+L2_BYTES = 60 * 2**20  # H200: 60 MB of L2; rotated inputs are sized to exceed it several times
+
+
+def event_median_us(fn: Callable[[], None], reps: int = 50, warmup: int = 5) -> float:
+    """Median device time of fn() in microseconds, timed with CUDA events."""
+    for _ in range(warmup):
+        fn()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    for s, e in zip(starts, ends):
+        s.record()
+        fn()
+        e.record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends))
+
+
+@dataclass
+class Ceilings:
+    copy_bw: float  # bytes/s, read + written
+    mm_rate: float  # flop/s, bf16 dense
+
+    @staticmethod
+    def measure() -> "Ceilings":
+        n = 1 << 30  # 1 GiB each way
+        src = torch.randn(n // 2, dtype=torch.bfloat16, device="cuda")
+        dst = torch.empty_like(src)
+        t = event_median_us(lambda: dst.copy_(src), reps=20) * 1e-6
+        copy_bw = 2 * n / t
+        del src, dst
+        a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+        b = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+        t = event_median_us(lambda: a @ b, reps=20) * 1e-6
+        return Ceilings(copy_bw=copy_bw, mm_rate=2 * 8192**3 / t)
+
+
+def rotation(bytes_per_call: int) -> int:
+    """How many input sets to rotate so that one pass over them exceeds L2 three times."""
+    return max(1, min(64, -(-3 * L2_BYTES // max(bytes_per_call, 1))))
+
+
+def graph_time_us(calls: list[Callable[[], None]], reps: int = 30) -> float:
+    """Per-call median time of the given calls (one per rotated input set), captured back to back in
+    one CUDA graph and replayed: launch gaps shrink to what an engine's graph would see."""
+    per_graph = max(len(calls), 20)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for c in calls:  # warm up (compilation, allocator) outside the capture
+            c()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(per_graph):
+            calls[i % len(calls)]()
+    return event_median_us(graph.replay, reps=reps) / per_graph
+
+
+@dataclass
+class Row:
+    bench: str
+    shape: str
+    provider: str
+    us: float
+    bytes: int
+    flops: int
+    floor_us: float
+    fraction: float
+    extra: dict = field(default_factory=dict)
+
+
+class Recorder:
+    def __init__(self, ceilings: Ceilings):
+        self.ceilings = ceilings
+        self.rows: list[Row] = []
+
+    def add(self, bench: str, shape: str, provider: str, us: float, bytes: int, flops: int = 0, **extra) -> Row:
+        floor = max(bytes / self.ceilings.copy_bw, flops / self.ceilings.mm_rate) * 1e6
+        row = Row(bench, shape, provider, us, bytes, flops, floor, floor / us, extra)
+        self.rows.append(row)
+        return row
+
+    def table(self) -> str:
+        out = [f"ceilings measured in this run: copy {self.ceilings.copy_bw / 1e12:.2f} TB/s, "
+               f"bf16 matmul {self.ceilings.mm_rate / 1e12:.0f} TFLOP/s",
+               f"{'bench':<16} {'shape':<28} {'provider':<14} {'us':>9} {'vs torch':>9} {'floor us':>9} {'of floor':>8}"]
+        base = {(r.bench, r.shape): r.us for r in self.rows if r.provider == "torch"}
+        for r in self.rows:
+            ref = base.get((r.bench, r.shape))
+            speedup = f"{ref / r.us:.2f}x" if ref else "-"
+            out.append(f"{r.bench:<16} {r.shape:<28} {r.provider:<14} {r.us:>9.2f} {speedup:>9} {r.floor_us:>9.2f} "
+                       f"{100 * r.fraction:>7.1f}%")
+        return "\n".join(out)
+
+    def write(self, path: str) -> None:
+        def git(*args):
+            try:
+                return subprocess.run(["git", *args], capture_output=True, text=True, check=True).stdout.strip()
+            except (OSError, subprocess.CalledProcessError):
+                return os.environ.get("EAGLE3_COMMIT", "unknown")
+
+        import triton
+
+        doc = {
+            "commit": os.environ.get("EAGLE3_COMMIT") or git("rev-parse", "HEAD"),
+            "gpu": torch.cuda.get_device_name(),
+            "torch": torch.__version__,
+            "triton": triton.__version__,
+            "cuda": torch.version.cuda,
+            "ceilings": {"copy_bw_bytes_per_s": self.ceilings.copy_bw, "bf16_mm_flop_per_s": self.ceilings.mm_rate},
+            "rows": [asdict(r) for r in self.rows],
+        }
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(doc, f, indent=1)
+
+
+def bench_out(name: str) -> Optional[str]:
+    folder = os.environ.get("EAGLE3_BENCH_OUT")
+    return os.path.join(folder, f"{name}.json") if folder else None
