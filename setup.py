@@ -103,5 +103,6 @@ setup(
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
     install_requires=["torch>=2.11", "numpy"],
     extras_require={"test": ["pytest", "pytest-benchmark", "hypothesis"]},
+    entry_points={"console_scripts": ["eagle3=eagle3_ops.cli:main"]},
     zip_safe=False,
 )

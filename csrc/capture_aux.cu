@@ -23,14 +23,14 @@ namespace eagle3 {
 namespace {
 
 constexpr int kThreads = 128;
-constexpr int kUnroll = 4;
+constexpr int kSmallGridBlocks = 4 * 132;  // below this many blocks at unroll 4, more blocks beat more ILP
 
 // hidden   [T, H]  row stride hidden_stride
 // residual [T, H]  row stride residual_stride (nullptr when absent)
 // aux      [R, H]  already offset to column slot * H, row stride aux_stride
 // rows     [R]     int32 | int64 (nullptr: r -> r)
 // grid: (R, ceil(H / VEC / (kThreads * kUnroll)))
-template <typename scalar_t, int VEC, typename index_t>
+template <typename scalar_t, int VEC, int kUnroll, typename index_t>
 __global__ void __launch_bounds__(kThreads) capture_aux_kernel(
     const scalar_t* __restrict__ hidden, int64_t hidden_stride,
     const scalar_t* __restrict__ residual, int64_t residual_stride,
@@ -75,13 +75,13 @@ __global__ void __launch_bounds__(kThreads) capture_aux_kernel(
   }
 }
 
-template <typename scalar_t, int VEC, typename index_t>
+template <typename scalar_t, int VEC, int kUnroll, typename index_t>
 void launch(const at::Tensor& hidden, const std::optional<at::Tensor>& residual, const at::Tensor& aux_slice,
             const index_t* rows, int64_t R, cudaStream_t stream) {
   const int64_t T = hidden.size(0), H = hidden.size(1);
   const int64_t chunks = (H / VEC + kThreads * kUnroll - 1) / (kThreads * kUnroll);
   const dim3 grid(static_cast<unsigned>(R), static_cast<unsigned>(chunks));
-  capture_aux_kernel<scalar_t, VEC, index_t><<<grid, kThreads, 0, stream>>>(
+  capture_aux_kernel<scalar_t, VEC, kUnroll, index_t><<<grid, kThreads, 0, stream>>>(
       hidden.data_ptr<scalar_t>(), hidden.stride(0),
       residual ? residual->data_ptr<scalar_t>() : nullptr, residual ? residual->stride(0) : 0,
       aux_slice.data_ptr<scalar_t>(), aux_slice.stride(0), rows, T, H);
@@ -143,10 +143,15 @@ void capture_aux_cuda(const at::Tensor& hidden, const std::optional<at::Tensor>&
     auto go = [&](auto index_tag) {
       using index_t = decltype(index_tag);
       const index_t* rows_ptr = rows ? rows->data_ptr<index_t>() : nullptr;
-      if (vec_ok) {
-        launch<scalar_t, V, index_t>(hidden, residual, aux_slice, rows_ptr, R, stream);
+      // Few rows (decode, verify): one vector per thread, many blocks, to have more loads in flight
+      // across the chip; many rows: 4 vectors per thread, all loads issued before the stores.
+      const bool small = R * ((H / V + kThreads * 4 - 1) / (kThreads * 4)) < kSmallGridBlocks;
+      if (vec_ok && small) {
+        launch<scalar_t, V, 1, index_t>(hidden, residual, aux_slice, rows_ptr, R, stream);
+      } else if (vec_ok) {
+        launch<scalar_t, V, 4, index_t>(hidden, residual, aux_slice, rows_ptr, R, stream);
       } else {
-        launch<scalar_t, 1, index_t>(hidden, residual, aux_slice, rows_ptr, R, stream);
+        launch<scalar_t, 1, 4, index_t>(hidden, residual, aux_slice, rows_ptr, R, stream);
       }
     };
     if (rows && rows->scalar_type() == at::kInt) {

@@ -26,9 +26,18 @@ inline std::string join_sizes(std::initializer_list<int64_t> sizes) {
 }  // namespace eagle3
 
 // CHECK_SHAPE(tree_mask, B, N, W) -> "tree_mask must have shape (B, N, W) = (8, 16, 1), got [8, 16, 2]"
-#define CHECK_SHAPE(x, ...)                                                                     \
-  TORCH_CHECK_VALUE((x).sizes() == torch::IntArrayRef({__VA_ARGS__}), #x " must have shape (" #__VA_ARGS__ \
-              ") = ", ::eagle3::join_sizes({__VA_ARGS__}), ", got ", (x).sizes())
+namespace eagle3 {
+inline void check_shape(const at::Tensor& t, const char* name, const char* dims, std::initializer_list<int64_t> want) {
+  bool ok = t.dim() == static_cast<int64_t>(want.size());
+  int64_t i = 0;
+  for (int64_t w : want) {
+    ok = ok && t.size(i++) == w;
+    if (!ok) break;
+  }
+  TORCH_CHECK_VALUE(ok, name, " must have shape (", dims, ") = ", join_sizes(want), ", got ", t.sizes());
+}
+}  // namespace eagle3
+#define CHECK_SHAPE(x, ...) ::eagle3::check_shape((x), #x, #__VA_ARGS__, {__VA_ARGS__})
 
 #define CHECK_DIM(x, d) TORCH_CHECK_VALUE((x).dim() == (d), #x " must have ", d, " dimensions, got ", (x).dim(), \
                                     " (shape ", (x).sizes(), ")")
