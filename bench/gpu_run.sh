@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Everything that needs the H200, in one call (GPU.md): build for sm_90a, run the GPU tests, run the
 # benchmarks, and leave logs, JSON and the table under $OUT (the table printed last).
-#   usage: bash bench/gpu_run.sh [pytest -k expression for the GPU tests] [bench files...]
+#   usage: [SANITIZE='-k expr'] bash bench/gpu_run.sh [pytest -k expression for the GPU tests] [bench files...]
+#   SANITIZE runs the GPU tests matching that expression under compute-sanitizer memcheck.
 set -o pipefail
 OUT=${OUT:-/tmp/eagle3_gpu_out}
 mkdir -p "$OUT"
@@ -29,9 +30,20 @@ echo "== gpu tests"
 python3 -m pytest tests -m gpu -q ${KEXPR:+-k "$KEXPR"} -p no:cacheprovider 2>&1 | tee "$OUT/tests.log" | tail -n 40
 tests_rc=$?
 
+echo "== self-check on the GPU (every CUDA kernel against the CPU reference)"
+python3 -m eagle3_ops selfcheck --device cuda 2>&1 | tee "$OUT/selfcheck.log"
+selfcheck_rc=$?
+
+if [ -n "${SANITIZE:-}" ]; then
+  echo "== compute-sanitizer memcheck: -k '$SANITIZE'"
+  PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck --error-exitcode 9 \
+    python3 -m pytest tests -m gpu -q -k "$SANITIZE" -p no:cacheprovider 2>&1 | tee "$OUT/sanitizer.log" | tail -n 15
+  sanitize_rc=$?
+fi
+
 echo "== benchmarks: ${BENCHES[*]}"
 python3 -m pytest "${BENCHES[@]}" -q -p no:cacheprovider --benchmark-json="$OUT/pytest_benchmark.json" \
   --benchmark-columns=median 2>&1 | tee "$OUT/bench.log" | tail -n 60
 bench_rc=$?
-echo "tests rc=$tests_rc bench rc=$bench_rc"
-exit $(( tests_rc || bench_rc ))
+echo "tests rc=$tests_rc selfcheck rc=$selfcheck_rc sanitizer rc=${sanitize_rc:-not run} bench rc=$bench_rc"
+exit $(( tests_rc || selfcheck_rc || ${sanitize_rc:-0} || bench_rc ))
