@@ -27,7 +27,7 @@ BENCHES=("$@")
 } 2>&1 | tee "$OUT/build.log" || exit 1
 
 echo "== gpu tests"
-python3 -m pytest tests -m gpu -q ${KEXPR:+-k "$KEXPR"} -p no:cacheprovider 2>&1 | tee "$OUT/tests.log" | tail -n 40
+python3 -m pytest ${TESTS:-tests} -m gpu -q ${KEXPR:+-k "$KEXPR"} -p no:cacheprovider 2>&1 | tee "$OUT/tests.log" | tail -n 40
 tests_rc=$?
 
 echo "== self-check on the GPU (every CUDA kernel against the CPU reference)"
@@ -37,7 +37,7 @@ selfcheck_rc=$?
 if [ -n "${SANITIZE:-}" ]; then
   echo "== compute-sanitizer memcheck: -k '$SANITIZE'"
   PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck --error-exitcode 9 \
-    python3 -m pytest tests -m gpu -q -k "$SANITIZE" -p no:cacheprovider 2>&1 | tee "$OUT/sanitizer.log" | tail -n 15
+    python3 -m pytest ${TESTS:-tests} -m gpu -q -k "$SANITIZE" -p no:cacheprovider 2>&1 | tee "$OUT/sanitizer.log" | tail -n 15
   sanitize_rc=$?
 fi
 
