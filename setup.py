@@ -59,7 +59,23 @@ def _pip_cuda_includes():
     return sorted({d for d in found if os.path.exists(os.path.join(d, "cublas_v2.h"))})
 
 
+def _warn_static_libstdcxx():
+    """A compiler that can only link libstdc++ statically gives the extension a private copy whose
+    locale crashes on the first number formatted into an error message: say so before building."""
+    cxx = os.environ.get("CXX", "c++")
+    try:
+        found = subprocess.run([cxx, "-print-file-name=libstdc++.so"], capture_output=True, text=True,
+                               timeout=30).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return
+    if found == "libstdc++.so":  # not found: only the static archive is there
+        print(f"eagle3_ops: WARNING: {cxx} has no shared libstdc++ and will link it statically into _C; "
+              "error messages would then crash the process. Set CXX/CC to a compiler with a shared "
+              "libstdc++ (e.g. CXX=/usr/bin/g++ CC=/usr/bin/gcc).", file=sys.stderr)
+
+
 def extension():
+    _warn_static_libstdcxx()
     cpp = sorted(glob.glob(os.path.join("csrc", "*.cpp")))
     cuda = sorted(glob.glob(os.path.join("csrc", "*.cu")))
     opt = ["-O0", "-g"] if DEBUG else ["-O3"]

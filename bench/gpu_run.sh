@@ -7,6 +7,10 @@ set -o pipefail
 OUT=${OUT:-/tmp/eagle3_gpu_out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0a} MAX_JOBS=${MAX_JOBS:-16}
+# The image's CXX (/opt/gcc/bin/g++, a wrapper) links libstdc++ statically into the extension, whose
+# private copy of the locale then crashes the first integer formatted into an error message (seen on
+# the H200: a segfault in std::ostream inside _C.so). The system compilers link it shared.
+[ -x /usr/bin/g++ ] && export CXX=/usr/bin/g++ CC=/usr/bin/gcc
 export EAGLE3_BENCH_OUT="$OUT" EAGLE3_COMMIT=${EAGLE3_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
 KEXPR=${1:-}
 shift || true
