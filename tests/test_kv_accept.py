@@ -1,0 +1,333 @@
+"""kv_accept: the DESIGN case written out row by row, paged layouts whose moves straddle pages, several
+layers per call, a random sweep against an independent dense implementation, and bad indices that
+raise and write nothing. CPU: the op dispatches to the reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from eagle3_ops import tree
+from tests.conftest import assert_equal
+
+PROPERTY = settings(derandomize=True, max_examples=40, deadline=None)
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def i32(rows):
+    return torch.tensor(rows, dtype=torch.int32)
+
+
+def bits(t):
+    """The raw bit pattern: a move must copy bytes exactly, whatever the dtype (fp8, NaN payloads)."""
+    return t.contiguous().view(_BITS[t.element_size()])
+
+
+def assert_same_bits(got, want, what):
+    assert got.dtype == want.dtype and got.shape == want.shape, f"{what}: {got.dtype}{tuple(got.shape)}"
+    assert_equal(bits(got), bits(want), what)
+
+
+def kv_accept(caches, page_table, prefix_lens, accept_nodes, accept_len):
+    torch.ops.eagle3.kv_accept(caches, page_table, prefix_lens, accept_nodes, accept_len)
+
+
+# ---- the DESIGN case, every row written out ---------------------------------------------------------
+
+
+def test_design_case_0_2_3():
+    # One request, page size 4, pages in the order [2, 0, 1]: positions 0..3 on page 2, 4..7 on page 0,
+    # 8..11 on page 1. prefix_len 2, N = 5 tree rows at positions 2..6 (the tree straddles pages 2 and 0).
+    # Position p holds [p, p + 0.5] in the latent cache and [[-p, 100 + p]] in the K cache.
+    # Accepted nodes [0, 2, 3] (accept_len 2): node 0 stays at 2, node 2 moves 4 -> 3 (page 0 -> page 2),
+    # node 3 moves 5 -> 4; positions 5 and 6 keep their stale rows; prefix_len becomes 2 + 3 = 5.
+    # A copy in reverse order (3 -> 2 before 2 -> 1) would put node 3's row at position 3.
+    page_table = i32([[2, 0, 1]])
+    latent = torch.empty(3, 4, 2)
+    k = torch.empty(3, 4, 1, 2)
+    for p in range(12):
+        latent[page_table[0, p // 4], p % 4] = torch.tensor([p, p + 0.5])
+        k[page_table[0, p // 4], p % 4] = torch.tensor([[-p, 100 + p]])
+    prefix_lens = i32([2])
+    kv_accept([latent, k], page_table, prefix_lens, i32([[0, 2, 3, -1, -1]]), i32([2]))
+    want_latent = torch.tensor([
+        [[5.0, 5.5], [5.0, 5.5], [6.0, 6.5], [7.0, 7.5]],      # page 0: positions 4 (node 3), 5, 6 (stale), 7
+        [[8.0, 8.5], [9.0, 9.5], [10.0, 10.5], [11.0, 11.5]],  # page 1: positions 8..11, untouched
+        [[0.0, 0.5], [1.0, 1.5], [2.0, 2.5], [4.0, 4.5]],      # page 2: positions 0, 1, 2 (root), 3 (node 2)
+    ])
+    want_k = torch.tensor([
+        [[[-5.0, 105.0]], [[-5.0, 105.0]], [[-6.0, 106.0]], [[-7.0, 107.0]]],
+        [[[-8.0, 108.0]], [[-9.0, 109.0]], [[-10.0, 110.0]], [[-11.0, 111.0]]],
+        [[[0.0, 100.0]], [[-1.0, 101.0]], [[-2.0, 102.0]], [[-4.0, 104.0]]],
+    ])
+    assert_equal(latent, want_latent, "latent cache")
+    assert_equal(k, want_k, "K cache")
+    assert_equal(prefix_lens, i32([5]), "prefix_lens")
+
+
+def test_page_size_1_three_requests_hand_worked():
+    # SGLang's token layout (page size 1): every position is its own page. Three requests, prefixes
+    # 0, 2 and 1, N = 3, pages interleaved. Request 0 accepts [0, 2] (2 -> 1), request 1 nothing
+    # (root onto itself), request 2 the chain [0, 1, 2] (everything already in place).
+    page_table = i32([[5, 0, 8, 3, 11],
+                      [1, 9, 4, 12, 6],
+                      [2, 10, 7, 13, 14]])
+    cache = torch.arange(15.0).view(15, 1, 1) * 10  # page g holds 10 * g
+    prefix_lens = i32([0, 2, 1])
+    accept_nodes = i32([[0, 2, -1], [0, -1, -1], [0, 1, 2]])
+    kv_accept([cache], page_table, prefix_lens, accept_nodes, i32([1, 0, 2]))
+    want = torch.arange(15.0) * 10
+    want[0] = 80.0  # request 0: position 1 (page 0) <- position 2 (page 8); page 8 keeps its stale row
+    assert_equal(cache.view(15), want, "cache")
+    assert_equal(prefix_lens, i32([2, 3, 4]), "prefix_lens")
+
+
+def test_accept_len_zero_only_advances():
+    # accept_len 0: the root row moves onto itself; the caches are bit-identical, prefix_lens + 1.
+    g = torch.Generator().manual_seed(0)
+    caches = [torch.randn(9, 4, 8, generator=g), torch.randn(9, 4, 2, 3, generator=g).bfloat16()]
+    caches[0][1, 2, 3] = float("nan")
+    before = [c.clone() for c in caches]
+    prefix_lens = i32([0, 5, 9])  # prefix 9 + N 3 = 12 rows: exactly the 3 pages of 4
+    page_table = i32([[4, 1, 7], [0, 3, 8], [2, 5, 6]])
+    kv_accept(caches, page_table, prefix_lens, i32([[0, -1, -1]] * 3), i32([0, 0, 0]))
+    for i, (c, b) in enumerate(zip(caches, before)):
+        assert_same_bits(c, b, f"caches[{i}]")
+    assert_equal(prefix_lens, i32([1, 6, 10]), "prefix_lens")
+
+
+def test_all_reads_before_writes_any_order():
+    # The rule is "read every accepted row, then write": it holds for any accepted list, not only for the
+    # increasing paths verify produces. [0, 3, 1, 2]: position P+1 <- node 3, P+2 <- node 1 (which a
+    # sequential copy would already have overwritten), P+3 <- node 2.
+    cache = torch.arange(16.0).view(4, 4, 1)  # page size 4, identity page table: position p holds p
+    prefix_lens = i32([3])
+    kv_accept([cache], i32([[0, 1, 2, 3]]), prefix_lens, i32([[0, 3, 1, 2, -1]]), i32([3]))
+    want = torch.arange(16.0)
+    want[3:8] = torch.tensor([3.0, 6.0, 4.0, 5.0, 7.0])
+    assert_equal(cache.view(16), want, "cache")
+    assert_equal(prefix_lens, i32([7]), "prefix_lens")
+
+
+# ---- random sweep against an independent implementation ----------------------------------------------
+
+
+def dense_accept(caches, page_table, prefix_lens, accept_nodes, accept_len):
+    """Independent: gather every request's whole page range into a dense array, permute, scatter back."""
+    out = [c.clone() for c in caches]
+    ps = caches[0].shape[1]
+    for b in range(page_table.shape[0]):
+        pos = torch.arange(page_table.shape[1] * ps)
+        where = (page_table[b, pos // ps].long(), pos % ps)
+        P, a = int(prefix_lens[b]), int(accept_len[b])
+        for src, dst in zip(caches, out):
+            rows = src[where]  # [positions, ...] of request b, before anything moved
+            new = rows.clone()
+            new[P:P + a + 1] = rows[P + accept_nodes[b, :a + 1].long()]
+            dst[where] = new
+    return out, prefix_lens + accept_len + 1
+
+
+def paged_layout(g, prefix, N, page_size, spare_pages=2):
+    """Shuffled, disjoint page tables with room for prefix + N (+ a spare page), plus unused pages."""
+    B = len(prefix)
+    per = -(-(max(prefix) + N) // page_size) + 1
+    num_pages = B * per + spare_pages
+    pages = torch.randperm(num_pages, generator=g)[:B * per].view(B, per).to(torch.int32)
+    return pages, num_pages
+
+
+def random_paths(g, parents):
+    """A root-first path to a random node per request (what verify accepts), -1 padded."""
+    B, N = parents.shape
+    target = torch.randint(0, N, (B,), generator=g)
+    depth = tree.depth(parents)
+    accept_nodes = torch.full((B, N), -1, dtype=torch.int32)
+    accept_len = torch.empty(B, dtype=torch.int32)
+    for b in range(B):
+        path, j = [], int(target[b])
+        while j != -1:
+            path.append(j)
+            j = int(parents[b, j])
+        accept_nodes[b, :len(path)] = torch.tensor(path[::-1], dtype=torch.int32)
+        accept_len[b] = int(depth[b, int(target[b])])
+    return accept_nodes, accept_len
+
+
+def make_caches(g, num_pages, page_size):
+    """Several layers in one call: an MLA latent layer (D = 576) and K / V layers, mixed dtypes."""
+    return [
+        torch.randn(num_pages, page_size, 576, generator=g).bfloat16(),          # MLA latent [c_kv | k_pe]
+        torch.randn(num_pages, page_size, 2, 8, generator=g),                    # K: HKV = 2, Dh = 8
+        torch.randn(num_pages, page_size, 2, 8, generator=g).half(),             # V
+        torch.randn(num_pages, page_size, 576, generator=g).to(torch.float8_e4m3fn),  # an fp8 latent layer
+    ]
+
+
+@PROPERTY
+@given(seed=st.integers(0, 2**31 - 1),
+       page_size=st.sampled_from([1, 4, 16]),           # SGLang's token layout, small pages, a typical page
+       B=st.sampled_from([1, 3]),
+       N=st.sampled_from([1, 2, 7, 64]),                # root only, one draft, odd, a large tree
+       kind=st.sampled_from(["bushy", "chain", "beam"]))
+def test_random_sweep_matches_dense(seed, page_size, B, N, kind):
+    g = torch.Generator().manual_seed(seed)
+    prefix = [0, 13, 5][:B] if B == 3 else [int(torch.randint(0, 40, (1,), generator=g))]  # ragged, with 0
+    page_table, num_pages = paged_layout(g, prefix, N, page_size)
+    caches = make_caches(g, num_pages, page_size)
+    parents = tree.random_parents(B, N, g, kind)
+    accept_nodes, accept_len = random_paths(g, parents)
+    prefix_lens = i32(prefix)
+    want_caches, want_prefix = dense_accept(caches, page_table, prefix_lens, accept_nodes, accept_len)
+    kv_accept(caches, page_table, prefix_lens, accept_nodes, accept_len)
+    for i, (c, w) in enumerate(zip(caches, want_caches)):
+        assert_same_bits(c, w, f"caches[{i}]")
+    assert_equal(prefix_lens, want_prefix, "prefix_lens")
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+def test_moves_straddle_pages(page_size):
+    # Long accepted chains under shuffled page tables: some rows must move to a different physical page
+    # than they came from; checked against the dense implementation, with every request moving.
+    g = torch.Generator().manual_seed(page_size)
+    B, N = 3, 33
+    prefix = [0, 7, 30]
+    page_table, num_pages = paged_layout(g, prefix, N, page_size)
+    caches = make_caches(g, num_pages, page_size)
+    parents = tree.random_parents(B, N, g, "bushy")
+    depth = tree.depth(parents)
+    accept_nodes, accept_len = torch.full((B, N), -1, dtype=torch.int32), torch.empty(B, dtype=torch.int32)
+    for b in range(B):  # the path to the deepest node
+        path, j = [], int(depth[b].argmax())
+        while j != -1:
+            path.append(j)
+            j = int(parents[b, j])
+        accept_nodes[b, :len(path)] = torch.tensor(path[::-1], dtype=torch.int32)
+        accept_len[b] = len(path) - 1
+    assert int(accept_len.min()) >= 2
+    straddles = 0
+    for b in range(B):
+        for i in range(int(accept_len[b]) + 1):
+            src, dst = prefix[b] + int(accept_nodes[b, i]), prefix[b] + i
+            straddles += int(page_table[b, src // page_size] != page_table[b, dst // page_size])
+    assert straddles > 0
+    prefix_lens = i32(prefix)
+    want_caches, want_prefix = dense_accept(caches, page_table, prefix_lens, accept_nodes, accept_len)
+    kv_accept(caches, page_table, prefix_lens, accept_nodes, accept_len)
+    for i, (c, w) in enumerate(zip(caches, want_caches)):
+        assert_same_bits(c, w, f"caches[{i}]")
+    assert_equal(prefix_lens, want_prefix, "prefix_lens")
+
+
+def test_entries_beyond_accept_len_are_never_read():
+    # Only accept_nodes[b, :accept_len + 1] is used: garbage (even out of range) beyond it changes nothing.
+    g = torch.Generator().manual_seed(3)
+    prefix, N, ps = [2, 9], 6, 4
+    page_table, num_pages = paged_layout(g, prefix, N, ps)
+    caches = make_caches(g, num_pages, ps)
+    accept_nodes = i32([[0, 1, 4, -1, -1, -1], [0, 3, -1, -1, -1, -1]])
+    accept_len = i32([2, 1])
+    want_caches, want_prefix = dense_accept(caches, page_table, i32(prefix), accept_nodes, accept_len)
+    garbage = i32([[0, 1, 4, 99, -7, 2**30], [0, 3, 6, -1, 5, 4]])
+    prefix_lens = i32(prefix)
+    kv_accept(caches, page_table, prefix_lens, garbage, accept_len)
+    for i, (c, w) in enumerate(zip(caches, want_caches)):
+        assert_same_bits(c, w, f"caches[{i}]")
+    assert_equal(prefix_lens, want_prefix, "prefix_lens")
+
+
+# ---- bad input: raise naming the argument, write nothing ------------------------------------------------
+
+
+def _bad_case(case):
+    """Three requests; request 1 is broken by `case` (the others are valid: nothing may move anyway)."""
+    g = torch.Generator().manual_seed(11)
+    prefix, N, ps = [0, 5, 11], 5, 4
+    page_table, num_pages = paged_layout(g, prefix, N, ps)
+    caches = make_caches(g, num_pages, ps)[:3]
+    accept_nodes = i32([[0, 1, 3, -1, -1], [0, 2, 4, -1, -1], [0, 1, -1, -1, -1]])
+    accept_len = i32([2, 2, 1])
+    prefix_lens = i32(prefix)
+    if case == "node_too_large":
+        accept_nodes[1, 2] = N
+    elif case == "node_negative":
+        accept_nodes[1, 1] = -1
+    elif case == "accept_len_too_large":
+        accept_len[1] = N
+    elif case == "accept_len_negative":
+        accept_len[1] = -1
+    elif case == "page_table_too_short":
+        prefix_lens[1] = page_table.shape[1] * ps - N + 1  # prefix + N is one row past the table
+    elif case == "page_out_of_range":
+        page_table[1, 5 // ps] = num_pages  # the page holding request 1's tree
+    elif case == "page_negative":
+        page_table[1, (5 + 4) // ps] = -3
+    elif case == "prefix_negative":
+        prefix_lens[1] = -1
+    return caches, page_table, prefix_lens, accept_nodes, accept_len
+
+
+@pytest.mark.parametrize("case, match", [
+    ("node_too_large", r"accept_nodes\[1"),
+    ("node_negative", r"accept_nodes\[1"),
+    ("accept_len_too_large", "accept_len"),
+    ("accept_len_negative", "accept_len"),
+    ("page_table_too_short", "page_table"),
+    ("page_out_of_range", r"page_table\[1\]"),
+    ("page_negative", r"page_table\[1\]"),
+    ("prefix_negative", "prefix_lens"),
+])
+def test_out_of_range_raises_and_writes_nothing(case, match):
+    caches, page_table, prefix_lens, accept_nodes, accept_len = _bad_case(case)
+    before = [c.clone() for c in caches]
+    prefix_before = prefix_lens.clone()
+    with pytest.raises(IndexError, match=match):
+        kv_accept(caches, page_table, prefix_lens, accept_nodes, accept_len)
+    for i, (c, b) in enumerate(zip(caches, before)):
+        assert_same_bits(c, b, f"caches[{i}]")
+    assert_equal(prefix_lens, prefix_before, "prefix_lens")
+
+
+def test_page_table_exactly_full_is_fine():
+    # The boundary of the capacity check: prefix + N == max_pages * page_size is allowed.
+    caches, page_table, prefix_lens, accept_nodes, accept_len = _bad_case("none")
+    prefix_lens[1] = page_table.shape[1] * 4 - 5
+    want_caches, want_prefix = dense_accept(caches, page_table, prefix_lens, accept_nodes, accept_len)
+    kv_accept(caches, page_table, prefix_lens, accept_nodes, accept_len)
+    for i, (c, w) in enumerate(zip(caches, want_caches)):
+        assert_same_bits(c, w, f"caches[{i}]")
+    assert_equal(prefix_lens, want_prefix, "prefix_lens")
+
+
+@pytest.mark.parametrize("case, error, match", [
+    ("no_caches", TypeError, "caches must be a non-empty list"),
+    ("page_layout", ValueError, r"caches\[1\] must have shape"),
+    ("non_contiguous", ValueError, r"caches\[2\] must be contiguous"),
+    ("accept_len_dtype", TypeError, "accept_len must have dtype"),
+    ("accept_nodes_dtype", TypeError, "accept_nodes must have dtype"),
+    ("prefix_lens_shape", ValueError, "prefix_lens must have shape"),
+    ("page_table_dtype", TypeError, "page_table must have dtype"),
+])
+def test_bad_arguments(case, error, match):
+    caches, page_table, prefix_lens, accept_nodes, accept_len = _bad_case("none")
+    before = [c.clone() for c in caches]
+    if case == "no_caches":
+        caches = []
+    elif case == "page_layout":
+        caches[1] = caches[1][:, :2].contiguous()
+    elif case == "non_contiguous":
+        caches[2] = caches[2].transpose(2, 3)
+    elif case == "accept_len_dtype":
+        accept_len = accept_len.long()
+    elif case == "accept_nodes_dtype":
+        accept_nodes = accept_nodes.long()
+    elif case == "prefix_lens_shape":
+        prefix_lens = prefix_lens[:2]
+    elif case == "page_table_dtype":
+        page_table = page_table.long()
+    with pytest.raises(error, match=match):
+        kv_accept(caches, page_table, prefix_lens, accept_nodes, accept_len)
+    if case != "no_caches":
+        assert_same_bits(caches[0], before[0], "caches[0]")

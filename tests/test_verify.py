@@ -1,0 +1,650 @@
+"""verify_greedy and verify_sampling: golden trees, walk invariants, dtype agreement, the sampler's
+losslessness (frequency tests), its Philox draws, and bad input. CPU: the ops dispatch to the reference."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from eagle3_ops import _philox, tree
+from tests.conftest import assert_equal
+
+PROPERTY = settings(derandomize=True, max_examples=40, deadline=None)
+DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float64]
+
+
+def i32(rows):
+    return torch.tensor(rows, dtype=torch.int32)
+
+
+def i64(rows):
+    return torch.tensor(rows, dtype=torch.int64)
+
+
+def greedy(logits, tokens, parents):
+    return torch.ops.eagle3.verify_greedy(logits, tokens, parents)
+
+
+def sampling(logits, tokens, parents, temperature, seed, offset, draft_probs=None, d2t=None):
+    B = tokens.shape[0]
+    full = lambda v, dt: v if isinstance(v, torch.Tensor) else torch.full((B,), v, dtype=dt)  # noqa: E731
+    return torch.ops.eagle3.verify_sampling(logits, draft_probs, d2t, tokens, parents,
+                                            full(temperature, torch.float32), full(seed, torch.int64),
+                                            full(offset, torch.int64))
+
+
+def logits_with_argmax(argmax, V, gen=None):
+    """[len(argmax), V] fp32 logits, small noise in [-1, 1) and a unique maximum 4.0 at argmax[r]."""
+    base = torch.rand(len(argmax), V, generator=gen) * 2 - 1 if gen is not None else torch.zeros(len(argmax), V)
+    base[torch.arange(len(argmax)), torch.tensor(argmax)] = 4.0
+    return base
+
+
+def assert_walk(out, accept_nodes, accept_len, emitted):
+    """Exact comparison of all three outputs, dtypes included."""
+    got_nodes, got_len, got_emitted = out
+    assert (got_nodes.dtype, got_len.dtype, got_emitted.dtype) == (torch.int32, torch.int32, torch.int64)
+    assert_equal(got_nodes, i32(accept_nodes), "accept_nodes")
+    assert_equal(got_len, i32(accept_len), "accept_len")
+    assert_equal(got_emitted, i64(emitted), "emitted")
+
+
+# ---- golden trees: every expected value written out -------------------------------------------------
+
+#        0 (7)
+#      /      \
+#    1 (11)   2 (12)
+#    /   \       \
+#  3(13) 4(14)   5(15)
+BUSHY = [-1, 0, 0, 1, 1, 2]
+BUSHY_TOKENS = [7, 11, 12, 13, 14, 15]
+
+
+def test_golden_bushy_path_root_2_5_bonus(gen):
+    # row 0 -> 12 (node 2), row 2 -> 15 (node 5), row 5 -> 3 (no child: bonus). Rows 1, 3, 4 would lead
+    # elsewhere (13, 14, 11) and must not matter.
+    logits = logits_with_argmax([12, 13, 15, 14, 11, 3], 20, gen)
+    out = greedy(logits, i64([BUSHY_TOKENS]), i32([BUSHY]))
+    assert_walk(out, [[0, 2, 5, -1, -1, -1]], [2], [[12, 15, 3, -1, -1, -1]])
+
+
+def test_golden_nothing_accepted(gen):
+    # row 0 -> 9: neither child (11, 12) carries it; 9 is the bonus, one token emitted.
+    logits = logits_with_argmax([9, 13, 15, 14, 11, 3], 20, gen)
+    out = greedy(logits, i64([BUSHY_TOKENS]), i32([BUSHY]))
+    assert_walk(out, [[0, -1, -1, -1, -1, -1]], [0], [[9, -1, -1, -1, -1, -1]])
+
+
+def test_golden_root_only(gen):
+    # N = 1: nothing drafted; the step is plain decoding.
+    out = greedy(logits_with_argmax([4], 10, gen), i64([[7]]), i32([[-1]]))
+    assert_walk(out, [[0]], [0], [[4]])
+
+
+def test_golden_equal_siblings_lower_index_wins(gen):
+    # Nodes 2 and 3 both carry 9 (the argmax at the root): node 2 (the higher-scored sibling) is taken,
+    # so the bonus is row 2's argmax (1), not row 3's (8).
+    parents, tokens = i32([[-1, 0, 0, 0]]), i64([[7, 5, 9, 9]])
+    out = greedy(logits_with_argmax([9, 6, 1, 8], 12, gen), tokens, parents)
+    assert_walk(out, [[0, 2, -1, -1]], [1], [[9, 1, -1, -1]])
+
+
+def test_golden_argmax_tie_takes_the_lowest_token_id():
+    # Row 0 has its maximum at both 5 and 9: the argmax is 5 (node 1), never 9 (node 2).
+    parents, tokens = i32([[-1, 0, 0]]), i64([[7, 5, 9]])
+    logits = torch.zeros(3, 12)
+    logits[0, 5] = logits[0, 9] = 2.0
+    logits[1, 3] = 1.0
+    logits[2, 4] = 1.0
+    assert_walk(greedy(logits, tokens, parents), [[0, 1, -1]], [1], [[5, 3, -1]])
+
+
+def test_golden_three_requests_three_outcomes(gen):
+    parents = i32([BUSHY,                  # request 0: partial path 0 -> 1 -> 4
+                   [-1, 0, 1, 2, 3, 4],    # request 1: a chain, accepted up to node 3
+                   [-1, 0, 0, 0, 0, 0]])   # request 2: wide, nothing accepted
+    tokens = i64([BUSHY_TOKENS, [3, 4, 5, 6, 7, 8], [1, 2, 3, 4, 5, 6]])
+    argmax = [11, 14, 0, 0, 0, 0,          # rows 0..5 of request 0: 11 (node 1), 14 (node 4), bonus 0 at row 4
+              4, 5, 6, 19, 8, 8,           # request 1: 4, 5, 6, then 19 != 7 at node 3
+              18, 2, 2, 2, 2, 2]           # request 2: 18 matches no child
+    out = greedy(logits_with_argmax(argmax, 20, gen), tokens, parents)
+    assert_walk(out,
+                [[0, 1, 4, -1, -1, -1], [0, 1, 2, 3, -1, -1], [0, -1, -1, -1, -1, -1]],
+                [2, 3, 0],
+                [[11, 14, 0, -1, -1, -1], [4, 5, 6, 19, -1, -1], [18, -1, -1, -1, -1, -1]])
+
+
+def test_golden_chain_fully_accepted(gen):
+    # Every draft matches: accept_len = N - 1 = 4 and N tokens are emitted (4 drafts + the bonus 2).
+    out = greedy(logits_with_argmax([4, 5, 6, 7, 2], 10, gen), i64([[3, 4, 5, 6, 7]]), i32([[-1, 0, 1, 2, 3]]))
+    assert_walk(out, [[0, 1, 2, 3, 4]], [4], [[4, 5, 6, 7, 2]])
+
+
+@pytest.mark.parametrize("case", ["bushy", "none", "siblings", "chain", "three"])
+def test_golden_temperature_zero_sampling_is_greedy(gen, case):
+    # The same golden trees through verify_sampling at temperature 0, with and without draft_probs.
+    cases = {
+        "bushy": ([BUSHY], [BUSHY_TOKENS], [12, 13, 15, 14, 11, 3], 20),
+        "none": ([BUSHY], [BUSHY_TOKENS], [9, 13, 15, 14, 11, 3], 20),
+        "siblings": ([[-1, 0, 0, 0]], [[7, 5, 9, 9]], [9, 6, 1, 8], 12),
+        "chain": ([[-1, 0, 1, 2, 3]], [[3, 4, 5, 6, 7]], [4, 5, 6, 7, 2], 10),
+        "three": ([BUSHY, [-1, 0, 1, 2, 3, 4], [-1, 0, 0, 0, 0, 0]],
+                  [BUSHY_TOKENS, [3, 4, 5, 6, 7, 8], [1, 2, 3, 4, 5, 6]],
+                  [11, 14, 0, 0, 0, 0, 4, 5, 6, 19, 8, 8, 18, 2, 2, 2, 2, 2], 20),
+    }
+    parents, tokens, argmax, V = cases[case]
+    parents, tokens = i32(parents), i64(tokens)
+    logits = logits_with_argmax(argmax, V, gen)
+    want = greedy(logits, tokens, parents)
+    draft_probs = torch.softmax(torch.randn(logits.shape, generator=gen), -1)
+    for dp in (None, draft_probs):
+        got = sampling(logits, tokens, parents, 0.0, 5, 0, draft_probs=dp)
+        for g, w, name in zip(got, want, ("accept_nodes", "accept_len", "emitted")):
+            assert_equal(g, w, name)
+
+
+# ---- invariants on random trees ---------------------------------------------------------------------
+
+
+def planted(seed, B, N, V, kind, dtype=torch.float32, integer=False, p_plant=0.7):
+    """A random tree whose node tokens are often the argmax of their parent's row: deep greedy paths,
+    and equal siblings when two children of one node are both planted."""
+    g = torch.Generator().manual_seed(seed)
+    parents = tree.random_parents(B, N, g, kind)
+    if integer:  # exact in bf16, fp16, fp32 and fp64 (|x| <= 256); many ties, broken by the first maximum
+        logits = torch.randint(-128, 129, (B * N, V), generator=g).float()
+    else:
+        logits = torch.randn(B * N, V, generator=g)
+    target = logits.argmax(-1).view(B, N)
+    parent_target = target.gather(1, parents.long().clamp(min=0))
+    plant = torch.rand(B, N, generator=g) < p_plant
+    tokens = torch.where(plant, parent_target, torch.randint(0, V, (B, N), generator=g))
+    return logits.to(dtype), tokens, parents
+
+
+def check_walk_structure(out, logits, tokens, parents):
+    """What every verify result satisfies: a root-first path down the tree, -1 padding, emitted tokens."""
+    accept_nodes, accept_len, emitted = out
+    B, N = tokens.shape
+    V = logits.shape[1]
+    assert accept_nodes.dtype == torch.int32 and accept_nodes.shape == (B, N)
+    assert accept_len.dtype == torch.int32 and accept_len.shape == (B,)
+    assert emitted.dtype == torch.int64 and emitted.shape == (B, N)
+    depth = tree.depth(parents)
+    for b in range(B):
+        a = int(accept_len[b])
+        nodes = accept_nodes[b].tolist()
+        assert 0 <= a <= N - 1, f"request {b}: accept_len {a}"
+        assert nodes[0] == 0, f"request {b}: the path starts at the root, got {nodes}"
+        for i in range(1, a + 1):
+            assert int(parents[b, nodes[i]]) == nodes[i - 1], f"request {b}: {nodes} does not follow parents"
+        assert nodes[a + 1:] == [-1] * (N - a - 1), f"request {b}: padding of {nodes}"
+        assert a <= int(depth[b, nodes[a]]), f"request {b}: accept_len {a} > depth of node {nodes[a]}"
+        assert a == int(depth[b, nodes[a]])  # a root-first path: exactly the depth
+        assert emitted[b, :a].tolist() == [int(tokens[b, j]) for j in nodes[1:a + 1]], f"request {b}"
+        assert 0 <= int(emitted[b, a]) < V, f"request {b}: bonus {int(emitted[b, a])} outside the vocabulary"
+        assert emitted[b, a + 1:].tolist() == [-1] * (N - a - 1), f"request {b}: emitted padding"
+        assert int((emitted[b] != -1).sum()) == a + 1  # a step emits accept_len + 1 tokens
+
+
+def check_greedy(out, logits, tokens, parents):
+    """Greedy specifics: each step takes the lowest-index child carrying the argmax, and stops only when
+    no child of the last node carries it; the bonus is that argmax."""
+    check_walk_structure(out, logits, tokens, parents)
+    accept_nodes, accept_len, emitted = out
+    B, N = tokens.shape
+    target = logits.float().argmax(-1).view(B, N)
+    for b in range(B):
+        a = int(accept_len[b])
+        nodes = accept_nodes[b, :a + 1].tolist()
+        for i in range(1, a + 1):
+            want = int(target[b, nodes[i - 1]])
+            children = [j for j in range(N) if int(parents[b, j]) == nodes[i - 1] and int(tokens[b, j]) == want]
+            assert children and nodes[i] == children[0], f"request {b}: step {i} took {nodes[i]}, want {children}"
+        last = nodes[a]
+        bonus = int(target[b, last])
+        assert int(emitted[b, a]) == bonus, f"request {b}: bonus {int(emitted[b, a])} != argmax {bonus}"
+        assert not any(int(parents[b, j]) == last and int(tokens[b, j]) == bonus for j in range(N)), \
+            f"request {b}: a child of node {last} carries the argmax {bonus} but the walk stopped"
+
+
+@PROPERTY
+@given(seed=st.integers(0, 2**31 - 1),
+       B=st.sampled_from([1, 7]),                # one request, an odd batch
+       N=st.sampled_from([1, 2, 8, 64]),         # root only, one draft, a small tree, two mask words
+       V=st.sampled_from([1, 111, 32000]),       # a one-token vocabulary (everything ties), odd, draft-size
+       kind=st.sampled_from(["bushy", "chain", "wide", "beam"]))
+def test_greedy_invariants_random_trees(seed, B, N, V, kind):
+    logits, tokens, parents = planted(seed, B, N, V, kind)
+    check_greedy(greedy(logits, tokens, parents), logits, tokens, parents)
+
+
+def test_greedy_kimi_vocab_goes_deep():
+    # V = 163840 (Kimi-K2), B = 2, N = 64 chains with every token planted: the whole chain is accepted.
+    logits, tokens, parents = planted(3, 2, 64, 163840, "chain", p_plant=1.0)
+    out = greedy(logits, tokens, parents)
+    check_greedy(out, logits, tokens, parents)
+    assert out[1].tolist() == [63, 63]
+
+
+def test_greedy_planted_trees_accept_something():
+    # The invariant tests are only worth something if the walks go somewhere: most requests accept.
+    logits, tokens, parents = planted(0, 64, 8, 111, "beam")
+    accept_len = greedy(logits, tokens, parents)[1]
+    assert (accept_len >= 1).float().mean() > 0.5 and int(accept_len.max()) >= 3
+
+
+@pytest.mark.parametrize("kind", ["bushy", "beam", "wide"])  # deep, EAGLE-like, many siblings
+@pytest.mark.parametrize("N", [1, 8, 64])                     # root only, small, two mask words
+def test_greedy_dtypes_agree(kind, N):
+    # Integer logits are exact in every dtype, so bf16 / fp16 / fp32 / fp64 must give identical walks
+    # (a kernel that argmaxes in a lower precision than its input, or breaks ties differently, fails).
+    logits, tokens, parents = planted(N, 7, N, 111, kind, integer=True)
+    want = greedy(logits, tokens, parents)
+    check_greedy(want, logits, tokens, parents)
+    for dtype in DTYPES:
+        got = greedy(logits.to(dtype), tokens, parents)
+        for g, w, name in zip(got, want, ("accept_nodes", "accept_len", "emitted")):
+            assert_equal(g, w, f"{name} ({dtype})")
+
+
+# ---- verify_sampling --------------------------------------------------------------------------------
+
+
+@PROPERTY
+@given(seed=st.integers(0, 2**31 - 1), B=st.sampled_from([1, 7]), N=st.sampled_from([1, 2, 8, 64]),
+       kind=st.sampled_from(["bushy", "chain", "wide", "beam"]), with_q=st.booleans())
+def test_sampling_temperature_zero_is_greedy(seed, B, N, kind, with_q):
+    logits, tokens, parents = planted(seed, B, N, 111, kind)
+    g = torch.Generator().manual_seed(seed + 1)
+    draft_probs = torch.softmax(torch.randn(B * N, 111, generator=g) * 3, -1) if with_q else None
+    want = greedy(logits, tokens, parents)
+    got = sampling(logits, tokens, parents, 0.0, seed, 3, draft_probs=draft_probs)
+    for gt, w, name in zip(got, want, ("accept_nodes", "accept_len", "emitted")):
+        assert_equal(gt, w, name)
+
+
+def test_sampling_mixed_temperatures_per_request():
+    # Temperature is per request: the zero-temperature requests of a batch are exactly greedy, the others
+    # still produce valid walks.
+    B, N, V = 7, 8, 111
+    logits, tokens, parents = planted(11, B, N, V, "beam")
+    temperature = torch.tensor([0.0, 1.0, 0.0, 0.5, 2.0, 0.0, 1.0])
+    out = sampling(logits, tokens, parents, temperature, torch.arange(B), torch.zeros(B, dtype=torch.int64))
+    check_walk_structure(out, logits, tokens, parents)
+    want = greedy(logits, tokens, parents)
+    zero = temperature == 0
+    for g, w, name in zip(out, want, ("accept_nodes", "accept_len", "emitted")):
+        assert_equal(g[zero], w[zero], name)
+
+
+@PROPERTY
+@given(seed=st.integers(0, 2**31 - 1), B=st.sampled_from([1, 7]), N=st.sampled_from([1, 2, 8, 64]),
+       kind=st.sampled_from(["bushy", "chain", "wide", "beam"]), temperature=st.sampled_from([0.3, 1.0, 1.7]),
+       with_q=st.booleans(), dtype=st.sampled_from([torch.bfloat16, torch.float32]))
+def test_sampling_invariants_random_trees(seed, B, N, kind, temperature, with_q, dtype):
+    V, Vd = 111, 50
+    logits, tokens, parents = planted(seed, B, N, V, kind, dtype=dtype)
+    g = torch.Generator().manual_seed(seed + 1)
+    draft_probs = d2t = None
+    if with_q:  # a smaller draft vocabulary mapped into the target's by d2t
+        draft_probs = torch.softmax(torch.randn(B * N, Vd, generator=g), -1)
+        d2t = torch.randint(0, V - Vd + 1, (Vd,), generator=g)
+    out = sampling(logits, tokens, parents, temperature, seed, 0, draft_probs=draft_probs, d2t=d2t)
+    check_walk_structure(out, logits, tokens, parents)
+
+
+def test_sampling_one_hot_target_accepts_the_matching_child():
+    # A one-hot-like target (one logit 1e4 above the rest: p is exactly one-hot in float64) always accepts
+    # the child carrying its token, wherever it sits among its siblings, and emits exactly that token,
+    # whatever the seed, the temperature or the draft distribution.
+    #        0 (7)
+    #    /   |    \
+    #  1(3) 2(5) 3(6)      target at 0: 5 (the middle sibling)
+    #   |    |
+    #  4(8) 5(9)           target at 2: 9, target at 5: 2 (bonus)
+    parents, tokens = i32([[-1, 0, 0, 0, 1, 2]]), i64([[7, 3, 5, 6, 8, 9]])
+    V, B = 12, 64
+    hot = torch.zeros(6, V)
+    hot[torch.arange(6), torch.tensor([5, 1, 9, 1, 1, 2])] = 1e4
+    logits = hot.repeat(B, 1)
+    g = torch.Generator().manual_seed(0)
+    draft_probs = torch.softmax(torch.randn(B * 6, V, generator=g), -1)
+    for dp in (None, draft_probs):
+        for temperature in (0.5, 1.0, 3.0):
+            out = sampling(logits, tokens.expand(B, 6).contiguous(), parents.expand(B, 6).contiguous(), temperature,
+                           torch.arange(B) * 1000003, torch.arange(B), draft_probs=dp)
+            assert_equal(out[0], i32([[0, 2, 5, -1, -1, -1]] * B), "accept_nodes")
+            assert_equal(out[1], i32([2] * B), "accept_len")
+            assert_equal(out[2], i64([[5, 9, 2, -1, -1, -1]] * B), "emitted")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_sampling_zero_probability_children_are_all_rejected(dtype):
+    # Every child's token has logit -inf (probability 0): all are rejected, accept_len is 0 and the bonus
+    # is never a child's token (it comes from the residual, which keeps p's zeros).
+    parents, tokens = i32([[-1, 0, 0, 0, 1]]), i64([[7, 1, 3, 3, 4]])
+    V, B, N = 6, 200, 5
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(B * N, V, generator=g)
+    logits.view(B, N, V)[:, 0, [1, 3]] = float("-inf")
+    draft_probs = torch.softmax(torch.randn(B * N, V, generator=g), -1)
+    for dp in (None, draft_probs):
+        out = sampling(logits.to(dtype), tokens.expand(B, N).contiguous(), parents.expand(B, N).contiguous(), 1.0,
+                       torch.arange(B), 0, draft_probs=dp)
+        assert_equal(out[0], i32([[0, -1, -1, -1, -1]] * B), "accept_nodes")
+        assert_equal(out[1], torch.zeros(B, dtype=torch.int32), "accept_len")
+        bonus = out[2][:, 0]
+        assert not bool(((bonus == 1) | (bonus == 3)).any()), "a zero-probability token was emitted"
+        assert set(bonus.tolist()) == {0, 2, 4, 5}  # and every other token does come up
+        assert (out[2][:, 1:] == -1).all()
+
+
+def test_sampling_seeded_determinism():
+    B, N, V = 64, 8, 111
+    logits, tokens, parents = planted(5, B, N, V, "beam", p_plant=0.9)
+    g = torch.Generator().manual_seed(2)
+    draft_probs = torch.softmax(torch.randn(B * N, V, generator=g), -1)
+    seed = torch.arange(B) * 7919 + 2**40  # seeds above 2**32 use the key's high word
+    for dp in (None, draft_probs):
+        offset = torch.full((B,), 2**33 + 5, dtype=torch.int64)
+        first = sampling(logits, tokens, parents, 1.0, seed, offset, draft_probs=dp)
+        again = sampling(logits, tokens, parents, 1.0, seed.clone(), offset.clone(), draft_probs=dp)
+        for f, a, name in zip(first, again, ("accept_nodes", "accept_len", "emitted")):
+            assert_equal(a, f, name)
+        moved = sampling(logits, tokens, parents, 1.0, seed, offset + 1, draft_probs=dp)
+        reseeded = sampling(logits, tokens, parents, 1.0, seed + 1, offset, draft_probs=dp)
+        high_offset = sampling(logits, tokens, parents, 1.0, seed, offset + 2**32, draft_probs=dp)
+        for other in (moved, reseeded, high_offset):
+            assert not torch.equal(other[2], first[2]), "the draws did not change"
+        # Requests in one batch draw independently: identical requests with different seeds differ.
+        same = sampling(logits[:N].repeat(B, 1), tokens[:1].expand(B, N).contiguous(),
+                        parents[:1].expand(B, N).contiguous(), 1.0, seed, offset,
+                        draft_probs=None if dp is None else dp[:N].repeat(B, 1))
+        assert len(set(map(tuple, same[2].tolist()))) > 1
+
+
+# ---- the sampler's draws: the Philox layout documented in eagle3_ops._philox ---------------------------
+
+
+def philox_uniform(seed, offset, row, idx, stream):
+    """Independent restatement of the documented counter layout and uniform mapping."""
+    out = _philox.philox4x32_10(np.asarray(idx, dtype=np.uint64), row | (stream << 31), offset % 2**32,
+                                (offset >> 32) % 2**32, seed % 2**32, (seed >> 32) % 2**32)[0]
+    return ((out >> np.uint64(9)).astype(np.float64) * 2 + 1) / 2**24
+
+
+def test_sampling_draws_follow_the_philox_layout():
+    # Root with two one-hot drafts (tokens 1 and 2), leaves below. By the docstring: child k is accepted
+    # iff u_k * 1 < p(x) with u_k = uniform(seed, offset, b * N + 0, k, stream 0), p renormalised without
+    # the rejected token in between; the bonus is argmax p / -log(uniform(..., row, v, stream 1)).
+    # Recomputed here from philox4x32_10 alone, for seeds and offsets with both 32-bit words in use.
+    B, N, V, T = 96, 3, 7, 0.8
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(B * N, V, generator=g) * 1.5
+    parents, tokens = i32([[-1, 0, 0]] * B), i64([[4, 1, 2]] * B)
+    seeds = [(b * 0x9E3779B97F4A7C15 + 12345) % 2**63 for b in range(B)]
+    offsets = [(b * 0x632BE59BD9B4E019) % 2**63 for b in range(B)]
+    out = sampling(logits, tokens, parents, T, i64(seeds), i64(offsets))
+    accepted_children = 0
+    for b in range(B):
+        sd, off = seeds[b], offsets[b]
+        p = torch.softmax(logits[b * N].double() / T, -1).numpy()
+        path, node = [0], 0
+        for k, (child, x) in enumerate(((1, 1), (2, 2))):
+            if philox_uniform(sd, off, b * N, [k], 0)[0] < p[x]:
+                path, node = [0, child], child
+                break
+            p = p.copy()
+            p[x] = 0.0
+            p = p / p.sum()
+        if node != 0:
+            p = torch.softmax(logits[b * N + node].double() / T, -1).numpy()
+            accepted_children += 1
+        e = -np.log(philox_uniform(sd, off, b * N + node, np.arange(V), 1))
+        bonus = int(np.argmax(p / e))
+        want_nodes = path + [-1] * (N - len(path))
+        want_emitted = [int(tokens[b, j]) for j in path[1:]] + [bonus]
+        want_emitted += [-1] * (N - len(want_emitted))
+        assert out[0][b].tolist() == want_nodes, f"request {b}"
+        assert int(out[1][b]) == len(path) - 1, f"request {b}"
+        assert out[2][b].tolist() == want_emitted, f"request {b}"
+    assert 10 < accepted_children < B - 10  # both branches were exercised
+
+
+# ---- losslessness: the emitted tokens are distributed as the target's sampling distribution -----------
+
+
+def _assert_frequencies(samples, p, what):
+    """Empirical frequencies of samples (ints in [0, V)) within 4 sigma of p; zero-probability never seen."""
+    n = len(samples)
+    assert n > 0
+    freq = np.bincount(np.asarray(samples), minlength=len(p))[:len(p)] / n
+    sigma = np.sqrt(p * (1 - p) / n)
+    bad = np.abs(freq - p) > 4 * sigma + 1e-12
+    assert not bad.any(), (f"{what}: frequencies {np.round(freq, 4)} vs p {np.round(p, 4)} (n = {n}); "
+                           f"off by {np.round(np.abs(freq - p) / np.maximum(sigma, 1e-12), 1)} sigma")
+
+
+# Target "model": logits of the next token given the last one (V = 5) and at the root.
+V5, T5 = 5, 0.7
+ROOT_LOGITS = torch.tensor([1.0, 0.6, -0.3, 0.4, -1.0])
+NEXT_LOGITS = torch.tensor([[0.2, -1.0, 1.5, 0.0, 0.3],
+                            [1.0, 1.0, -2.0, 0.5, 0.0],
+                            [-0.5, 0.8, 0.1, 2.0, -1.0],
+                            [0.0, 0.0, 0.0, 0.0, 3.0],
+                            [2.5, -0.5, 0.4, 0.1, 0.9]])
+
+
+def _p(logits):
+    return torch.softmax(logits.double() / T5, -1).numpy()
+
+
+#      0
+#    /   \
+#   1     2        children of the root: iid draft candidates (top-k: fixed tokens; sampled: from q0)
+#   |     |
+#   3     4        one grandchild below each (from q1 at that child)
+FREQ_PARENTS = [-1, 0, 0, 1, 2]
+
+
+def _frequency_run(draw_tokens, draft_probs, d2t, B=400, calls=10):
+    """emitted[:, :2] and accept_len over calls x B independent requests (seed = call * B + b)."""
+    N = len(FREQ_PARENTS)
+    parents = i32([FREQ_PARENTS] * B)
+    firsts, seconds, lens = [], [], []
+    for call in range(calls):
+        tokens = draw_tokens(call)  # [B, N]
+        logits = torch.empty(B, N, V5)
+        logits[:, 0] = ROOT_LOGITS
+        logits[:, 1:] = NEXT_LOGITS[tokens[:, 1:]]  # a node's row is the target given its own token
+        out = sampling(logits.view(B * N, V5), tokens, parents, T5, torch.arange(B) + call * B, 17,
+                       draft_probs=draft_probs, d2t=d2t)
+        check_walk_structure(out, logits.view(B * N, V5), tokens, parents)
+        firsts.append(out[2][:, 0])
+        seconds.append(out[2][:, 1])
+        lens.append(out[1])
+    return torch.cat(firsts).numpy(), torch.cat(seconds).numpy(), torch.cat(lens).numpy()
+
+
+def _check_lossless(first, second, lens):
+    _assert_frequencies(first, _p(ROOT_LOGITS), "emitted[:, 0]")
+    # Given an accepted first token a, the next token is distributed as the target given a.
+    for a in range(V5):
+        pick = (lens >= 1) & (first == a)
+        if pick.sum() >= 100:
+            _assert_frequencies(second[pick], _p(NEXT_LOGITS[a]), f"emitted[:, 1] after {a}")
+
+
+def test_frequency_one_hot_drafts():
+    # Top-k drafts (no draft_probs: q is one-hot on each child): children carry tokens 0 and 3, the
+    # grandchildren 2 and 4. The first emitted token must follow softmax(root / T) although it is an
+    # accepted draft in most requests; a rule that sampled the bonus from p instead of the residual
+    # misses by 20 to 40 sigma.
+    B = 400
+    tokens = i64([[9, 0, 3, 2, 4]] * B)
+    first, second, lens = _frequency_run(lambda call: tokens, None, None, B=B)
+    _check_lossless(first, second, lens)
+    p = _p(ROOT_LOGITS)
+    accepted = np.isin(first, [0, 3])
+    assert ((lens >= 1) == accepted).all()  # the bonus never repeats a rejected one-hot draft
+    assert abs(accepted.mean() - (p[0] + p[3])) < 4 * math.sqrt((p[0] + p[3]) * (1 - p[0] - p[3]) / len(first))
+
+
+def test_frequency_sampled_drafts_with_d2t():
+    # Sampled drafts (SpecInfer): a draft vocabulary of Vd = 3 mapped by d2t into V = 5 (draft d is target
+    # d + d2t[d]: 0 -> 1, 1 -> 2, 2 -> 4), so q never proposes 0 or 3. The root's children are iid draws
+    # from q0 (duplicates included), each grandchild an iid draw from q1 at its child. The emitted tokens
+    # must still follow the target exactly.
+    B, N = 400, len(FREQ_PARENTS)
+    d2t = i64([1, 1, 2])
+    target_of = i64([1, 2, 4])
+    q0, q1 = torch.tensor([0.5, 0.2, 0.3]), torch.tensor([0.1, 0.6, 0.3])
+    draft_probs = torch.empty(B, N, 3)
+    draft_probs[:, 0], draft_probs[:, 1:] = q0, q1
+    g = torch.Generator().manual_seed(42)
+
+    def draw(call):
+        tokens = torch.empty(B, N, dtype=torch.int64)
+        tokens[:, 0] = 9
+        tokens[:, 1:3] = target_of[torch.multinomial(q0.expand(B, 3), 2, replacement=True, generator=g)]
+        tokens[:, 3:5] = target_of[torch.multinomial(q1.expand(B, 3), 2, replacement=True, generator=g)]
+        return tokens
+
+    first, second, lens = _frequency_run(draw, draft_probs.view(B * N, 3), d2t, B=B)
+    _check_lossless(first, second, lens)
+    assert 0.3 < (lens >= 1).mean() < 0.95  # both the accept and the residual path carry weight
+
+
+def test_frequency_leaf_bonus_is_the_target_distribution():
+    # N = 1: the bonus alone, sampled by the exponential race, follows softmax(logits / T); V = 111 with a
+    # spread of probabilities (odd vocabulary size, many small cells).
+    B, calls, V, T = 400, 5, 111, 1.3
+    g = torch.Generator().manual_seed(7)
+    row = torch.randn(V, generator=g) * 2
+    row[:5] += 4.0  # a few heavy tokens
+    samples = []
+    for call in range(calls):
+        out = sampling(row.expand(B, V).contiguous(), i64([[0]] * B), i32([[-1]] * B), T,
+                       torch.arange(B), torch.full((B,), call, dtype=torch.int64))
+        samples.append(out[2][:, 0])
+    _assert_frequencies(torch.cat(samples).numpy(), torch.softmax(row.double() / T, -1).numpy(), "bonus")
+
+
+# ---- Philox4x32-10: Random123's known-answer vectors --------------------------------------------------
+
+
+@pytest.mark.parametrize("counter, key, want", [
+    ((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
+    ((0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2, (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
+    ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0),
+     (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1)),
+])
+def test_philox_known_answers(counter, key, want):
+    got = _philox.philox4x32_10(*counter, *key)
+    assert tuple(int(w) for w in got) == want, [hex(int(w)) for w in got]
+    # vectorised over counters: the same answer in every lane
+    lanes = _philox.philox4x32_10(*(np.full(3, c, dtype=np.uint64) for c in counter), *key)
+    assert all(list(map(int, w)) == [v] * 3 for w, v in zip(lanes, want))
+
+
+def test_philox_uniforms_are_exact_float32_in_open_unit_interval():
+    for seed, offset, row, stream in ((0, 0, 0, 0), (2**64 - 1, 2**64 - 1, 2**31 - 1, 1), (123, 2**40, 77, 1)):
+        u = _philox.uniform(seed, offset, row, np.arange(4096), stream)
+        assert u.dtype == np.float64 and u.shape == (4096,)
+        assert (u > 0).all() and (u < 1).all()
+        assert (u.astype(np.float32).astype(np.float64) == u).all()  # exactly a float32 value
+        assert (u * 2**24 % 2 == 1).all()  # (2 * (x >> 9) + 1) / 2**24: odd multiples of 2**-24
+        assert np.array_equal(u, philox_uniform(seed, offset, row, np.arange(4096), stream))
+        assert 0.45 < u.mean() < 0.55
+    # The extremes of the mapping: x = 0 -> 2**-24, x = 2**32 - 1 -> 1 - 2**-24 (never 0 or 1).
+    assert (2 * (0 >> 9) + 1) / 2**24 == 2**-24
+    assert np.float32((2 * ((2**32 - 1) >> 9) + 1) / 2**24) < 1
+    # Streams, rows, offsets and seeds are independent draws.
+    base = _philox.uniform(1, 2, 3, np.arange(64), 0)
+    for other in (_philox.uniform(1, 2, 3, np.arange(64), 1), _philox.uniform(1, 2, 4, np.arange(64), 0),
+                  _philox.uniform(1, 3, 3, np.arange(64), 0), _philox.uniform(2, 2, 3, np.arange(64), 0),
+                  _philox.uniform(1 + 2**32, 2, 3, np.arange(64), 0), _philox.uniform(1, 2 + 2**32, 3, np.arange(64), 0)):
+        assert not np.array_equal(base, other)
+
+
+# ---- bad input ----------------------------------------------------------------------------------------
+
+
+def _good_sampling_args(B=2, N=3, V=11):
+    g = torch.Generator().manual_seed(0)
+    return dict(target_logits=torch.randn(B * N, V, generator=g), draft_probs=None, d2t=None,
+                tokens=torch.randint(0, V, (B, N), generator=g), parents=i32([[-1, 0, 0]] * B),
+                temperature=torch.ones(B), seed=torch.arange(B), offset=torch.zeros(B, dtype=torch.int64))
+
+
+@pytest.mark.parametrize("case, error, match", [
+    ("logits_rows", ValueError, "logits must have shape"),
+    ("logits_dtype", TypeError, "logits must have dtype"),
+    ("tokens_dtype", TypeError, "tokens must have dtype"),
+    ("parents_shape", ValueError, "parents must have shape"),
+    ("parents_not_tree", ValueError, "parents must be topological"),
+    ("negative_token", ValueError, "tokens must be >= 0"),
+    ("empty_tree", ValueError, "tokens must have N >= 1"),
+])
+def test_greedy_bad_input(case, error, match):
+    B, N, V = 2, 3, 11
+    logits, tokens, parents = torch.randn(B * N, V), torch.randint(0, V, (B, N)), i32([[-1, 0, 0]] * B)
+    if case == "logits_rows":
+        logits = logits[:-1]
+    elif case == "logits_dtype":
+        logits = logits.to(torch.int32)
+    elif case == "tokens_dtype":
+        tokens = tokens.int()
+    elif case == "parents_shape":
+        parents = parents[:, :2]
+    elif case == "parents_not_tree":
+        parents = i32([[-1, 0, 0], [-1, 2, 0]])
+    elif case == "negative_token":
+        tokens[1, 2] = -1
+    elif case == "empty_tree":
+        logits, tokens, parents = torch.randn(0, V), torch.empty(B, 0, dtype=torch.int64), torch.empty(B, 0, dtype=torch.int32)
+    with pytest.raises(error, match=match):
+        greedy(logits, tokens, parents)
+
+
+@pytest.mark.parametrize("case, error, match", [
+    ("negative_temperature", ValueError, "temperature"),
+    ("nan_temperature", ValueError, "temperature"),
+    ("temperature_dtype", TypeError, "temperature must have dtype"),
+    ("seed_dtype", TypeError, "seed must have dtype"),
+    ("offset_shape", ValueError, "offset must have shape"),
+    ("d2t_without_draft_probs", ValueError, "d2t"),
+    ("vd_without_d2t", ValueError, "d2t"),
+    ("d2t_out_of_range", IndexError, "d2t"),
+    ("draft_probs_rows", ValueError, "draft_probs must have shape"),
+])
+def test_sampling_bad_input(case, error, match):
+    args = _good_sampling_args()
+    B, N, V = 2, 3, 11
+    if case == "negative_temperature":
+        args["temperature"] = torch.tensor([1.0, -0.5])
+    elif case == "nan_temperature":
+        args["temperature"] = torch.tensor([float("nan"), 1.0])
+    elif case == "temperature_dtype":
+        args["temperature"] = torch.ones(B, dtype=torch.float64)
+    elif case == "seed_dtype":
+        args["seed"] = args["seed"].int()
+    elif case == "offset_shape":
+        args["offset"] = torch.zeros(B + 1, dtype=torch.int64)
+    elif case == "d2t_without_draft_probs":
+        args["d2t"] = torch.zeros(V, dtype=torch.int64)
+    elif case == "vd_without_d2t":
+        args["draft_probs"] = torch.softmax(torch.randn(B * N, 5), -1)
+    elif case == "d2t_out_of_range":
+        args["draft_probs"] = torch.softmax(torch.randn(B * N, 5), -1)
+        args["d2t"] = i64([0, 0, 0, 0, V - 4])  # draft 4 -> target 4 + 7 = 11 = V
+    elif case == "draft_probs_rows":
+        args["draft_probs"] = torch.softmax(torch.randn(B * N - 1, V), -1)
+    with pytest.raises(error, match=match):
+        torch.ops.eagle3.verify_sampling(*args.values())
