@@ -26,7 +26,7 @@ def _names(dtypes) -> str:
 
 
 def tensor(t, name: str, *, dtypes=None, shape=None, dim: Optional[int] = None, like: Optional[Tensor] = None,
-           like_name: str = "", last_contiguous: bool = False) -> Tensor:
+           like_name: str = "", last_contiguous: bool = False, contiguous: bool = False) -> Tensor:
     """Check one tensor argument. `shape` is a tuple of (symbol, size) pairs; size None = any."""
     if not isinstance(t, Tensor):
         raise TypeError(f"{name} must be a Tensor, got {type(t).__name__}")
@@ -45,13 +45,15 @@ def tensor(t, name: str, *, dtypes=None, shape=None, dim: Optional[int] = None, 
         raise ValueError(f"{name} must be on the same device as {like_name} ({like.device}), got {t.device}")
     if last_contiguous and t.dim() > 0 and t.shape[-1] > 1 and t.stride(-1) != 1:
         raise ValueError(f"{name} must be contiguous in its last dimension, got strides {t.stride()}")
+    if contiguous and not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous, got strides {t.stride()} for shape {tuple(t.shape)}")
     return t
 
 
 def _rows(rows, like, like_name) -> Optional[int]:
     if rows is None:
         return None
-    tensor(rows, "rows", dtypes=INDEX, dim=1, like=like, like_name=like_name)
+    tensor(rows, "rows", dtypes=INDEX, dim=1, like=like, like_name=like_name, contiguous=True)
     return rows.shape[0]
 
 
@@ -86,7 +88,7 @@ def add_rmsnorm_capture(x, residual, weight, eps, aux, slot, rows) -> dict:
     T, H = x.shape
     tensor(residual, "residual", dtypes=FLOATS, shape=(("T", T), ("H", H)), like=x, like_name="x",
            last_contiguous=True)
-    tensor(weight, "weight", dtypes=FLOATS, shape=(("H", H),), like=x, like_name="x")
+    tensor(weight, "weight", dtypes=FLOATS, shape=(("H", H),), like=x, like_name="x", contiguous=True)
     if not eps >= 0:
         raise ValueError(f"eps must be >= 0, got {eps}")
     if aux is None:
@@ -99,14 +101,15 @@ def add_rmsnorm_capture(x, residual, weight, eps, aux, slot, rows) -> dict:
 def fc_proj(aux, weight, weight_scale, norm_weight, eps, norm_mode, rows, out) -> dict:
     tensor(aux, "aux", dtypes=FLOATS, dim=2, last_contiguous=True)
     T, K = aux.shape
-    tensor(weight, "weight", dtypes=FLOATS + FP8, dim=2, like=aux, like_name="aux", last_contiguous=True)
+    tensor(weight, "weight", dtypes=FLOATS + FP8, dim=2, like=aux, like_name="aux", contiguous=True)
     if weight.shape[1] != K:
         raise ValueError(f"weight must have shape (Hd, n_aux * H) = (*, {K}) to match aux, got {tuple(weight.shape)}")
     Hd = weight.shape[0]
     if weight.dtype in FP8 and weight_scale is None:
         raise ValueError("weight_scale [Hd] float32 is required with an fp8 weight (per-output-channel scale)")
     if weight_scale is not None:
-        tensor(weight_scale, "weight_scale", dtypes=(torch.float32,), shape=(("Hd", Hd),), like=aux, like_name="aux")
+        tensor(weight_scale, "weight_scale", dtypes=(torch.float32,), shape=(("Hd", Hd),), like=aux, like_name="aux",
+               contiguous=True)
     if norm_mode not in NORM_MODES:
         raise ValueError(f"norm_mode must be one of {NORM_MODES}, got {norm_mode!r}")
     if not eps >= 0:
@@ -115,25 +118,26 @@ def fc_proj(aux, weight, weight_scale, norm_weight, eps, norm_mode, rows, out) -
     if norm_mode == "none" and norm_weight is not None:
         raise ValueError("norm_weight must be None with norm_mode 'none'")
     if norm_mode == "norm_before_fc" and norm_weight is not None:
-        tensor(norm_weight, "norm_weight", dtypes=FLOATS, shape=(("n_aux * H", K),), like=aux, like_name="aux")
+        tensor(norm_weight, "norm_weight", dtypes=FLOATS, shape=(("n_aux * H", K),), like=aux, like_name="aux",
+               contiguous=True)
     if norm_mode == "fc_norm":
         if norm_weight is None:
             raise ValueError("norm_weight [n_aux, H] is required with norm_mode 'fc_norm' (ones if folded into weight)")
-        tensor(norm_weight, "norm_weight", dtypes=FLOATS, dim=2, like=aux, like_name="aux")
+        tensor(norm_weight, "norm_weight", dtypes=FLOATS, dim=2, like=aux, like_name="aux", contiguous=True)
         n_aux = norm_weight.shape[0]
         if n_aux == 0 or n_aux * norm_weight.shape[1] != K:
             raise ValueError(f"norm_weight must have shape (n_aux, H) with n_aux * H = {K}, got {tuple(norm_weight.shape)}")
     R = _rows(rows, aux, "aux")
     R = T if R is None else R
-    tensor(out, "out", dtypes=FLOATS, shape=(("R", R), ("Hd", Hd)), like=aux, like_name="aux")
+    tensor(out, "out", dtypes=FLOATS, shape=(("R", R), ("Hd", Hd)), like=aux, like_name="aux", last_contiguous=True)
     return dict(T=T, K=K, Hd=Hd, R=R, n_aux=n_aux)
 
 
 def build_tree(root_tokens, draft_tokens, draft_scores, draft_parents, prefix_lens, tokens, parents, positions,
                tree_mask) -> dict:
-    tensor(root_tokens, "root_tokens", dtypes=(torch.int64,), dim=1)
+    tensor(root_tokens, "root_tokens", dtypes=(torch.int64,), dim=1, contiguous=True)
     B = root_tokens.shape[0]
-    like = dict(like=root_tokens, like_name="root_tokens")
+    like = dict(like=root_tokens, like_name="root_tokens", contiguous=True)
     tensor(draft_tokens, "draft_tokens", dtypes=(torch.int64,), dim=3, **like)
     _, S, M = draft_tokens.shape
     bsm = (("B", B), ("S", S), ("M", M))
@@ -155,10 +159,13 @@ def build_tree(root_tokens, draft_tokens, draft_scores, draft_parents, prefix_le
 
 
 def _tree_block(page_table, prefix_lens, tree_mask, like, like_name) -> dict:
-    tensor(page_table, "page_table", dtypes=(torch.int32,), dim=2, like=like, like_name=like_name)
+    # page_table may be a row-slice of an engine's larger table (row stride free); the rest contiguous
+    tensor(page_table, "page_table", dtypes=(torch.int32,), dim=2, like=like, like_name=like_name,
+           last_contiguous=True)
     B = page_table.shape[0]
-    tensor(prefix_lens, "prefix_lens", dtypes=(torch.int32,), shape=(("B", B),), like=like, like_name=like_name)
-    tensor(tree_mask, "tree_mask", dtypes=(torch.int32,), dim=3, like=like, like_name=like_name)
+    tensor(prefix_lens, "prefix_lens", dtypes=(torch.int32,), shape=(("B", B),), like=like, like_name=like_name,
+           contiguous=True)
+    tensor(tree_mask, "tree_mask", dtypes=(torch.int32,), dim=3, like=like, like_name=like_name, contiguous=True)
     N, W = tree_mask.shape[1], tree_mask.shape[2]
     if tree_mask.shape[0] != B or W != (N + 31) // 32 or N == 0:
         raise ValueError(f"tree_mask must have shape (B, N, ceil(N / 32)) with B = {B} and N >= 1, "
@@ -168,7 +175,7 @@ def _tree_block(page_table, prefix_lens, tree_mask, like, like_name) -> dict:
 
 def tree_attention_mla(q, kv_cache, page_table, prefix_lens, tree_mask, scale, out, lse) -> dict:
     tensor(q, "q", dtypes=FLOATS, dim=3, last_contiguous=True)
-    tensor(kv_cache, "kv_cache", dtypes=(q.dtype,), dim=3, like=q, like_name="q", last_contiguous=True)
+    tensor(kv_cache, "kv_cache", dtypes=(q.dtype,), dim=3, like=q, like_name="q", contiguous=True)
     s = _tree_block(page_table, prefix_lens, tree_mask, q, "q")
     B, N = s["B"], s["N"]
     NH, D = q.shape[1], q.shape[2]
@@ -181,17 +188,18 @@ def tree_attention_mla(q, kv_cache, page_table, prefix_lens, tree_mask, scale, o
     if not 0 < Dv <= D:
         raise ValueError(f"out must have Dv in [1, D] = [1, {D}] (V is the first Dv dims of the latent), got {Dv}")
     if lse is not None:
-        tensor(lse, "lse", dtypes=(torch.float32,), shape=(("B * N", B * N), ("NH", NH)), like=q, like_name="q")
-    if not scale > 0:
-        raise ValueError(f"scale must be > 0, got {scale}")
+        tensor(lse, "lse", dtypes=(torch.float32,), shape=(("B * N", B * N), ("NH", NH)), like=q, like_name="q",
+               contiguous=True)
+    if not 0 < scale < float("inf"):
+        raise ValueError(f"scale must be finite and > 0, got {scale}")
     return s | dict(NH=NH, D=D, Dv=Dv, num_pages=kv_cache.shape[0], page_size=kv_cache.shape[1])
 
 
 def tree_attention(q, k_cache, v_cache, page_table, prefix_lens, tree_mask, scale, out, lse) -> dict:
     tensor(q, "q", dtypes=FLOATS, dim=3, last_contiguous=True)
-    tensor(k_cache, "k_cache", dtypes=(q.dtype,), dim=4, like=q, like_name="q", last_contiguous=True)
+    tensor(k_cache, "k_cache", dtypes=(q.dtype,), dim=4, like=q, like_name="q", contiguous=True)
     P, ps, HKV, Dh = k_cache.shape
-    tensor(v_cache, "v_cache", dtypes=(q.dtype,), dim=4, like=q, like_name="q", last_contiguous=True)
+    tensor(v_cache, "v_cache", dtypes=(q.dtype,), dim=4, like=q, like_name="q", contiguous=True)
     Dv = v_cache.shape[3]
     tensor(v_cache, "v_cache", shape=(("num_pages", P), ("page_size", ps), ("HKV", HKV), ("Dv", Dv)))
     s = _tree_block(page_table, prefix_lens, tree_mask, q, "q")
@@ -203,18 +211,20 @@ def tree_attention(q, k_cache, v_cache, page_table, prefix_lens, tree_mask, scal
     tensor(out, "out", dtypes=(q.dtype,), shape=(("B * N", B * N), ("NH", NH), ("Dv", Dv)), like=q, like_name="q",
            last_contiguous=True)
     if lse is not None:
-        tensor(lse, "lse", dtypes=(torch.float32,), shape=(("B * N", B * N), ("NH", NH)), like=q, like_name="q")
-    if not scale > 0:
-        raise ValueError(f"scale must be > 0, got {scale}")
+        tensor(lse, "lse", dtypes=(torch.float32,), shape=(("B * N", B * N), ("NH", NH)), like=q, like_name="q",
+               contiguous=True)
+    if not 0 < scale < float("inf"):
+        raise ValueError(f"scale must be finite and > 0, got {scale}")
     return s | dict(NH=NH, HKV=HKV, Dh=Dh, Dv=Dv, num_pages=P, page_size=ps)
 
 
 def _tree(tokens, parents, like, like_name) -> tuple[int, int]:
-    tensor(tokens, "tokens", dtypes=(torch.int64,), dim=2, like=like, like_name=like_name)
+    tensor(tokens, "tokens", dtypes=(torch.int64,), dim=2, like=like, like_name=like_name, contiguous=True)
     B, N = tokens.shape
     if N == 0:
         raise ValueError("tokens must have N >= 1 nodes (node 0 is the root)")
-    tensor(parents, "parents", dtypes=(torch.int32,), shape=(("B", B), ("N", N)), like=like, like_name=like_name)
+    tensor(parents, "parents", dtypes=(torch.int32,), shape=(("B", B), ("N", N)), like=like, like_name=like_name,
+           contiguous=True)
     return B, N
 
 
@@ -242,12 +252,12 @@ def verify_sampling(target_logits, draft_probs, d2t, tokens, parents, temperatur
     if d2t is not None:
         if draft_probs is None:
             raise ValueError("d2t maps draft_probs' vocabulary to the target's: pass draft_probs too, or d2t=None")
-        tensor(d2t, "d2t", dtypes=(torch.int64,), shape=(("Vd", Vd),), **like)
+        tensor(d2t, "d2t", dtypes=(torch.int64,), shape=(("Vd", Vd),), contiguous=True, **like)
     elif Vd != V:
         raise ValueError(f"draft_probs has Vd = {Vd} != V = {V}: pass d2t [Vd] int64 (target = draft + d2t[draft])")
-    tensor(temperature, "temperature", dtypes=(torch.float32,), shape=(("B", B),), **like)
-    tensor(seed, "seed", dtypes=(torch.int64,), shape=(("B", B),), **like)
-    tensor(offset, "offset", dtypes=(torch.int64,), shape=(("B", B),), **like)
+    tensor(temperature, "temperature", dtypes=(torch.float32,), shape=(("B", B),), contiguous=True, **like)
+    tensor(seed, "seed", dtypes=(torch.int64,), shape=(("B", B),), contiguous=True, **like)
+    tensor(offset, "offset", dtypes=(torch.int64,), shape=(("B", B),), contiguous=True, **like)
     return dict(B=B, N=N, V=V, Vd=Vd)
 
 
@@ -265,13 +275,17 @@ def kv_accept(caches: Sequence[Tensor], page_table, prefix_lens, accept_nodes, a
                              f"caches[0], got {tuple(c.shape)}")
         if not c.is_contiguous():
             raise ValueError(f"caches[{i}] must be contiguous")
-    tensor(page_table, "page_table", dtypes=(torch.int32,), dim=2, like=first, like_name="caches[0]")
+    tensor(page_table, "page_table", dtypes=(torch.int32,), dim=2, like=first, like_name="caches[0]",
+           last_contiguous=True)
     B = page_table.shape[0]
-    tensor(prefix_lens, "prefix_lens", dtypes=(torch.int32,), shape=(("B", B),), like=first, like_name="caches[0]")
-    tensor(accept_nodes, "accept_nodes", dtypes=(torch.int32,), dim=2, like=first, like_name="caches[0]")
+    tensor(prefix_lens, "prefix_lens", dtypes=(torch.int32,), shape=(("B", B),), like=first, like_name="caches[0]",
+           contiguous=True)
+    tensor(accept_nodes, "accept_nodes", dtypes=(torch.int32,), dim=2, like=first, like_name="caches[0]",
+           contiguous=True)
     N = accept_nodes.shape[1]
     tensor(accept_nodes, "accept_nodes", shape=(("B", B), ("N", N)))
     if N == 0:
         raise ValueError("accept_nodes must have N >= 1 columns")
-    tensor(accept_len, "accept_len", dtypes=(torch.int32,), shape=(("B", B),), like=first, like_name="caches[0]")
+    tensor(accept_len, "accept_len", dtypes=(torch.int32,), shape=(("B", B),), like=first, like_name="caches[0]",
+           contiguous=True)
     return dict(B=B, N=N, num_pages=P, page_size=ps, max_pages=page_table.shape[1])

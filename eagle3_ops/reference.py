@@ -194,6 +194,9 @@ def build_tree(root_tokens: Tensor, draft_tokens: Tensor, draft_scores: Tensor, 
     B, S, M, N = s["B"], s["S"], s["M"], s["N"]
     if bool(torch.isnan(draft_scores).any()):
         raise ValueError("draft_scores must not contain NaN (use -inf for padding candidates)")
+    for name, t in (("root_tokens", root_tokens), ("draft_tokens", draft_tokens), ("prefix_lens", prefix_lens)):
+        if bool((t < 0).any()):
+            raise ValueError(f"{name} must be >= 0, got {int(t.min())}")
     if S > 0:
         if bool((draft_parents[:, 0] != -1).any()):
             raise IndexError("draft_parents[:, 0] must be -1: depth-0 candidates are children of the root")
@@ -222,6 +225,16 @@ def build_tree(root_tokens: Tensor, draft_tokens: Tensor, draft_scores: Tensor, 
 
 
 # ---- attention --------------------------------------------------------------------------------------
+
+
+def _check_self_bits(tree_mask: Tensor) -> None:
+    """Every node sees itself: bit i of row i is set (an ancestor-or-self mask always has it)."""
+    N = tree_mask.shape[1]
+    diag = tree.mask_to_dense(tree_mask, N).diagonal(dim1=1, dim2=2)
+    if not bool(diag.all()):
+        b, i = (int(v) for v in (~diag).nonzero()[0])
+        raise ValueError(f"tree_mask[{b}, {i}] must have bit {i} set (a node attends to itself); build it with "
+                         "eagle3_ops.tree.tree_mask(parents)")
 
 
 def _tree_visible(b: int, prefix: int, tree_mask: Tensor) -> Tensor:
@@ -290,6 +303,7 @@ def tree_attention_mla(q: Tensor, kv_cache: Tensor, page_table: Tensor, prefix_l
     s = _validate.tree_attention_mla(q, kv_cache, page_table, prefix_lens, tree_mask, scale, out, lse)
     B, N, NH, Dv = s["B"], s["N"], s["NH"], s["Dv"]
     _check_capacity(page_table, prefix_lens, N, s["page_size"])
+    _check_self_bits(tree_mask)
     acc = _acc(q)
     outs, lses = [], []
     for b in range(B):
@@ -333,6 +347,7 @@ def tree_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, page_table: Tens
     s = _validate.tree_attention(q, k_cache, v_cache, page_table, prefix_lens, tree_mask, scale, out, lse)
     B, N, NH, HKV = s["B"], s["N"], s["NH"], s["HKV"]
     _check_capacity(page_table, prefix_lens, N, s["page_size"])
+    _check_self_bits(tree_mask)
     acc = _acc(q)
     outs, lses = [], []
     for b in range(B):

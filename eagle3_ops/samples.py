@@ -49,7 +49,8 @@ def sample_args(name: str, device: str = "cpu", generator: torch.Generator | Non
             scores[:, d] += torch.gather(scores[:, d - 1], 1, draft_parents[:, d])
         out = (torch.empty(B, N, dtype=torch.int64), torch.empty(B, N, dtype=torch.int32),
                torch.empty(B, N, dtype=torch.int64), torch.empty(B, N, 1, dtype=torch.int32))
-        args = (tokens[:, 0], torch.randint(0, V, (B, S, M), generator=g), scores, draft_parents, prefix) + out
+        args = (tokens[:, 0].contiguous(), torch.randint(0, V, (B, S, M), generator=g), scores, draft_parents,
+                prefix) + out
         return tuple(a.to(device) for a in args)
     if name in ("tree_attention_mla", "tree_attention"):
         page_table, pages = _paged(g, B, prefix, N, PAGE, "cpu")

@@ -82,6 +82,9 @@ CASES = [
      "rows"),
     # ---- fc_proj(aux, weight, weight_scale, norm_weight, eps, norm_mode, rows, out) ----
     ("fc_proj", "weight_int8", dtype(1, torch.int8), TypeError, "weight"),  # int8 is not a supported weight
+    # the weight is streamed row by row: a transposed (column-major) view is refused, not silently slow
+    ("fc_proj", "weight_transposed", put(1, lambda t: t.T.contiguous().T), ValueError, "weight"),
+    ("fc_proj", "rows_strided", put(6, lambda t: torch.stack([t, t], 1)[:, 0]), ValueError, "rows"),
     ("fc_proj", "weight_scale_bf16", put(2, lambda _: torch.ones(16, dtype=torch.bfloat16)), TypeError,
      "weight_scale"),  # the scale is fp32
     ("fc_proj", "norm_weight_int", dtype(3, torch.int32), TypeError, "norm_weight"),  # an integer norm weight
@@ -125,6 +128,10 @@ CASES = [
     # depth-0 candidates are the root's children
     ("build_tree", "draft_parents_depth0_not_root", poke(3, (1, 0, 2), 0), IndexError, "draft_parents"),
     # NaN cannot be ranked (-inf is the padding)
+    ("build_tree", "root_tokens_negative", poke(0, 1, -3), ValueError, "root_tokens"),  # token ids are >= 0
+    ("build_tree", "draft_tokens_negative", poke(1, (0, 1, 2), -1), ValueError, "draft_tokens"),
+    ("build_tree", "prefix_lens_negative", poke(4, 0, -1), ValueError, "prefix_lens"),  # positions would go negative
+    ("build_tree", "root_tokens_strided", put(0, lambda t: torch.stack([t, t], 1)[:, 0]), ValueError, "root_tokens"),
     ("build_tree", "draft_scores_nan", poke(2, (0, 1, 1), float("nan")), ValueError, "draft_scores"),
     # ---- tree_attention_mla(q, kv_cache, page_table, prefix_lens, tree_mask, scale, out, lse) ----
     ("tree_attention_mla", "kv_cache_bf16", dtype(1, torch.bfloat16), TypeError, "kv_cache"),  # must match q
@@ -157,6 +164,14 @@ CASES = [
     ("tree_attention_mla", "page_table_negative", poke(2, (1, 2), -1), IndexError, "page_table"),
     ("tree_attention_mla", "prefix_lens_overflow", poke(3, 1, 12), IndexError, "prefix_lens"),  # 12 + 5 > 4 * 4
     ("tree_attention_mla", "prefix_lens_negative", poke(3, 0, -1), IndexError, "prefix_lens"),  # a negative prefix
+    ("tree_attention_mla", "scale_inf", put(5, lambda _: float("inf")), ValueError, "scale"),  # never finite
+    # a node that does not see itself: not an ancestor-or-self mask (node 2's own bit cleared)
+    ("tree_attention_mla", "tree_mask_no_self_bit", poke(4, (0, 2, 0), 0b001), ValueError, "tree_mask"),
+    # kernels read index tensors and the latent cache with fixed strides: views that are not contiguous are refused
+    ("tree_attention_mla", "kv_cache_strided", put(1, lambda t: torch.cat([t, t], 2)[..., ::2]), ValueError, "kv_cache"),
+    ("tree_attention_mla", "tree_mask_strided", put(4, lambda t: torch.cat([t, t], 2)[..., ::2]), ValueError,
+     "tree_mask"),
+    ("tree_attention_mla", "lse_strided", put(7, lambda t: torch.cat([t, t], 1)[:, ::2]), ValueError, "lse"),
     # ---- tree_attention(q, k_cache, v_cache, page_table, prefix_lens, tree_mask, scale, out, lse) ----
     ("tree_attention", "v_cache_fp16", dtype(2, torch.float16), TypeError, "v_cache"),  # V must have q's dtype
     ("tree_attention", "page_table_int64", dtype(3, torch.int64), TypeError, "page_table"),  # page tables are int32
@@ -180,6 +195,7 @@ CASES = [
     ("tree_attention", "prefix_lens_overflow", poke(4, 0, 12), IndexError, "prefix_lens"),  # 12 + 5 > 16
     # ---- verify_greedy(logits, tokens, parents) ----
     ("verify_greedy", "logits_int", dtype(0, torch.int64), TypeError, "logits"),  # integer logits
+    ("verify_greedy", "parents_strided", put(2, lambda t: torch.cat([t, t], 1)[:, ::2]), ValueError, "parents"),
     ("verify_greedy", "tokens_int32", dtype(1, torch.int32), TypeError, "tokens"),  # tokens are int64
     ("verify_greedy", "parents_int64", dtype(2, torch.int64), TypeError, "parents"),  # the canonical parents are int32
     ("verify_greedy", "logits_rows", put(0, lambda t: t[:9]), ValueError, "logits"),  # B * N = 10
