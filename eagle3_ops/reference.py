@@ -272,6 +272,24 @@ def _attend(q: Tensor, k: Tensor, v: Tensor, visible: Tensor, scale: float) -> t
     return out, lse
 
 
+def _tree_attention(q: Tensor, kv_rows, page_table: Tensor, prefix_lens: Tensor, tree_mask: Tensor, scale: float,
+                    out: Tensor, lse: Optional[Tensor], page_size: int) -> None:
+    """Shared body: kv_rows(b, length) gives request b's first `length` rows as (k [L, NH, D], v [L, NH, Dv])."""
+    B, N = tree_mask.shape[0], tree_mask.shape[1]
+    _check_capacity(page_table, prefix_lens, N, page_size)
+    _check_self_bits(tree_mask)
+    outs, lses = [], []
+    for b in range(B):
+        prefix = int(prefix_lens[b])
+        k, v = kv_rows(b, prefix + N)
+        o, l = _attend(q[b * N:(b + 1) * N], k, v, _tree_visible(b, prefix, tree_mask), scale)
+        outs.append(o)
+        lses.append(l)
+    out.copy_(torch.cat(outs).to(out.dtype))
+    if lse is not None:
+        lse.copy_(torch.cat(lses).to(lse.dtype))
+
+
 def tree_attention_mla(q: Tensor, kv_cache: Tensor, page_table: Tensor, prefix_lens: Tensor, tree_mask: Tensor,
                        scale: float, out: Tensor, lse: Optional[Tensor]) -> None:
     """Absorbed-MLA tree-verify attention: 64 query heads over one shared latent KV head.
@@ -301,21 +319,13 @@ def tree_attention_mla(q: Tensor, kv_cache: Tensor, page_table: Tensor, prefix_l
         Natural-log sum of exp(scale * q.k) over the visible positions.
     """
     s = _validate.tree_attention_mla(q, kv_cache, page_table, prefix_lens, tree_mask, scale, out, lse)
-    B, N, NH, Dv = s["B"], s["N"], s["NH"], s["Dv"]
-    _check_capacity(page_table, prefix_lens, N, s["page_size"])
-    _check_self_bits(tree_mask)
-    acc = _acc(q)
-    outs, lses = [], []
-    for b in range(B):
-        prefix = int(prefix_lens[b])
-        kv = _gather_pages(kv_cache, page_table, b, prefix + N).to(acc)  # [L, D]
-        k = kv[:, None, :].expand(-1, NH, -1)
-        o, l = _attend(q[b * N:(b + 1) * N].to(acc), k, k[..., :Dv], _tree_visible(b, prefix, tree_mask), scale)
-        outs.append(o)
-        lses.append(l)
-    out.copy_(torch.cat(outs).to(out.dtype))
-    if lse is not None:
-        lse.copy_(torch.cat(lses).to(lse.dtype))
+    acc, NH, Dv = _acc(q), s["NH"], s["Dv"]
+
+    def kv_rows(b, length):  # one latent head shared by every query head; V = its first Dv dims
+        kv = _gather_pages(kv_cache, page_table, b, length).to(acc)[:, None, :].expand(-1, NH, -1)
+        return kv, kv[..., :Dv]
+
+    _tree_attention(q.to(acc), kv_rows, page_table, prefix_lens, tree_mask, scale, out, lse, s["page_size"])
 
 
 def tree_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, page_table: Tensor, prefix_lens: Tensor,
@@ -345,21 +355,14 @@ def tree_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, page_table: Tens
         Natural-log sum of exp(scale * q.k) over the visible positions.
     """
     s = _validate.tree_attention(q, k_cache, v_cache, page_table, prefix_lens, tree_mask, scale, out, lse)
-    B, N, NH, HKV = s["B"], s["N"], s["NH"], s["HKV"]
-    _check_capacity(page_table, prefix_lens, N, s["page_size"])
-    _check_self_bits(tree_mask)
-    acc = _acc(q)
-    outs, lses = [], []
-    for b in range(B):
-        prefix = int(prefix_lens[b])
-        k = _gather_pages(k_cache, page_table, b, prefix + N).to(acc).repeat_interleave(NH // HKV, dim=1)
-        v = _gather_pages(v_cache, page_table, b, prefix + N).to(acc).repeat_interleave(NH // HKV, dim=1)
-        o, l = _attend(q[b * N:(b + 1) * N].to(acc), k, v, _tree_visible(b, prefix, tree_mask), scale)
-        outs.append(o)
-        lses.append(l)
-    out.copy_(torch.cat(outs).to(out.dtype))
-    if lse is not None:
-        lse.copy_(torch.cat(lses).to(lse.dtype))
+    acc, group = _acc(q), s["NH"] // s["HKV"]
+
+    def kv_rows(b, length):  # query head h reads KV head h // group
+        k = _gather_pages(k_cache, page_table, b, length).to(acc).repeat_interleave(group, dim=1)
+        v = _gather_pages(v_cache, page_table, b, length).to(acc).repeat_interleave(group, dim=1)
+        return k, v
+
+    _tree_attention(q.to(acc), kv_rows, page_table, prefix_lens, tree_mask, scale, out, lse, s["page_size"])
 
 
 # ---- verify -----------------------------------------------------------------------------------------
