@@ -24,7 +24,7 @@ test: $(BUILT)
 $(DEPS):
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip  # editable builds need pip >= 25 with setuptools >= 80
-	$(PY) -m pip install -q "$(TORCH)" ninja pybind11 numpy setuptools wheel pytest pytest-benchmark hypothesis
+	$(PY) -m pip install -q "$(TORCH)" ninja pybind11 numpy safetensors tqdm setuptools wheel pytest pytest-benchmark hypothesis
 	touch $@
 
 $(BUILT): $(DEPS) $(SOURCES)

@@ -1,11 +1,16 @@
 """The `eagle3` command (also `python -m eagle3_ops`).
 
-    eagle3 selfcheck [--device cpu|cuda]   build info, then every op once on small inputs, as a table
+    eagle3 demo       continue held-out prompts with the shipped small pair: plain vs speculative
+                      decoding, tokens/s, acceptance length and histogram, time per component
+    eagle3 diagnose   which target layers the drafter was trained on, and whether the configured
+                      capture is it (acceptance per plausible wiring)
+    eagle3 selfcheck  build info, then every op once on small inputs, as a table
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -95,16 +100,144 @@ def selfcheck(device: str) -> int:
     return 1 if failures else 0
 
 
+ASSETS = os.path.join(os.path.dirname(__file__), "assets", "byte-small")
+
+
+def _load_pair(preset: str, device: str, dtype: torch.dtype, seed: int = 0):
+    """(target, drafter, label): the shipped trained pair for byte-small, else synthesised weights."""
+    from .models.config import DrafterConfig, TargetConfig
+    from .models.drafter import Drafter, load_drafter
+    from .models.loading import load_target
+    from .models.target import Target
+
+    if preset == "byte-small":
+        target = load_target(os.path.join(ASSETS, "target"), dtype=dtype, device=device)
+        drafter = load_drafter(os.path.join(ASSETS, "drafter"), target.model.embed_tokens,
+                               num_layers=target.cfg.num_layers, dtype=dtype, device=device)
+        return target.eval(), drafter.eval(), "the shipped pair, trained on CPU (eagle3_ops/assets/byte-small)"
+    cfg = TargetConfig.from_preset(preset)
+    target = Target.synthesize(cfg, seed, dtype).to(device)
+    drafter = Drafter.synthesize(DrafterConfig.for_target(cfg), target.model.embed_tokens, seed + 1, dtype).to(device)
+    return target.eval(), drafter.eval(), (f"preset {preset}, SYNTHESISED weights: the drafter does not predict "
+                                           "this target, acceptance is meaningless here")
+
+
+def _prompts(args, target) -> tuple[torch.Tensor, list[str]]:
+    from . import data
+
+    if args.prompt is not None:
+        texts = [args.prompt] * args.batch
+    else:
+        texts = [p.decode("utf-8", "replace") for p in data.load_heldout_prompts()[:args.batch]]
+    if target.cfg.vocab_size == 256:
+        enc = [data.encode(t.encode("utf-8")) for t in texts]
+        n = min(len(e) for e in enc)
+        return torch.stack([e[-n:] for e in enc]).to(args.device), texts
+    g = torch.Generator().manual_seed(0)
+    return torch.randint(0, target.cfg.vocab_size, (args.batch, 32), generator=g).to(args.device), texts
+
+
+def _spec(args):
+    from .engine import SpecConfig
+
+    return SpecConfig(steps=args.steps, topk=args.topk, num_tokens=args.tokens, temperature=args.temperature,
+                      seed=args.seed)
+
+
+def demo(args) -> int:
+    from . import data
+    from .engine import Timer, generate_plain, generate_speculative
+
+    torch.manual_seed(args.seed)
+    dtype = getattr(torch, args.dtype)
+    target, drafter, label = _load_pair(args.preset, args.device, dtype, args.seed)
+    prompts, texts = _prompts(args, target)
+    spec = _spec(args)
+    print(f"models: {label}")
+    print(f"target: {target.cfg.name}, {target.cfg.num_layers} layers, hidden {target.cfg.hidden_size}; drafter "
+          f"aux ids {list(drafter.cfg.aux_ids)} (output of layer k); device {args.device}, {args.dtype}")
+    print(f"speculative: {spec.steps} draft steps, topk {spec.topk}, {spec.num_tokens} verify tokens, "
+          f"{'greedy' if spec.temperature == 0 else f'temperature {spec.temperature}'}; batch {prompts.shape[0]}, "
+          f"{args.max_new} new tokens each\n")
+    generate_plain(target, prompts[:, :8], 2)  # warm-up (first-call costs out of the timings)
+    plain_timer, spec_timer = Timer(device=args.device), Timer(device=args.device)
+    plain, pstats = generate_plain(target, prompts, args.max_new, temperature=spec.temperature, seed=args.seed,
+                                   timer=plain_timer)
+    fast, sstats = generate_speculative(target, drafter, prompts, args.max_new, spec, timer=spec_timer)
+    if target.cfg.vocab_size == 256:
+        print(f"prompt: {texts[0][-160:]!r}")
+        print(f"speculative continuation: {data.decode(fast[0])!r}\n")
+    same = torch.equal(plain, fast)
+    print(f"plain decoding:       {pstats.tokens_per_s:8.1f} tok/s ({pstats.seconds:.2f} s)")
+    print(f"speculative decoding: {sstats.tokens_per_s:8.1f} tok/s ({sstats.seconds:.2f} s), "
+          f"{sstats.tokens_per_s / max(pstats.tokens_per_s, 1e-9):.2f}x")
+    print(f"acceptance length: {sstats.acceptance_length:.2f} tokens per verify step "
+          f"(accepted drafts + 1, at most {spec.num_tokens}), over {sum(sstats.accept_hist)} verify steps")
+    total = sum(sstats.accept_hist) or 1
+    for k, c in enumerate(sstats.accept_hist):
+        if k >= 1:
+            print(f"  {k} token{'s' if k > 1 else ' '} {c:6d}  {'#' * round(40 * c / total)}")
+    print("time per component (speculative):")
+    accounted = sum(sstats.times.values())
+    for name, sec in sorted(sstats.times.items(), key=lambda kv: -kv[1]):
+        print(f"  {name:<11} {sec * 1e3:9.1f} ms  {100 * sec / sstats.seconds:5.1f}%")
+    print(f"  {'other':<11} {(sstats.seconds - accounted) * 1e3:9.1f} ms  "
+          f"{100 * (sstats.seconds - accounted) / sstats.seconds:5.1f}%")
+    if spec.temperature == 0:
+        print(f"\noutputs identical to plain greedy decoding: {'yes' if same else 'NO'}")
+        return 0 if same else 1
+    print("\n(sampled decoding: outputs differ by design; the distribution is the target's)")
+    return 0
+
+
+def diagnose_cmd(args) -> int:
+    from .diagnose import diagnose
+
+    dtype = getattr(torch, args.dtype)
+    target, drafter, label = _load_pair(args.preset, args.device, dtype, args.seed)
+    prompts, _ = _prompts(args, target)
+    if args.aux_ids is not None:  # a wiring to check, as an engine would configure it (ours: output of layer k)
+        from dataclasses import replace
+
+        drafter.cfg = replace(drafter.cfg, aux_ids=tuple(args.aux_ids))
+    print(f"models: {label}")
+    report = diagnose(target, drafter, prompts, max_new=args.max_new, spec=_spec(args), progress=True)
+    print(report.table())
+    print(report.verdict())
+    return 0 if report.configured_is_best else 3
+
+
+def _add_decode_args(p):
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--preset", default="byte-small", help="byte-small (the shipped trained pair) or a target "
+                   "preset (tiny, kimi-k2-slice, ...) with synthesised weights")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float64"])
+    p.add_argument("--prompt", default=None, help="text to continue (default: held-out prompts)")
+    p.add_argument("--batch", type=int, default=1, help="requests decoded together")
+    p.add_argument("--max-new", type=int, default=64, help="new tokens per request")
+    p.add_argument("--steps", type=int, default=3, help="draft steps per round")
+    p.add_argument("--topk", type=int, default=1, help="beams per draft step (1 = chain)")
+    p.add_argument("--tokens", type=int, default=4, help="verify tokens per round, root included")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--seed", type=int, default=0)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="eagle3", description="eagle3_ops: EAGLE-3 speculative decoding kernels")
     sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("demo", help="plain vs speculative decoding with the shipped small pair")
+    _add_decode_args(p)
+    p = sub.add_parser("diagnose", help="acceptance per plausible wiring: is the configured capture the trained one?")
+    _add_decode_args(p)
+    p.add_argument("--aux-ids", type=int, nargs="+", default=None,
+                   help="the capture to check (ours: output of layer k); default the drafter's config")
     p = sub.add_parser("selfcheck", help="build info, then every op once on small inputs (a table)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu",
                    help="cuda also runs each CUDA/Triton kernel and compares it with the CPU reference")
     args = parser.parse_args(argv)
     if args.command == "selfcheck":
         return selfcheck(args.device)
-    return 2
+    return demo(args) if args.command == "demo" else diagnose_cmd(args)
 
 
 if __name__ == "__main__":

@@ -329,3 +329,13 @@ def drafter_config_fields(ids, convention: str = "output", num_layers: int | Non
     if num_layers is None:
         raise TypeError("drafter_config_fields() needs num_layers, the target's decoder layer count")
     return {IDS_KEY: from_output_ids(ids, convention, num_layers), CONVENTION_KEY: convention}
+
+
+def __getattr__(name):
+    # `wiring.diagnose` measures acceptance per wiring through the decode loop (eagle3_ops.diagnose);
+    # it is loaded on first use so that this module stays importable without torch.
+    if name in ("diagnose", "candidate_wirings"):
+        from . import diagnose as _diagnose
+
+        return getattr(_diagnose, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,103 @@
+"""Wiring diagnosis: which target layers was this drafter trained on, and is the configured capture it?
+
+For a target, a drafter and prompts, greedy speculative decoding runs once per plausible wiring: the
+configured one, the config's ids read in every convention, every id one layer off in each direction,
+and an embedding capture added in front (the seed deployment's miswiring, docs/FIELD.md). The wiring
+with the highest acceptance length is the one the drafter was trained on. Exposed as
+`eagle3_ops.wiring.diagnose` and `eagle3 diagnose`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+from . import wiring
+from .engine import SpecConfig, generate_speculative
+
+TOLERANCE = 0.03  # configured is "it" when within 3% of the best acceptance length
+
+
+@dataclass
+class WiringResult:
+    label: str
+    ids: tuple[int, ...]
+    acceptance_length: float
+    tokens_per_s: float
+
+
+@dataclass
+class Diagnosis:
+    configured: WiringResult
+    results: list[WiringResult]  # best first
+
+    @property
+    def best(self) -> WiringResult:
+        return self.results[0]
+
+    @property
+    def configured_is_best(self) -> bool:
+        return self.configured.acceptance_length >= self.best.acceptance_length * (1 - TOLERANCE)
+
+    def table(self) -> str:
+        w = max(len(r.label) for r in self.results)
+        lines = [f"{'wiring':<{w}}  {'aux ids (output of layer k)':<28} {'acceptance length':>17} {'tok/s':>8}"]
+        for r in self.results:
+            mark = "  <- configured" if r.ids == self.configured.ids else ""
+            lines.append(f"{r.label:<{w}}  {str(list(r.ids)):<28} {r.acceptance_length:>17.2f} {r.tokens_per_s:>8.1f}{mark}")
+        return "\n".join(lines)
+
+    def verdict(self) -> str:
+        b, c = self.best, self.configured
+        if self.configured_is_best:
+            return (f"OK: the configured wiring {list(c.ids)} is the one the drafter was trained on "
+                    f"(acceptance length {c.acceptance_length:.2f}, best of {len(self.results)} wirings).")
+        return (f"MISWIRED: the drafter was trained on {list(b.ids)} ({b.label}), acceptance length "
+                f"{b.acceptance_length:.2f}; the configured wiring {list(c.ids)} gives only "
+                f"{c.acceptance_length:.2f}. Capture {list(b.ids)} (ids as 'output of layer k').")
+
+
+def candidate_wirings(configured: Sequence[int], num_layers: int,
+                      config_ids: Optional[Sequence[int]] = None) -> list[tuple[str, tuple[int, ...]]]:
+    """(label, ids) for the configured wiring and its plausible miswirings, deduplicated by ids."""
+    configured = tuple(configured)
+    raw = list(config_ids) if config_ids is not None else list(configured)
+    found: dict[tuple[int, ...], str] = {configured: "configured"}
+
+    def add(label, ids):
+        try:
+            ids = tuple(wiring.validate_aux_ids(list(ids), num_layers, allow_embedding=True))
+        except (ValueError, TypeError):
+            return
+        found[ids] = f"{found[ids]} = {label}" if ids in found else label
+
+    for conv in wiring.CONVENTIONS:
+        try:
+            add(f"config ids read as '{conv}'", wiring.to_output_ids(raw, conv, num_layers, allow_embedding=True))
+        except (ValueError, TypeError):
+            pass
+    add("every layer +1", [k + 1 for k in configured])
+    add("every layer -1", [k - 1 for k in configured])
+    add("embedding captured in front", [-1] + list(configured[:-1]))
+    return [(label, ids) for ids, label in found.items()]
+
+
+@torch.no_grad()
+def diagnose(target, drafter, prompts: torch.Tensor, *, max_new: int = 32, spec: SpecConfig = SpecConfig(),
+             config_ids: Optional[Sequence[int]] = None, progress: bool = False) -> Diagnosis:
+    """Measure acceptance for the configured capture and each plausible miswiring (greedy, chain by
+    default); returns a Diagnosis with .table() and .verdict()."""
+    cands = candidate_wirings(drafter.cfg.aux_ids, target.cfg.num_layers, config_ids)
+    if progress:
+        from tqdm import tqdm
+
+        cands = tqdm(cands, desc="wirings", leave=False)
+    results = []
+    for label, ids in cands:
+        _, stats = generate_speculative(target, drafter, prompts, max_new, spec, aux_ids=list(ids))
+        results.append(WiringResult(label, ids, stats.acceptance_length, stats.tokens_per_s))
+    configured = next(r for r in results if r.ids == tuple(drafter.cfg.aux_ids))
+    results.sort(key=lambda r: -r.acceptance_length)
+    return Diagnosis(configured=configured, results=results)

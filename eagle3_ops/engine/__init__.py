@@ -1,0 +1,4 @@
+"""The reference decode loop: plain and speculative (chain or tree, greedy or sampled) decoding of a
+Target with an EAGLE-3 Drafter, every hot path through torch.ops.eagle3."""
+
+from .decode import DecodeStats, SpecConfig, Timer, generate_plain, generate_speculative  # noqa: F401

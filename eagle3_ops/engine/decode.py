@@ -1,0 +1,286 @@
+"""Plain and speculative decoding on a Target (and an EAGLE-3 Drafter), every hot path through
+torch.ops.eagle3 (docs/KIMI.md "One speculative round"):
+
+1. prefill the target on x_0..x_{n-1}, capturing the aux states F_i; x_n = its next token;
+2. draft extend at positions 0..n-1 on (embed(x_{i+1}), fc(F_i)) -> the drafter's KV, d_1's scores;
+3. draft steps: topk beams per step, each fed (embed(token), the drafter's own hidden) with tree
+   attention over the drafter's cache (a chain is topk = 1);
+4. build_tree -> the verify tree (N tokens, root = x_n); the target verifies it with tree attention and
+   captures F at every node;
+5. verify_greedy (or verify_sampling) -> accepted path; kv_accept compacts the target's KV of every
+   layer in one call and advances prefix_lens;
+6. draft catch-up on the accepted tokens with the target's F (fc_proj gathers the accepted rows),
+   giving the next round's d_1 scores.
+
+Shapes are static within a round (N verify tokens, (steps - 1) * topk draft-block rows, N catch-up
+rows); finished requests are frozen rather than removed. The only host sync is the loop's stopping
+test between rounds, and the optional timer's, when timing is on.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from .. import ops, tree
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """steps: draft steps per round (tree depth); topk: beams per step (1 = a chain); num_tokens:
+    verify tokens N per round, root included; temperature 0 = greedy, > 0 = lossless sampling."""
+
+    steps: int = 3
+    topk: int = 1
+    num_tokens: int = 4
+    temperature: float = 0.0
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.steps < 1 or self.topk < 1:
+            raise ValueError(f"steps and topk must be >= 1, got steps={self.steps}, topk={self.topk}")
+        most = 1 + self.topk + (self.steps - 1) * self.topk * self.topk
+        if self.topk == 1:
+            most = 1 + self.steps
+        if not 2 <= self.num_tokens <= most:
+            raise ValueError(f"num_tokens must be in [2, {most}] for steps={self.steps}, topk={self.topk} "
+                             f"(the root plus at most that many draft candidates), got {self.num_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+
+
+@dataclass
+class DecodeStats:
+    """What a decode run measured. acceptance length = tokens emitted per verify step (accepted drafts + 1)."""
+
+    tokens: int = 0  # generated tokens counted over all requests (up to max_new each)
+    seconds: float = 0.0
+    rounds: int = 0
+    accept_hist: list = field(default_factory=list)  # accept_hist[k] = verify steps that emitted k tokens
+    times: dict = field(default_factory=dict)  # component -> seconds (when timed)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def acceptance_length(self) -> float:
+        steps = sum(self.accept_hist)
+        return sum(k * c for k, c in enumerate(self.accept_hist)) / steps if steps else 0.0
+
+
+class Timer:
+    """Accumulates wall time per component; synchronises the device around each section when on."""
+
+    def __init__(self, enabled: bool = True, device: torch.device | str = "cpu"):
+        self.enabled = enabled
+        self.cuda = torch.device(device).type == "cuda"
+        self.times: dict[str, float] = defaultdict(float)
+
+    @contextmanager
+    def __call__(self, name: str):
+        if not self.enabled:
+            yield
+            return
+        if self.cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        yield
+        if self.cuda:
+            torch.cuda.synchronize()
+        self.times[name] += time.perf_counter() - t0
+
+
+def _chain_mask(B: int, n: int, device) -> Tensor:
+    return tree.tree_mask(tree.chain_parents(B, n, device=device))
+
+
+def _pick(logits: Tensor, temperature: float, generator: Optional[torch.Generator]) -> Tensor:
+    """[B, V] -> [B] int64: argmax (first maximum) or a sample at the temperature."""
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    probs = torch.softmax(logits.double() / temperature, dim=-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(1)
+
+
+def _prefill(target, prompts: Tensor, kv, aux: Optional[Tensor], aux_ids: Sequence[int]) -> Tensor:
+    """Target forward over whole prompts (equal lengths); returns the last position's logits [B, V]."""
+    B, T0 = prompts.shape
+    positions = torch.arange(T0, device=prompts.device).expand(B, T0)
+    logits = target.forward(prompts, positions, kv, _chain_mask(B, T0, prompts.device), aux, aux_ids)
+    kv.advance(T0)
+    return logits.view(B, T0, -1)[:, -1]
+
+
+@torch.no_grad()
+def generate_plain(target, prompts: Tensor, max_new: int, *, temperature: float = 0.0, seed: int = 0,
+                   page_size: int = 16, timer: Optional[Timer] = None) -> tuple[Tensor, DecodeStats]:
+    """Plain decoding: one target forward per token. Returns (tokens [B, max_new] int64, stats)."""
+    B, T0 = prompts.shape
+    timer = timer or Timer(enabled=False)
+    gen = torch.Generator(device=prompts.device).manual_seed(seed) if temperature > 0 else None
+    start = time.perf_counter()
+    kv = target.new_kv(B, T0 + max_new + 1, page_size=page_size, device=prompts.device)
+    out = torch.empty(B, max_new, dtype=torch.int64, device=prompts.device)
+    with timer("target"):
+        tok = _pick(_prefill(target, prompts, kv, None, ()), temperature, gen)
+    out[:, 0] = tok
+    self_only = torch.ones(B, 1, 1, dtype=torch.int32, device=prompts.device)
+    for i in range(1, max_new):
+        with timer("target"):
+            logits = target.forward(tok[:, None], kv.prefix_lens[:, None].long(), kv, self_only)
+            kv.advance(1)
+        tok = _pick(logits.view(B, -1), temperature, gen)
+        out[:, i] = tok
+    if prompts.is_cuda:
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    return out, DecodeStats(tokens=B * max_new, seconds=seconds, rounds=max_new, accept_hist=[0, max_new * B],
+                            times=dict(timer.times))
+
+
+def _draft_candidates(drafter, dkv, last_logits: Tensor, g: Tensor, spec: SpecConfig, timer: Timer):
+    """EAGLE-2/3 dynamic drafting: depth 0 = top-k of d_1's scores; each further step runs the drafter on
+    the k beams and keeps the top-k of their k * k children by cumulative log-probability.
+
+    Returns build_tree's inputs: draft_tokens / draft_scores / draft_parents [B, S, M], M = topk**2.
+    The beams' KV sit in a draft block after the drafter's prefix; every step re-runs the whole block
+    (static shape) with an ancestor mask, so each row sees the prefix and its own ancestors only."""
+    B, K, S = last_logits.shape[0], spec.topk, spec.steps
+    M, dev = K * K, last_logits.device
+    H = g.shape[-1]
+    draft_tokens = torch.zeros(B, S, M, dtype=torch.int64, device=dev)
+    draft_scores = torch.full((B, S, M), float("-inf"), dtype=torch.float32, device=dev)
+    draft_parents = torch.full((B, S, M), -1, dtype=torch.int64, device=dev)
+    top_lp, top_id = torch.log_softmax(last_logits.float(), -1).topk(K, dim=-1)  # [B, K]
+    beam_tok = drafter.to_target_ids(top_id)
+    draft_tokens[:, 0, :K], draft_scores[:, 0, :K] = beam_tok, top_lp
+    beam_score, beam_cand = top_lp, torch.arange(K, device=dev).expand(B, K)
+    beam_hidden = g[:, None, :].expand(B, K, H)
+    if S == 1:
+        return draft_tokens, draft_scores, draft_parents
+    NB = (S - 1) * K
+    blk_tok = torch.zeros(B, NB, dtype=torch.int64, device=dev)
+    blk_hidden = torch.zeros(B, NB, H, dtype=g.dtype, device=dev)
+    blk_anc = torch.eye(NB, dtype=torch.bool, device=dev).repeat(B, 1, 1)  # ancestor-or-self within the block
+    beam_slot = torch.full((B, K), -1, dtype=torch.int64, device=dev)  # block slot of each beam's parent
+    positions = dkv.prefix_lens[:, None].long() + torch.arange(NB, device=dev) // K  # depth-d node at n + d - 1
+    for s in range(1, S):
+        lo = (s - 1) * K
+        blk_tok[:, lo:lo + K], blk_hidden[:, lo:lo + K] = beam_tok, beam_hidden
+        has_parent = beam_slot >= 0
+        parent_rows = torch.gather(blk_anc, 1, beam_slot.clamp(min=0)[:, :, None].expand(B, K, NB))
+        blk_anc[:, lo:lo + K] = (parent_rows & has_parent[:, :, None]) | torch.eye(NB, dtype=torch.bool,
+                                                                                    device=dev)[lo:lo + K]
+        with timer("draft"):
+            logits, hidden = drafter.forward(blk_tok, blk_hidden.reshape(B * NB, H), positions, dkv,
+                                             tree.dense_to_mask(blk_anc))
+        lp = torch.log_softmax(logits.view(B, NB, -1)[:, lo:lo + K].float(), -1)
+        lp_top, id_top = lp.topk(K, dim=-1)  # [B, K beams, K children]
+        scores = (beam_score[:, :, None] + lp_top).reshape(B, M)
+        cand_tok = drafter.to_target_ids(id_top).reshape(B, M)
+        draft_tokens[:, s], draft_scores[:, s] = cand_tok, scores
+        draft_parents[:, s] = beam_cand[:, :, None].expand(B, K, K).reshape(B, M)
+        beam_score, beam_cand = scores.topk(K, dim=-1)
+        beam_tok = cand_tok.gather(1, beam_cand)
+        new_hidden = hidden.view(B, NB, H)[:, lo:lo + K]
+        beam_hidden = new_hidden.gather(1, (beam_cand // K)[:, :, None].expand(B, K, H))
+        beam_slot = lo + beam_cand // K
+    return draft_tokens, draft_scores, draft_parents
+
+
+@torch.no_grad()
+def generate_speculative(target, drafter, prompts: Tensor, max_new: int, spec: SpecConfig = SpecConfig(), *,
+                         aux_ids: Optional[Sequence[int]] = None, page_size: int = 16,
+                         timer: Optional[Timer] = None) -> tuple[Tensor, DecodeStats]:
+    """Speculative decoding (chain or tree, greedy or sampled). aux_ids: which target layers feed the
+    drafter (ours, "output of layer k"; default the drafter's configured ids; eagle3_ops.wiring.diagnose
+    passes miswirings here). Returns (tokens [B, max_new] int64, stats)."""
+    B, T0 = prompts.shape
+    N, dev = spec.num_tokens, prompts.device
+    aux_ids = list(drafter.cfg.aux_ids if aux_ids is None else aux_ids)
+    if len(aux_ids) != drafter.cfg.n_aux:
+        raise ValueError(f"aux_ids must name {drafter.cfg.n_aux} layers (the drafter's fc input), got {aux_ids}")
+    timer = timer or Timer(enabled=False)
+    H, dtype = target.cfg.hidden_size, target.model.embed_tokens.weight.dtype
+    start = time.perf_counter()
+    block = (spec.steps - 1) * spec.topk
+    cap = T0 + max_new + N + 1
+    tkv = target.new_kv(B, cap, page_size=page_size, device=dev)
+    dkv = drafter.new_kv(B, cap + block, page_size=page_size, device=dev)
+    gen = torch.Generator(device=dev).manual_seed(spec.seed) if spec.temperature > 0 else None
+    temperature = torch.full((B,), spec.temperature, dtype=torch.float32, device=dev)
+    seed = torch.arange(B, dtype=torch.int64, device=dev) + spec.seed * 1_000_003
+    offset = torch.zeros(B, dtype=torch.int64, device=dev)
+
+    # 1-2. prefill with capture, then the drafter's extend on (embed(x_{i+1}), fc(F_i))
+    aux = torch.empty(B * T0, len(aux_ids) * H, dtype=dtype, device=dev)
+    with timer("target"):
+        root = _pick(_prefill(target, prompts, tkv, aux, aux_ids), spec.temperature, gen)
+    with timer("fc"):
+        hidden = drafter.project(aux)
+    with timer("draft"):
+        logits, hidden = drafter.forward(torch.cat([prompts[:, 1:], root[:, None]], 1), hidden,
+                                         torch.arange(T0, device=dev).expand(B, T0), dkv, _chain_mask(B, T0, dev))
+        dkv.advance(T0)
+    last_logits, g = logits.view(B, T0, -1)[:, -1], hidden.view(B, T0, -1)[:, -1]
+
+    out = torch.full((B, max_new + N), -1, dtype=torch.int64, device=dev)
+    out[:, 0] = root
+    count = torch.ones(B, dtype=torch.int64, device=dev)
+    hist = torch.zeros(N + 1, dtype=torch.int64, device=dev)
+    aux = torch.empty(B * N, len(aux_ids) * H, dtype=dtype, device=dev)
+    arangeN, rows_base = torch.arange(N, device=dev), torch.arange(B, device=dev)[:, None] * N
+    chainN = _chain_mask(B, N, dev)
+    rounds = 0
+    while bool((count < max_new).any()):  # the one host sync per round
+        rounds += 1
+        active = count < max_new
+        # 3-4. draft, build the tree, verify with capture
+        cand = _draft_candidates(drafter, dkv, last_logits, g, spec, timer)
+        with timer("build_tree"):
+            tokens, parents, positions, mask = ops.build_tree(root, *cand, tkv.prefix_lens, num_nodes=N)
+        with timer("target"):
+            logits = target.forward(tokens, positions, tkv, mask, aux, aux_ids)
+        with timer("verify"):
+            if spec.temperature == 0:
+                accept_nodes, accept_len, emitted = ops.verify_greedy(logits, tokens, parents)
+            else:
+                accept_nodes, accept_len, emitted = ops.verify_sampling(logits, None, None, tokens, parents,
+                                                                        temperature, seed, offset)
+                offset += 1
+        # 5. accept: compact the target's KV, emit, freeze finished requests
+        step = (accept_len.long() + 1) * active
+        with timer("kv_accept"):
+            ops.kv_accept(tkv.caches, tkv.page_table, tkv.prefix_lens, accept_nodes, accept_len)
+            tkv.prefix_lens -= (accept_len + 1) * ~active
+        idx = (count[:, None] + arangeN).clamp(max=max_new + N - 1)  # frozen requests write nothing
+        keep = (arangeN[None] <= accept_len[:, None]) & active[:, None]
+        out.scatter_(1, idx, torch.where(keep, emitted, out.gather(1, idx)))
+        hist += torch.nn.functional.one_hot(accept_len.long() + 1, N + 1).mul(active[:, None]).sum(0)
+        count += step
+        root = torch.where(active, emitted.gather(1, accept_len[:, None].long()).squeeze(1), root)
+        # 6. catch-up: the drafter re-reads the accepted tokens with the target's features
+        with timer("fc"):
+            hidden = drafter.project(aux, (rows_base + accept_nodes.clamp(min=0)).view(-1))
+        with timer("draft"):
+            logits, hidden = drafter.forward(emitted.clamp(min=0), hidden, dkv.prefix_lens[:, None].long() + arangeN,
+                                             dkv, chainN)
+        pick = accept_len.long()[:, None, None]
+        last_logits = torch.where(active[:, None], logits.view(B, N, -1).gather(1, pick.expand(B, 1, logits.shape[-1]))
+                                  .squeeze(1), last_logits)
+        g = torch.where(active[:, None], hidden.view(B, N, -1).gather(1, pick.expand(B, 1, hidden.shape[-1]))
+                        .squeeze(1), g)
+        dkv.advance(step.to(torch.int32))
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    stats = DecodeStats(tokens=B * max_new, seconds=seconds, rounds=rounds, accept_hist=hist.tolist(),
+                        times=dict(timer.times))
+    return out[:, :max_new], stats
