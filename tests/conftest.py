@@ -11,6 +11,10 @@ import eagle3_ops  # noqa: F401  (registers torch.ops.eagle3)
 
 HAS_CUDA = torch.cuda.is_available()
 
+# The tests are many small CPU ops: one thread each avoids OpenMP oversubscription stalls on a busy
+# 2-core machine (seen here: 5 ms per index_add_ while another process computed) and keeps runs steady.
+torch.set_num_threads(1)
+
 # ||out - ref|| / ||ref|| against the float64 reference, by the dtype the kernel computed in
 # (METHOD.md): fp32 far under 1e-3; bf16 / fp16 operands between 1e-3 and 1e-2.
 TOLERANCES = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2, torch.float64: 1e-12}
