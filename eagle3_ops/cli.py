@@ -149,6 +149,7 @@ def demo(args) -> int:
     from .engine import Timer, generate_plain, generate_speculative
 
     torch.manual_seed(args.seed)
+    torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     target, drafter, label = _load_pair(args.preset, args.device, dtype, args.seed)
     prompts, texts = _prompts(args, target)
@@ -193,15 +194,13 @@ def demo(args) -> int:
 def diagnose_cmd(args) -> int:
     from .diagnose import diagnose
 
+    torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     target, drafter, label = _load_pair(args.preset, args.device, dtype, args.seed)
     prompts, _ = _prompts(args, target)
-    if args.aux_ids is not None:  # a wiring to check, as an engine would configure it (ours: output of layer k)
-        from dataclasses import replace
-
-        drafter.cfg = replace(drafter.cfg, aux_ids=tuple(args.aux_ids))
     print(f"models: {label}")
-    report = diagnose(target, drafter, prompts, max_new=args.max_new, spec=_spec(args), progress=True)
+    report = diagnose(target, drafter, prompts, configured=args.aux_ids, max_new=args.max_new, spec=_spec(args),
+                      progress=True)
     print(report.table())
     print(report.verdict())
     return 0 if report.configured_is_best else 3
@@ -220,6 +219,8 @@ def _add_decode_args(p):
     p.add_argument("--tokens", type=int, default=4, help="verify tokens per round, root included")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1, help="CPU threads (the small models gain nothing from more, "
+                   "and OpenMP stalls when the cores are shared)")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,7 +17,7 @@ import torch
 from . import wiring
 from .engine import SpecConfig, generate_speculative
 
-TOLERANCE = 0.03  # configured is "it" when within 3% of the best acceptance length
+TOLERANCE = 0.005  # configured is "it" when within 0.5% of the best acceptance length (greedy: deterministic)
 
 
 @dataclass
@@ -61,7 +61,10 @@ class Diagnosis:
 
 def candidate_wirings(configured: Sequence[int], num_layers: int,
                       config_ids: Optional[Sequence[int]] = None) -> list[tuple[str, tuple[int, ...]]]:
-    """(label, ids) for the configured wiring and its plausible miswirings, deduplicated by ids."""
+    """(label, ids) for the configured capture and the plausible wirings around it, deduplicated by ids:
+    the config's ids read in every convention, and each of those (and the configured one) one layer
+    off either way or with an embedding captured in front. config_ids: the ids as written in the
+    drafter's config.json (default: the configured ones)."""
     configured = tuple(configured)
     raw = list(config_ids) if config_ids is not None else list(configured)
     found: dict[tuple[int, ...], str] = {configured: "configured"}
@@ -71,25 +74,36 @@ def candidate_wirings(configured: Sequence[int], num_layers: int,
             ids = tuple(wiring.validate_aux_ids(list(ids), num_layers, allow_embedding=True))
         except (ValueError, TypeError):
             return
-        found[ids] = f"{found[ids]} = {label}" if ids in found else label
+        found.setdefault(ids, label)  # the first (most direct) explanation names it
 
+    readings = []
     for conv in wiring.CONVENTIONS:
         try:
-            add(f"config ids read as '{conv}'", wiring.to_output_ids(raw, conv, num_layers, allow_embedding=True))
+            ids = wiring.to_output_ids(raw, conv, num_layers, allow_embedding=True)
         except (ValueError, TypeError):
-            pass
-    add("every layer +1", [k + 1 for k in configured])
-    add("every layer -1", [k - 1 for k in configured])
-    add("embedding captured in front", [-1] + list(configured[:-1]))
+            continue
+        add(f"config ids read as '{conv}'", ids)
+        readings.append(tuple(ids))
+    for base, name in [(configured, "configured")] + [(r, "config") for r in dict.fromkeys(readings)]:
+        add(f"{name}, every layer +1", [k + 1 for k in base])
+        add(f"{name}, every layer -1", [k - 1 for k in base])
+        add(f"{name}, embedding captured in front", [-1] + list(base[:-1]))
     return [(label, ids) for ids, label in found.items()]
 
 
 @torch.no_grad()
-def diagnose(target, drafter, prompts: torch.Tensor, *, max_new: int = 32, spec: SpecConfig = SpecConfig(),
-             config_ids: Optional[Sequence[int]] = None, progress: bool = False) -> Diagnosis:
-    """Measure acceptance for the configured capture and each plausible miswiring (greedy, chain by
-    default); returns a Diagnosis with .table() and .verdict()."""
-    cands = candidate_wirings(drafter.cfg.aux_ids, target.cfg.num_layers, config_ids)
+def diagnose(target, drafter, prompts: torch.Tensor, *, configured: Optional[Sequence[int]] = None,
+             config_ids: Optional[Sequence[int]] = None, max_new: int = 32, spec: SpecConfig = SpecConfig(),
+             progress: bool = False) -> Diagnosis:
+    """Measure acceptance (greedy, chain by default) for the configured capture and each plausible
+    wiring; returns a Diagnosis with .table() and .verdict().
+
+    configured: what the engine captures (ours: output of layer k); default the drafter's configured
+    ids. config_ids: the ids as written in the drafter's config.json, read in every convention;
+    default the drafter's ids in our convention."""
+    configured = tuple(drafter.cfg.aux_ids if configured is None else configured)
+    raw = list(drafter.cfg.aux_ids) if config_ids is None else list(config_ids)
+    cands = candidate_wirings(configured, target.cfg.num_layers, raw)
     if progress:
         from tqdm import tqdm
 
@@ -98,6 +112,6 @@ def diagnose(target, drafter, prompts: torch.Tensor, *, max_new: int = 32, spec:
     for label, ids in cands:
         _, stats = generate_speculative(target, drafter, prompts, max_new, spec, aux_ids=list(ids))
         results.append(WiringResult(label, ids, stats.acceptance_length, stats.tokens_per_s))
-    configured = next(r for r in results if r.ids == tuple(drafter.cfg.aux_ids))
+    mine = next(r for r in results if r.ids == configured)
     results.sort(key=lambda r: -r.acceptance_length)
-    return Diagnosis(configured=configured, results=results)
+    return Diagnosis(configured=mine, results=results)
