@@ -1,5 +1,6 @@
 # The two commands of the README, on a fresh machine (Python 3.11; no GPU needed):
-#   make demo   set up .venv, build, run the self-check (every op once, a table)
+#   make demo   set up .venv, build, continue held-out prompts with the shipped small pair: plain vs
+#               speculative decoding (eagle3 demo); `make selfcheck` runs every op once (a table)
 #   make test   set up .venv, build, run the test suite (CPU + Triton interpreter; GPU tests skip)
 # The build compiles the CUDA kernels for sm_90a whenever torch is a CUDA build and nvcc exists,
 # GPU or not. Override TORCH=torch==2.13.0 for a small CPU-only torch (C++ op table only).
@@ -13,9 +14,12 @@ DEPS := $(VENV)/.deps-installed
 BUILT := $(VENV)/.eagle3-built
 SOURCES := setup.py $(wildcard csrc/*.cpp csrc/*.cu csrc/include/eagle3/*)
 
-.PHONY: demo test clean
+.PHONY: demo selfcheck test clean
 
 demo: $(BUILT)
+	$(PY) -m eagle3_ops demo
+
+selfcheck: $(BUILT)
 	$(PY) -m eagle3_ops selfcheck
 
 test: $(BUILT)
