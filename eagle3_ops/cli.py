@@ -162,9 +162,11 @@ def demo(args) -> int:
           f"{args.max_new} new tokens each\n")
     generate_plain(target, prompts[:, :8], 2)  # warm-up (first-call costs out of the timings)
     plain_timer, spec_timer = Timer(device=args.device), Timer(device=args.device)
+    long_run = args.max_new * prompts.shape[0] >= 512
     plain, pstats = generate_plain(target, prompts, args.max_new, temperature=spec.temperature, seed=args.seed,
-                                   timer=plain_timer)
-    fast, sstats = generate_speculative(target, drafter, prompts, args.max_new, spec, timer=spec_timer)
+                                   timer=plain_timer, progress=long_run)
+    fast, sstats = generate_speculative(target, drafter, prompts, args.max_new, spec, timer=spec_timer,
+                                        progress=long_run)
     if target.cfg.vocab_size == 256:
         print(f"prompt: {texts[0][-160:]!r}")
         print(f"speculative continuation: {data.decode(fast[0])!r}\n")

@@ -97,6 +97,15 @@ class Timer:
         self.times[name] += time.perf_counter() - t0
 
 
+def _progress(enabled: bool, total: int, desc: str):
+    """A tqdm bar over generated tokens (of the slowest request), or None."""
+    if not enabled:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="tok", leave=False)
+
+
 def _chain_mask(B: int, n: int, device) -> Tensor:
     return tree.tree_mask(tree.chain_parents(B, n, device=device))
 
@@ -120,7 +129,8 @@ def _prefill(target, prompts: Tensor, kv, aux: Optional[Tensor], aux_ids: Sequen
 
 @torch.no_grad()
 def generate_plain(target, prompts: Tensor, max_new: int, *, temperature: float = 0.0, seed: int = 0,
-                   page_size: int = 16, timer: Optional[Timer] = None) -> tuple[Tensor, DecodeStats]:
+                   page_size: int = 16, timer: Optional[Timer] = None,
+                   progress: bool = False) -> tuple[Tensor, DecodeStats]:
     """Plain decoding: one target forward per token. Returns (tokens [B, max_new] int64, stats)."""
     B, T0 = prompts.shape
     timer = timer or Timer(enabled=False)
@@ -132,12 +142,17 @@ def generate_plain(target, prompts: Tensor, max_new: int, *, temperature: float 
         tok = _pick(_prefill(target, prompts, kv, None, ()), temperature, gen)
     out[:, 0] = tok
     self_only = torch.ones(B, 1, 1, dtype=torch.int32, device=prompts.device)
+    bar = _progress(progress, max_new, "plain")
     for i in range(1, max_new):
+        if bar is not None:
+            bar.update(1)
         with timer("target"):
             logits = target.forward(tok[:, None], kv.prefix_lens[:, None].long(), kv, self_only)
             kv.advance(1)
         tok = _pick(logits.view(B, -1), temperature, gen)
         out[:, i] = tok
+    if bar is not None:
+        bar.close()
     if prompts.is_cuda:
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start
@@ -198,7 +213,7 @@ def _draft_candidates(drafter, dkv, last_logits: Tensor, g: Tensor, spec: SpecCo
 @torch.no_grad()
 def generate_speculative(target, drafter, prompts: Tensor, max_new: int, spec: SpecConfig = SpecConfig(), *,
                          aux_ids: Optional[Sequence[int]] = None, page_size: int = 16,
-                         timer: Optional[Timer] = None) -> tuple[Tensor, DecodeStats]:
+                         timer: Optional[Timer] = None, progress: bool = False) -> tuple[Tensor, DecodeStats]:
     """Speculative decoding (chain or tree, greedy or sampled). aux_ids: which target layers feed the
     drafter (ours, "output of layer k"; default the drafter's configured ids; eagle3_ops.wiring.diagnose
     passes miswirings here). Returns (tokens [B, max_new] int64, stats)."""
@@ -239,8 +254,11 @@ def generate_speculative(target, drafter, prompts: Tensor, max_new: int, spec: S
     arangeN, rows_base = torch.arange(N, device=dev), torch.arange(B, device=dev)[:, None] * N
     chainN = _chain_mask(B, N, dev)
     rounds = 0
+    bar = _progress(progress, max_new, "speculative")
     while bool((count < max_new).any()):  # the one host sync per round
         rounds += 1
+        if bar is not None:
+            bar.update(int(count.clamp(max=max_new).min()) - bar.n)
         active = count < max_new
         # 3-4. draft, build the tree, verify with capture
         cand = _draft_candidates(drafter, dkv, last_logits, g, spec, timer)
@@ -278,6 +296,8 @@ def generate_speculative(target, drafter, prompts: Tensor, max_new: int, spec: S
         g = torch.where(active[:, None], hidden.view(B, N, -1).gather(1, pick.expand(B, 1, hidden.shape[-1]))
                         .squeeze(1), g)
         dkv.advance(step.to(torch.int32))
+    if bar is not None:
+        bar.close()
     if dev.type == "cuda":
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start
