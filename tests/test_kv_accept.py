@@ -166,6 +166,15 @@ def make_caches(g, num_pages, page_size):
     ]
 
 
+def check_against_dense(caches, page_table, prefix_lens, accept_nodes, accept_len):
+    """kv_accept in place, compared bit for bit with the independent dense implementation."""
+    want_caches, want_prefix = dense_accept(caches, page_table, prefix_lens, accept_nodes, accept_len)
+    kv_accept(caches, page_table, prefix_lens, accept_nodes, accept_len)
+    for i, (c, w) in enumerate(zip(caches, want_caches)):
+        assert_same_bits(c, w, f"caches[{i}]")
+    assert_equal(prefix_lens, want_prefix, "prefix_lens")
+
+
 @PROPERTY
 @given(seed=st.integers(0, 2**31 - 1),
        page_size=st.sampled_from([1, 4, 16]),           # SGLang's token layout, small pages, a typical page
@@ -179,12 +188,7 @@ def test_random_sweep_matches_dense(seed, page_size, B, N, kind):
     caches = make_caches(g, num_pages, page_size)
     parents = tree.random_parents(B, N, g, kind)
     accept_nodes, accept_len = random_paths(g, parents)
-    prefix_lens = i32(prefix)
-    want_caches, want_prefix = dense_accept(caches, page_table, prefix_lens, accept_nodes, accept_len)
-    kv_accept(caches, page_table, prefix_lens, accept_nodes, accept_len)
-    for i, (c, w) in enumerate(zip(caches, want_caches)):
-        assert_same_bits(c, w, f"caches[{i}]")
-    assert_equal(prefix_lens, want_prefix, "prefix_lens")
+    check_against_dense(caches, page_table, i32(prefix), accept_nodes, accept_len)
 
 
 @pytest.mark.parametrize("page_size", [1, 4, 16])
@@ -213,12 +217,7 @@ def test_moves_straddle_pages(page_size):
             src, dst = prefix[b] + int(accept_nodes[b, i]), prefix[b] + i
             straddles += int(page_table[b, src // page_size] != page_table[b, dst // page_size])
     assert straddles > 0
-    prefix_lens = i32(prefix)
-    want_caches, want_prefix = dense_accept(caches, page_table, prefix_lens, accept_nodes, accept_len)
-    kv_accept(caches, page_table, prefix_lens, accept_nodes, accept_len)
-    for i, (c, w) in enumerate(zip(caches, want_caches)):
-        assert_same_bits(c, w, f"caches[{i}]")
-    assert_equal(prefix_lens, want_prefix, "prefix_lens")
+    check_against_dense(caches, page_table, i32(prefix), accept_nodes, accept_len)
 
 
 def test_entries_beyond_accept_len_are_never_read():
