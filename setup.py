@@ -2,7 +2,8 @@
 
 The CUDA sources are compiled whenever torch is a CUDA build and nvcc is found, with or without a GPU
 present (CI has none and must still compile every .cu file). TORCH_CUDA_ARCH_LIST defaults to 9.0a.
-DEBUG=1 gives -O0 -g -lineinfo. Set CUDA_HOME to the toolkit root; when it is unset and `nvcc` on PATH
+DEBUG=1 gives -O0 -g -lineinfo. EAGLE3_CUDA_ONLY=capture_aux,kv_accept compiles just those csrc/*.cu
+(empty: none), to iterate on one kernel quickly. Set CUDA_HOME to the toolkit root; when it is unset and `nvcc` on PATH
 is a wrapper script, the toolkit root is asked of nvcc itself (torch would otherwise guess the wrapper's
 folder and link against a libcudart that is not there).
 """
@@ -78,6 +79,13 @@ def extension():
     _warn_static_libstdcxx()
     cpp = sorted(glob.glob(os.path.join("csrc", "*.cpp")))
     cuda = sorted(glob.glob(os.path.join("csrc", "*.cu")))
+    only = os.environ.get("EAGLE3_CUDA_ONLY")  # e.g. "capture_aux,kv_accept": build just these kernels
+    if only is not None:
+        wanted = {k.strip() for k in only.split(",") if k.strip()}
+        unknown = wanted - {os.path.splitext(os.path.basename(f))[0] for f in cuda}
+        if unknown:
+            sys.exit(f"eagle3_ops: EAGLE3_CUDA_ONLY names no csrc/<name>.cu for {sorted(unknown)}")
+        cuda = [f for f in cuda if os.path.splitext(os.path.basename(f))[0] in wanted]
     opt = ["-O0", "-g"] if DEBUG else ["-O3"]
     cxx = opt + [_define("EAGLE3_TORCH_VERSION", torch.__version__)]  # torch picks the C++ standard
     include_dirs = [os.path.join(HERE, "csrc", "include")]

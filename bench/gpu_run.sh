@@ -3,6 +3,7 @@
 # benchmarks, and leave logs, JSON and the table under $OUT (the table printed last).
 #   usage: [SANITIZE='-k expr'] bash bench/gpu_run.sh [pytest -k expression for the GPU tests] [bench files...]
 #   SANITIZE runs the GPU tests matching that expression under compute-sanitizer memcheck.
+#   TESTS='tests/test_x.py ...' selects the test files; EAGLE3_CUDA_ONLY=a,b builds only those csrc/*.cu.
 set -o pipefail
 OUT=${OUT:-/tmp/eagle3_gpu_out}
 mkdir -p "$OUT"
