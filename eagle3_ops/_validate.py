@@ -86,8 +86,9 @@ def capture_aux(hidden, residual, aux, slot, rows) -> dict:
 def add_rmsnorm_capture(x, residual, weight, eps, aux, slot, rows) -> dict:
     tensor(x, "x", dtypes=FLOATS, dim=2, last_contiguous=True)
     T, H = x.shape
-    tensor(residual, "residual", dtypes=FLOATS, shape=(("T", T), ("H", H)), like=x, like_name="x",
-           last_contiguous=True)
+    # x's dtype, or an fp32 residual stream beside bf16/fp16 activations (what the CUDA kernel supports)
+    tensor(residual, "residual", dtypes=tuple(dict.fromkeys((x.dtype, torch.float32))), shape=(("T", T), ("H", H)),
+           like=x, like_name="x", last_contiguous=True)
     tensor(weight, "weight", dtypes=FLOATS, shape=(("H", H),), like=x, like_name="x", contiguous=True)
     if not eps >= 0:
         raise ValueError(f"eps must be >= 0, got {eps}")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from eagle3_ops import reference
 from tests.conftest import TOLERANCES, assert_equal, poison_, rel_err
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
@@ -162,3 +163,155 @@ def test_bad_row_raises_and_writes_nothing(gen):
         torch.ops.eagle3.add_rmsnorm_capture(x, residual, weight, 1e-6, aux, 0, torch.tensor([1, 4]))
     for t, b in zip((x, residual, aux), before):
         assert_equal(t, b)
+
+
+# ---- GPU: the CUDA kernel against the reference --------------------------------------------------------
+
+KIMI_H = 7168
+# (x dtype, residual dtype, weight dtype): the common layouts, an fp32 residual stream, an fp32 norm weight
+COMBOS = [(torch.bfloat16, torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16, torch.float16),
+          (torch.float32, torch.float32, torch.float32), (torch.bfloat16, torch.float32, torch.float32),
+          (torch.bfloat16, torch.bfloat16, torch.float32), (torch.float64, torch.float64, torch.float64)]
+
+
+def _cuda_case(gen, T, H, dt, mode, n_aux=3):
+    x_dt, r_dt, w_dt = dt
+    x, residual, weight = _inputs(gen, T, H, x_dt, res_dtype=r_dt, w_dtype=w_dt)
+    R = {"rows": T // 3 + 2}.get(mode, T)
+    rows = torch.randint(0, T, (R,), generator=gen) if mode == "rows" else None
+    if mode == "strided":
+        aux = torch.empty(T, n_aux * H + 8, dtype=r_dt)[:, 8:]  # a column view: row stride > width
+    else:
+        aux = torch.empty(R, n_aux * H, dtype=r_dt)
+    if mode == "off":
+        aux = None
+    return x, residual, weight, aux, rows
+
+
+def _run_both(args, slot, eps=1e-6):
+    """The CUDA op and the CPU reference on copies of the same inputs; aux poisoned on both sides."""
+    x, residual, weight, aux, rows = args
+    dev = [None if t is None else t.cuda() for t in (x, residual, weight, aux, rows)]
+    cpu = [None if t is None else t.clone() for t in (x, residual, weight, aux, rows)]
+    for a in (dev[3], cpu[3]):
+        if a is not None:
+            poison_(a)
+    torch.ops.eagle3.add_rmsnorm_capture(dev[0], dev[1], dev[2], eps, dev[3], slot, dev[4])
+    reference.add_rmsnorm_capture(cpu[0], cpu[1], cpu[2], eps, cpu[3], slot, cpu[4])
+    return [None if t is None else t.cpu() for t in dev], cpu
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dt", COMBOS, ids=lambda c: "-".join(str(d).replace("torch.", "") for d in c))
+@pytest.mark.parametrize("T", [1, 3, 64, 99, 4096])
+@pytest.mark.parametrize("mode", ["all", "rows", "strided", "off"])
+def test_cuda_against_reference(gen, dt, T, mode):
+    """residual and aux bit-exact; x within the dtype's rule of the float64 truth and within one rounding of
+    the reference (only the order of the sum of squares differs)."""
+    if T == 4096 and dt[0] == torch.float64:
+        pytest.skip("the float64 path is for testing; 99 rows cover it")
+    args = _cuda_case(gen, T, KIMI_H, dt, mode)
+    x0, r0, w = args[0].clone(), args[1].clone(), args[2]
+    (x, residual, _, aux, _), (x_ref, residual_ref, _, aux_ref, _) = _run_both(args, slot=1)
+    assert_equal(residual, residual_ref, "residual")
+    if aux is not None:
+        assert_equal(aux, aux_ref, "aux")
+    _, truth = _truth64(x0, r0, w, 1e-6)
+    assert rel_err(x, truth) <= TOLERANCES[dt[0]]
+    assert rel_err(x, x_ref) <= {torch.float64: 1e-14, torch.float32: 1e-6}.get(dt[0], 4e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("H", [1, 3, 99, 7169, 20000, 40960])  # scalar path, odd; beyond the register budget
+def test_cuda_odd_and_wide_rows(gen, H):
+    args = _cuda_case(gen, 5, H, (torch.bfloat16,) * 3, "rows", n_aux=2)
+    (x, residual, _, aux, _), (x_ref, residual_ref, _, aux_ref, _) = _run_both(args, slot=1)
+    assert_equal(residual, residual_ref, "residual")
+    assert_equal(aux, aux_ref, "aux")
+    assert rel_err(x, x_ref) <= 4e-3
+
+
+@pytest.mark.gpu
+def test_cuda_out_of_range_rows_write_nan_rows(gen):
+    x, residual, weight = _inputs(gen, 8, 256, torch.bfloat16)
+    x, residual, weight = x.cuda(), residual.cuda(), weight.cuda()
+    r0 = residual.clone()
+    x0 = x.clone()
+    rows = torch.tensor([0, 8, -1, 7, 2**31 - 1, 3, 3], dtype=torch.int32, device="cuda")
+    aux = torch.zeros(7, 256, dtype=torch.bfloat16, device="cuda")
+    torch.ops.eagle3.add_rmsnorm_capture(x, residual, weight, 1e-6, aux, 0, rows)
+    bad = torch.tensor([False, True, True, False, True, False, False])
+    assert torch.isnan(aux.cpu()[bad]).all()
+    assert_equal(aux.cpu()[~bad], (x0 + r0).cpu()[rows.cpu()[~bad].long()])
+    assert_equal(residual.cpu(), (x0 + r0).cpu())  # the fused add + norm itself is unaffected
+
+
+@pytest.mark.gpu
+def test_cuda_graph_replay_with_new_values(gen):
+    T, H = 64, KIMI_H
+    x, residual, weight = (t.cuda() for t in _inputs(gen, T, H, torch.bfloat16))
+    aux = torch.empty(16, 3 * H, dtype=torch.bfloat16, device="cuda")
+    rows = torch.randint(0, T, (16,), generator=gen, dtype=torch.int32).cuda()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        torch.ops.eagle3.add_rmsnorm_capture(x, residual, weight, 1e-6, aux, 2, rows)  # warm up
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        torch.ops.eagle3.add_rmsnorm_capture(x, residual, weight, 1e-6, aux, 2, rows)
+    for _ in range(3):  # new values at the same addresses
+        x.copy_(torch.randn(T, H, generator=gen).bfloat16())
+        residual.copy_(torch.randn(T, H, generator=gen).bfloat16())
+        rows.copy_(torch.randint(0, T, (16,), generator=gen, dtype=torch.int32))
+        poison_(aux)
+        cpu = [t.cpu().clone() for t in (x, residual, weight, aux, rows)]
+        graph.replay()
+        reference.add_rmsnorm_capture(cpu[0], cpu[1], cpu[2], 1e-6, cpu[3], 2, cpu[4])
+        assert_equal(residual.cpu(), cpu[1], "residual")
+        assert_equal(aux.cpu(), cpu[3], "aux")
+        assert rel_err(x.cpu(), cpu[0]) <= 4e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "case, error, match",
+    [
+        ("aux_dtype", TypeError, "aux must have dtype"),
+        ("residual_shape", ValueError, "residual must have shape"),
+        ("residual_dtype", TypeError, "residual must have dtype"),
+        ("weight_shape", ValueError, "weight must have shape"),
+        ("slot", ValueError, "slot must be in"),
+        ("rows_dtype", TypeError, "rows must have dtype"),
+        ("rows_count", ValueError, "aux must have R"),
+        ("x_strided", ValueError, "x must be contiguous in its last dimension"),
+        ("eps", ValueError, "eps must be >= 0"),
+    ],
+)
+def test_cuda_bad_input_writes_nothing(gen, case, error, match):
+    x, residual, weight = (t.cuda() for t in _inputs(gen, 4, 64, torch.bfloat16))
+    aux = poison_(torch.empty(4, 128, dtype=torch.bfloat16, device="cuda"))
+    rows, slot, eps = None, 0, 1e-6
+    if case == "aux_dtype":
+        aux = aux.float()
+    elif case == "residual_shape":
+        residual = residual[:3]
+    elif case == "residual_dtype":
+        residual = residual.half()
+    elif case == "weight_shape":
+        weight = weight[:63]
+    elif case == "slot":
+        slot = 2
+    elif case == "rows_dtype":
+        rows = torch.zeros(4, dtype=torch.int16, device="cuda")
+    elif case == "rows_count":
+        rows = torch.zeros(3, dtype=torch.int64, device="cuda")
+    elif case == "x_strided":
+        x = torch.empty(4, 128, dtype=torch.bfloat16, device="cuda")[:, ::2]
+    elif case == "eps":
+        eps = -1.0
+    before = [t.clone() for t in (x, residual, aux)]
+    with pytest.raises(error, match=match):
+        torch.ops.eagle3.add_rmsnorm_capture(x, residual, weight, eps, aux, slot, rows)
+    for t, b in zip((x, residual, aux), before):
+        assert_equal(t.cpu(), b.cpu())

@@ -1,0 +1,314 @@
+// add_rmsnorm_capture: residual += x; x = rmsnorm(residual) * weight; aux[r, slot*H:(slot+1)*H] = residual[rows[r]]
+//
+// The target's capture point (DESIGN.md "aux-capture ids"): at the input norm of layer k + 1 the new
+// residual is the output of layer k, so the capture costs only its writes, never another launch.
+// Memory-bound: one block per token row, every 16-byte load of the row issued before the first store,
+// the row held in registers between the add and the normalisation (a second pass over global memory
+// only for widths beyond the register budget).
+//
+// Rounding, exactly as the reference (eagle3_ops/reference.py): the add in acc_t (fp32, or fp64 when any
+// operand is fp64), rounded once to residual's dtype; then (r * rsqrt(mean(r^2) + eps)) * weight in
+// acc_t on the rounded residual, rounded once to x's dtype. residual and aux are bit-exact; x differs
+// from the reference only by the order of the sum of squares.
+//
+// Captured rows: without `rows` every row r writes aux[r]; with `rows`, block t writes every aux row r
+// with rows[r] == t (it scans rows, which is short: the last token of each request, the accepted rows).
+// A row index outside [0, T) cannot be raised without a host sync: that aux row is filled with NaN
+// (by block 0) and nothing is read or written out of bounds (the CPU reference raises).
+
+#include <ATen/Dispatch.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <limits>
+#include <type_traits>
+
+#include "eagle3/checks.h"
+#include "eagle3/vec.cuh"
+
+namespace eagle3 {
+namespace {
+
+constexpr int kMaxThreads = 1024;
+
+template <typename T>
+__device__ __forceinline__ T nan_of() {
+  return static_cast<T>(std::numeric_limits<float>::quiet_NaN());
+}
+
+// Sum over the block; every thread gets the result. `red` holds one value per warp.
+template <typename acc_t>
+__device__ __forceinline__ acc_t block_sum(acc_t v, acc_t* red) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = (blockDim.x + 31) >> 5;
+  if (lane == 0) red[warp] = v;
+  __syncthreads();
+  acc_t total = 0;
+  for (int w = 0; w < warps; ++w) total += red[w];  // same order in every thread: one result
+  return total;
+}
+
+struct Rows {
+  const void* ptr;  // int32 or int64 [R]; nullptr: aux row r is residual row r
+  bool is64;
+  int64_t R;
+  __device__ __forceinline__ int64_t operator[](int64_t i) const {
+    return is64 ? static_cast<const int64_t*>(ptr)[i] : static_cast<int64_t>(static_cast<const int32_t*>(ptr)[i]);
+  }
+};
+
+// x        [T, H] row stride xs          (normed hidden out)
+// res      [T, H] row stride rs          (residual stream, += x)
+// w        [H]                           contiguous
+// aux      [R, H] row stride as          already offset to column slot * H; nullptr: no capture
+// grid: T blocks; blockDim.x * MAXV * VEC >= H selects the register-cached path
+template <typename x_t, typename r_t, typename w_t, typename acc_t, int VEC, int MAXV>
+__global__ void __launch_bounds__(kMaxThreads) add_rmsnorm_capture_kernel(
+    x_t* __restrict__ x, int64_t xs, r_t* __restrict__ res, int64_t rs, const w_t* __restrict__ w,
+    r_t* __restrict__ aux, int64_t as, Rows rows, int64_t T, int64_t H, acc_t eps) {
+  using xv_t = Vec<x_t, VEC>;
+  using rv_t = Vec<r_t, VEC>;
+  using wv_t = Vec<w_t, VEC>;
+  __shared__ acc_t red[kMaxThreads / 32];
+  __shared__ int64_t matched[kMaxThreads];
+  __shared__ int n_matched;
+
+  const int64_t t = blockIdx.x;
+  const int64_t nvec = H / VEC;
+  const int tid = threadIdx.x, nt = blockDim.x;
+  xv_t* xrow = reinterpret_cast<xv_t*>(x + t * xs);
+  rv_t* rrow = reinterpret_cast<rv_t*>(res + t * rs);
+  const wv_t* wrow = reinterpret_cast<const wv_t*>(w);
+  const bool capture_all = aux != nullptr && rows.ptr == nullptr;
+  const bool cached = nvec <= static_cast<int64_t>(nt) * MAXV;
+
+  rv_t nr[MAXV];  // the new residual, kept for the normalisation and the captures
+  acc_t ss = 0;
+  if (cached) {
+    xv_t xv[MAXV];
+#pragma unroll
+    for (int u = 0; u < MAXV; ++u) {
+      const int64_t v = tid + static_cast<int64_t>(u) * nt;
+      if (v < nvec) {
+        xv[u] = xrow[v];
+        nr[u] = rrow[v];
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < MAXV; ++u) {
+      const int64_t v = tid + static_cast<int64_t>(u) * nt;
+      if (v >= nvec) continue;
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) {
+        nr[u].v[i] = static_cast<r_t>(static_cast<acc_t>(xv[u].v[i]) + static_cast<acc_t>(nr[u].v[i]));
+        const acc_t a = static_cast<acc_t>(nr[u].v[i]);
+        ss += a * a;
+      }
+      rrow[v] = nr[u];
+      if (capture_all) reinterpret_cast<rv_t*>(aux + t * as)[v] = nr[u];
+    }
+  } else {
+    for (int64_t v = tid; v < nvec; v += nt) {
+      const xv_t xv = xrow[v];
+      rv_t r = rrow[v];
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) {
+        r.v[i] = static_cast<r_t>(static_cast<acc_t>(xv.v[i]) + static_cast<acc_t>(r.v[i]));
+        const acc_t a = static_cast<acc_t>(r.v[i]);
+        ss += a * a;
+      }
+      rrow[v] = r;
+      if (capture_all) reinterpret_cast<rv_t*>(aux + t * as)[v] = r;
+    }
+  }
+
+  const acc_t rstd = acc_t(1) / sqrt(block_sum(ss, red) / static_cast<acc_t>(H) + eps);
+
+  // x = (r * rstd) * w
+  auto normed = [&](const rv_t& r, int64_t v) {
+    const wv_t wv = wrow[v];
+    xv_t o;
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) {
+      o.v[i] = static_cast<x_t>(static_cast<acc_t>(r.v[i]) * rstd * static_cast<acc_t>(wv.v[i]));
+    }
+    xrow[v] = o;
+  };
+  if (cached) {
+#pragma unroll
+    for (int u = 0; u < MAXV; ++u) {
+      const int64_t v = tid + static_cast<int64_t>(u) * nt;
+      if (v < nvec) normed(nr[u], v);
+    }
+  } else {
+    for (int64_t v = tid; v < nvec; v += nt) normed(rrow[v], v);  // this thread's own writes of pass one
+  }
+
+  if (aux == nullptr || rows.ptr == nullptr) return;
+  // Captures of a row subset: find the aux rows r with rows[r] == t (block 0 also NaN-fills the aux
+  // rows whose index is out of range), then write each from registers (or from the stored residual).
+  for (int64_t base = 0; base < rows.R; base += nt) {
+    if (tid == 0) n_matched = 0;
+    __syncthreads();
+    const int64_t r = base + tid;
+    if (r < rows.R) {
+      const int64_t src = rows[r];
+      const bool invalid = src < 0 || src >= T;
+      if (src == t || (invalid && t == 0)) matched[atomicAdd(&n_matched, 1)] = invalid ? -1 - r : r;
+    }
+    __syncthreads();
+    for (int j = 0; j < n_matched; ++j) {
+      const int64_t m = matched[j];
+      rv_t* arow = reinterpret_cast<rv_t*>(aux + (m < 0 ? -1 - m : m) * as);
+      if (m < 0) {
+        rv_t nanv;
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) nanv.v[i] = nan_of<r_t>();
+        for (int64_t v = tid; v < nvec; v += nt) arow[v] = nanv;
+      } else if (cached) {
+#pragma unroll
+        for (int u = 0; u < MAXV; ++u) {
+          const int64_t v = tid + static_cast<int64_t>(u) * nt;
+          if (v < nvec) arow[v] = nr[u];
+        }
+      } else {
+        for (int64_t v = tid; v < nvec; v += nt) arow[v] = rrow[v];
+      }
+    }
+    __syncthreads();  // before n_matched is reset
+  }
+}
+
+template <typename T>
+constexpr bool kIsDouble = std::is_same_v<T, double>;
+
+template <typename x_t, typename r_t, typename w_t>
+void launch(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight,
+            const std::optional<at::Tensor>& aux_slice, Rows rows, double eps, cudaStream_t stream) {
+  using acc_t = std::conditional_t<kIsDouble<x_t> || kIsDouble<r_t> || kIsDouble<w_t>, double, float>;
+  const int64_t T = x.size(0), H = x.size(1);
+  constexpr int V = kVec16<x_t>;
+  r_t* aux_ptr = aux_slice ? aux_slice->data_ptr<r_t>() : nullptr;
+  const int64_t as = aux_slice ? aux_slice->stride(0) : 0;
+  auto ok = [&](const void* p, int64_t stride, int64_t bytes) {
+    return stride % V == 0 && (reinterpret_cast<uintptr_t>(p) % bytes) == 0;
+  };
+  const bool vec_ok = H % V == 0 && ok(x.data_ptr(), x.stride(0), sizeof(x_t) * V) &&
+                      ok(residual.data_ptr(), residual.stride(0), sizeof(r_t) * V) &&
+                      ok(weight.data_ptr(), 0, sizeof(w_t) * V) && (!aux_ptr || ok(aux_ptr, as, sizeof(r_t) * V));
+  auto go = [&](auto vec_tag, auto maxv_tag) {
+    constexpr int VEC = decltype(vec_tag)::value, MAXV = decltype(maxv_tag)::value;
+    const int64_t nvec = H / VEC;
+    int64_t threads = (nvec + MAXV - 1) / MAXV;
+    threads = std::min<int64_t>(kMaxThreads, std::max<int64_t>(32, (threads + 31) / 32 * 32));
+    add_rmsnorm_capture_kernel<x_t, r_t, w_t, acc_t, VEC, MAXV><<<static_cast<unsigned>(T), static_cast<unsigned>(threads), 0, stream>>>(
+        x.data_ptr<x_t>(), x.stride(0), residual.data_ptr<r_t>(), residual.stride(0), weight.data_ptr<w_t>(),
+        aux_ptr, as, rows, T, H, static_cast<acc_t>(eps));
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  };
+  using one = std::integral_constant<int, 1>;
+  if (!vec_ok) {
+    go(one{}, std::integral_constant<int, 8>{});
+  } else if (T < 2 * 132) {
+    // Few rows (decode, verify): more threads per row, so more loads are in flight across the chip.
+    go(std::integral_constant<int, V>{}, std::integral_constant<int, 2>{});
+  } else {
+    go(std::integral_constant<int, V>{}, std::integral_constant<int, 8>{});
+  }
+}
+
+// x        [T, H]          bf16 | fp16 | fp32 | fp64, last dim contiguous, mutated
+// residual [T, H]          x's dtype or fp32, last dim contiguous, mutated
+// weight   [H]             any float dtype, contiguous (converted once when neither x's dtype nor fp32)
+// aux      [R, n_aux * H]  residual's dtype, optional, may be a strided view, mutated
+// rows     [R]             int32 | int64, optional (needs aux); without it R == T
+void add_rmsnorm_capture_cuda(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight_in, double eps,
+                              const std::optional<at::Tensor>& aux, int64_t slot, const std::optional<at::Tensor>& rows) {
+  CHECK_CUDA(x);
+  CHECK_DIM(x, 2);
+  const auto xt = x.scalar_type();
+  TORCH_CHECK_TYPE(xt == at::kBFloat16 || xt == at::kHalf || xt == at::kFloat || xt == at::kDouble,
+                   "x must have dtype bfloat16, float16, float32 or float64, got ", xt);
+  CHECK_LAST_DIM_CONTIGUOUS(x);
+  const int64_t T = x.size(0), H = x.size(1);
+  TORCH_CHECK_TYPE(residual.scalar_type() == xt || residual.scalar_type() == at::kFloat,
+                   "residual must have dtype ", xt, " (x's) or float32, got ", residual.scalar_type());
+  CHECK_SHAPE(residual, T, H);
+  CHECK_SAME_DEVICE(residual, x);
+  CHECK_LAST_DIM_CONTIGUOUS(residual);
+  const at::Tensor& weight = weight_in;
+  TORCH_CHECK_TYPE(at::isFloatingType(weight.scalar_type()) && weight.element_size() >= 2,
+                   "weight must have dtype bfloat16, float16, float32 or float64, got ", weight.scalar_type());
+  CHECK_SHAPE(weight, H);
+  CHECK_SAME_DEVICE(weight, x);
+  TORCH_CHECK_VALUE(weight.is_contiguous(), "weight must be contiguous, got strides ", weight.strides());
+  TORCH_CHECK_VALUE(eps >= 0, "eps must be >= 0, got ", eps);
+  std::optional<at::Tensor> aux_slice;
+  Rows rws{nullptr, false, 0};
+  if (aux) {
+    const at::Tensor& a = *aux;
+    TORCH_CHECK_TYPE(a.scalar_type() == residual.scalar_type(), "aux must have dtype ", residual.scalar_type(),
+                     " (residual's), got ", a.scalar_type());
+    TORCH_CHECK_VALUE(a.dim() == 2, "aux must have 2 dimensions, got shape ", a.sizes());
+    TORCH_CHECK_VALUE(a.device() == x.device(), "aux must be on the same device as residual (", x.device(), "), got ",
+                      a.device());
+    TORCH_CHECK_VALUE(a.size(1) == 1 || a.stride(1) == 1, "aux must be contiguous in its last dimension, got strides ",
+                      a.strides());
+    TORCH_CHECK_VALUE(H > 0 && a.size(1) % H == 0, "aux must have shape (R, n_aux * H) with H = ", H, ", got ",
+                      a.sizes());
+    const int64_t n_aux = a.size(1) / H;
+    TORCH_CHECK_VALUE(slot >= 0 && slot < n_aux, "slot must be in [0, n_aux) = [0, ", n_aux, "), got ", slot);
+    int64_t R = T;
+    if (rows) {
+      const at::Tensor& rr = *rows;
+      TORCH_CHECK_TYPE(rr.scalar_type() == at::kInt || rr.scalar_type() == at::kLong,
+                       "rows must have dtype int32 | int64, got ", rr.scalar_type());
+      TORCH_CHECK_VALUE(rr.dim() == 1, "rows must have 1 dimensions, got shape ", rr.sizes());
+      TORCH_CHECK_VALUE(rr.device() == x.device(), "rows must be on the same device as residual (", x.device(),
+                        "), got ", rr.device());
+      TORCH_CHECK_VALUE(rr.is_contiguous(), "rows must be contiguous, got strides ", rr.strides());
+      R = rr.size(0);
+      rws = Rows{rr.data_ptr(), rr.scalar_type() == at::kLong, R};
+    }
+    TORCH_CHECK_VALUE(a.size(0) == R, "aux must have R = ", R, " rows (", rows ? "rows.shape[0]" : "T", "), got ",
+                      a.size(0));
+    aux_slice = a.narrow(1, slot * H, H);
+  } else {
+    TORCH_CHECK_VALUE(!rows, "rows selects aux rows: pass aux too, or leave rows None");
+  }
+  TORCH_CHECK_VALUE(T < (int64_t{1} << 31), "x must have fewer than 2**31 rows, got ", T);
+  if (T == 0 || H == 0) return;
+
+  const c10::cuda::OptionalCUDAGuard guard(x.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const auto rt = residual.scalar_type();
+  // The weight is read in x's dtype or in fp32 (acc_t's inputs); any other dtype is converted once.
+  at::Tensor w = weight;
+  if (weight.scalar_type() != xt && weight.scalar_type() != at::kFloat) w = weight.to(xt == at::kDouble ? at::kDouble : at::kFloat);
+  const bool w_is_x = w.scalar_type() == xt;
+
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, xt, "add_rmsnorm_capture", [&] {
+    using x_t = scalar_t;
+    auto with_w = [&](auto r_tag) {
+      using r_t = decltype(r_tag);
+      if (w_is_x) {
+        launch<x_t, r_t, x_t>(x, residual, w, aux_slice, rws, eps, stream);
+      } else {
+        launch<x_t, r_t, float>(x, residual, w, aux_slice, rws, eps, stream);
+      }
+    };
+    if (rt == xt) {
+      with_w(x_t{});
+    } else {
+      with_w(float{});
+    }
+  });
+}
+
+}  // namespace
+}  // namespace eagle3
+
+TORCH_LIBRARY_IMPL(eagle3, CUDA, m) { m.impl("add_rmsnorm_capture", &eagle3::add_rmsnorm_capture_cuda); }
