@@ -1,0 +1,324 @@
+"""Tree-verify attention over a paged KV cache, in Triton: `tree_attention_mla` (absorbed MLA, one latent
+KV head shared by every query head) and `tree_attention` (GQA/MHA). One kernel serves both.
+
+Work decomposition (flash-decoding): a program owns BLOCK_M query rows of one (request, KV head) - the
+rows are (node, query head) pairs flattened node-major, so for MLA 64 heads x N nodes share every KV
+tile a program loads - and one split of that request's prefix. Each KV tile is read once per program
+and used for all its BLOCK_M rows (QK^T as a 512-dim dot plus a 64-dim dot for MLA's 576, then P @ V
+with V = the first 512 dims of the same tile). The last split also covers the N tree rows at
+positions prefix_len + node, masked by the ancestor bits. With more than one split, every split writes
+a normalised partial output and its log-sum-exp, and a second small kernel merges them.
+
+The grid and the split count derive from shapes only (page_table.shape[1] * page_size bounds the
+prefix); the split length comes from prefix_lens on the device: no host sync, graph-capturable.
+
+Bad values cannot read out of bounds: positions stop at the page table's capacity, page ids outside
+[0, num_pages) are never dereferenced, and a request whose prefix_lens[b] is negative or leaves no room
+for the N tree rows (or that reaches such a page id) gets NaN in out and lse, all its rows.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+_LN2 = math.log(2.0)
+_LOG2E = 1.0 / _LN2
+
+# Kernel limits (the CPU reference takes any size): the output accumulator is BLOCK_M x V dims in fp32
+# registers, and each part of the key is one power-of-two tile.
+MLA_MAX_DV = 512  # latent dims read as V (Kimi / DeepSeek: 512)
+MLA_MAX_ROPE = 128  # key dims past V (Kimi / DeepSeek: 64)
+GQA_MAX_DIM = 256  # Dh and Dv of tree_attention
+
+
+@triton.jit
+def _tile(acc, m_i, l_i, q1, q2, K, V, page, slot, stride_kp, stride_ks, stride_vp, stride_vs, ok, visible, d1, d2, dv,
+          D1: tl.constexpr, D2: tl.constexpr, DV: tl.constexpr, SHARED_V: tl.constexpr,
+          DOT_PREC: tl.constexpr, scale_log2):
+    """One KV tile for all rows: online-softmax update of (acc, m_i, l_i).
+    page, slot [BLOCK_N] int64 where each key row lives; ok [BLOCK_N] the row may be read (in range, its
+    page real); visible [BLOCK_M, BLOCK_N] or [1, BLOCK_N] row-key visibility (split end, tree bits)."""
+    kv_row = page * stride_kp + slot * stride_ks
+    k1 = tl.load(K + kv_row[:, None] + d1[None, :], mask=ok[:, None] & (d1[None, :] < D1), other=0.0)
+    s = tl.dot(q1, tl.trans(k1), input_precision=DOT_PREC)
+    if D2 > 0:
+        k2 = tl.load(K + kv_row[:, None] + D1 + d2[None, :], mask=ok[:, None] & (d2[None, :] < D2), other=0.0)
+        s += tl.dot(q2, tl.trans(k2), input_precision=DOT_PREC)
+    s = tl.where(visible, s * scale_log2, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen nothing yet stays at 0
+    alpha = tl.math.exp2(m_i - m_use)
+    p = tl.math.exp2(s - m_use[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if SHARED_V:
+        v = k1  # MLA: V is the first DV (= D1) dims of the same latent rows
+    else:
+        v_row = page * stride_vp + slot * stride_vs
+        v = tl.load(V + v_row[:, None] + dv[None, :], mask=ok[:, None] & (dv[None, :] < DV), other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _tree_attention_kernel(
+        Q, K, V, PT, PL, TM, O, LSE, PO, PLSE,
+        scale_log2, N, W, HKV, NUM_PAGES, MAX_PAGES, PAGE_SIZE, NUM_SPLITS,
+        stride_qt, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+        stride_pt, stride_ot, stride_oh,
+        G: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, DV: tl.constexpr,
+        BLOCK_D1: tl.constexpr, BLOCK_D2: tl.constexpr, BLOCK_DV: tl.constexpr, SHARED_V: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, HAS_LSE: tl.constexpr,
+        DOT_PREC: tl.constexpr):
+    # Q   [B * N, NH, D1 + D2]               strides (stride_qt, stride_qh, 1)
+    # K   [num_pages, page_size, HKV, D1+D2]  strides (stride_kp, stride_ks, stride_kh, 1); MLA: HKV = 1
+    # V   [num_pages, page_size, HKV, DV]     strides (stride_vp, stride_vs, stride_vh, 1); MLA: V = K
+    # PT  [B, MAX_PAGES] int32                strides (stride_pt, 1)
+    # PL  [B] int32;  TM [B, N, W] int32 contiguous
+    # O   [B * N, NH, DV]                     strides (stride_ot, stride_oh, 1)
+    # LSE [B * N, NH] fp32 contiguous (when HAS_LSE)
+    # PO  [NUM_SPLITS, B * HKV, N * G, DV] fp32 and PLSE [NUM_SPLITS, B * HKV, N * G] fp32 (when SPLIT):
+    #     per split, the normalised partial output and its log2-sum-exp2 (in units of scale * log2 e)
+    # Query head of row r of KV head h: h * G + r % G, node r // G (node-major rows).
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    b = pid_bh // HKV
+    kvh = pid_bh % HKV
+    NH = HKV * G
+    ROWS = N * G
+
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < ROWS
+    node = rows // G
+    head = kvh * G + rows % G
+    token = (b * N + node).to(tl.int64)
+    d1 = tl.arange(0, BLOCK_D1)
+    d2 = tl.arange(0, BLOCK_D2)
+    dv = tl.arange(0, BLOCK_DV)
+    q_row = token * stride_qt + head * stride_qh
+    q1 = tl.load(Q + q_row[:, None] + d1[None, :], mask=row_ok[:, None] & (d1[None, :] < D1), other=0.0)
+    q2 = q1
+    if D2 > 0:
+        q2 = tl.load(Q + q_row[:, None] + D1 + d2[None, :], mask=row_ok[:, None] & (d2[None, :] < D2), other=0.0)
+
+    # A bad prefix length (negative, or no room for the tree in the page table) is clamped into range
+    # for addressing and the request's result poisoned with NaN below.
+    capacity = MAX_PAGES * PAGE_SIZE
+    prefix_raw = tl.load(PL + b)
+    bad = (prefix_raw < 0) | (prefix_raw > capacity - N)
+    prefix = tl.maximum(tl.minimum(prefix_raw, capacity - N), 0)
+    pt_row = PT + b.to(tl.int64) * stride_pt
+    k_head = kvh.to(tl.int64) * stride_kh
+    v_head = kvh.to(tl.int64) * stride_vh
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+
+    # This split's share of the prefix: whole tiles, all rows see every prefix position.
+    chunk = tl.cdiv(tl.cdiv(prefix, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = pid_s * chunk
+    end = tl.minimum(start + chunk, prefix)
+    unreal = tl.zeros([BLOCK_N], tl.int32)  # positions whose page id is out of range (reduced after)
+    for n0 in range(start, end, BLOCK_N):
+        pos = n0 + tl.arange(0, BLOCK_N)
+        in_range = pos < end
+        page = tl.load(pt_row + pos // PAGE_SIZE, mask=in_range, other=0)
+        real = (page >= 0) & (page < NUM_PAGES)
+        unreal |= (in_range & ~real).to(tl.int32)
+        # padding rows (row >= N * G) have q = 0: harmless, never stored
+        acc, m_i, l_i = _tile(acc, m_i, l_i, q1, q2, K + k_head, V + v_head, page.to(tl.int64),
+                              (pos % PAGE_SIZE).to(tl.int64), stride_kp, stride_ks, stride_vp, stride_vs,
+                              in_range & real,
+                              in_range[None, :], d1, d2, dv, D1, D2, DV, SHARED_V, DOT_PREC, scale_log2)
+
+    # The tree block, in the last split: node j at position prefix + j, visible to row i when bit j of
+    # tree_mask[b, i] is set.
+    if pid_s == NUM_SPLITS - 1:
+        for j0 in range(0, N, BLOCK_N):
+            j = j0 + tl.arange(0, BLOCK_N)
+            pos = prefix + j
+            j_ok = (j < N) & (pos < capacity)
+            page = tl.load(pt_row + pos // PAGE_SIZE, mask=j_ok, other=0)
+            real = (page >= 0) & (page < NUM_PAGES)
+            unreal |= (j_ok & ~real).to(tl.int32)
+            both = row_ok[:, None] & j_ok[None, :]
+            word = tl.load(TM + token[:, None] * W + (j // 32)[None, :], mask=both, other=0)
+            visible = both & (((word >> (j % 32)[None, :]) & 1) != 0)
+            acc, m_i, l_i = _tile(acc, m_i, l_i, q1, q2, K + k_head, V + v_head, page.to(tl.int64),
+                                  (pos % PAGE_SIZE).to(tl.int64), stride_kp, stride_ks, stride_vp, stride_vs,
+                                  j_ok & real, visible, d1, d2, dv, D1, D2, DV, SHARED_V, DOT_PREC, scale_log2)
+
+    # NaN for the whole request on bad values (the merge carries it through every split).
+    bad |= tl.max(unreal, 0) > 0
+    poison = tl.where(bad, float("nan"), 0.0)
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+    o = acc / l_safe[:, None] + poison
+    lse2 = tl.where(l_i > 0.0, m_i + tl.math.log2(l_safe), float("-inf")) + poison
+    if SPLIT:
+        prow = (pid_s * tl.num_programs(1) + pid_bh).to(tl.int64) * ROWS + rows
+        tl.store(PO + prow[:, None] * DV + dv[None, :], o, mask=row_ok[:, None] & (dv[None, :] < DV))
+        tl.store(PLSE + prow, lse2, mask=row_ok)
+    else:
+        o_row = token * stride_ot + head * stride_oh
+        tl.store(O + o_row[:, None] + dv[None, :], o.to(O.dtype.element_ty),
+                 mask=row_ok[:, None] & (dv[None, :] < DV))
+        if HAS_LSE:
+            tl.store(LSE + token * NH + head, lse2 * 0.6931471805599453, mask=row_ok)
+
+
+@triton.jit
+def _merge_kernel(PO, PLSE, O, LSE, N, HKV, NUM_SPLITS, stride_ot, stride_oh,
+                  G: tl.constexpr, DV: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_V: tl.constexpr,
+                  HAS_LSE: tl.constexpr):
+    # PO [NUM_SPLITS, B * HKV, N * G, DV] fp32, PLSE [NUM_SPLITS, B * HKV, N * G] fp32 (see above);
+    # O [B * N, NH, DV] strides (stride_ot, stride_oh, 1); LSE [B * N, NH] fp32 contiguous.
+    # One program: one query row, BLOCK_V output dims; splits combined with weights exp2(lse_s - lse).
+    row = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    pid_v = tl.program_id(2)
+    BH = tl.num_programs(1)
+    ROWS = N * G
+    s = tl.arange(0, BLOCK_S)
+    m = tl.full([BLOCK_S], float("-inf"), tl.float32)
+    for s0 in range(0, NUM_SPLITS, BLOCK_S):  # the largest partial lse
+        lse_s = tl.load(PLSE + ((s0 + s) * BH + pid_bh).to(tl.int64) * ROWS + row, mask=s0 + s < NUM_SPLITS,
+                        other=float("-inf"))
+        m = tl.maximum(m, lse_s)
+    m_max = tl.max(m, 0)
+    m_use = tl.where(m_max == float("-inf"), 0.0, m_max)
+    v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    total = tl.zeros([BLOCK_S], tl.float32)
+    acc = tl.zeros([BLOCK_V], tl.float32)
+    for s0 in range(0, NUM_SPLITS, BLOCK_S):
+        ok = s0 + s < NUM_SPLITS
+        prow = ((s0 + s) * BH + pid_bh).to(tl.int64) * ROWS + row
+        w = tl.math.exp2(tl.load(PLSE + prow, mask=ok, other=float("-inf")) - m_use)
+        part = tl.load(PO + prow[:, None] * DV + v[None, :], mask=ok[:, None] & (v[None, :] < DV), other=0.0)
+        total += w
+        acc += tl.sum(w[:, None] * part, 0)
+    total_sum = tl.sum(total, 0)
+    o = acc / total_sum
+    b = pid_bh // HKV
+    token = (b * N + row // G).to(tl.int64)
+    head = (pid_bh % HKV) * G + row % G
+    tl.store(O + token * stride_ot + head * stride_oh + v, o.to(O.dtype.element_ty), mask=v < DV)
+    if HAS_LSE:
+        if pid_v == 0:
+            tl.store(LSE + token * (HKV * G) + head, (m_use + tl.math.log2(total_sum)) * 0.6931471805599453)
+
+
+# ---- launchers ---------------------------------------------------------------------------------------
+
+_SM_COUNT: dict = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 8  # the interpreter: a few programs per split are enough to exercise the merge
+    if device.index not in _SM_COUNT:
+        _SM_COUNT[device.index] = torch.cuda.get_device_properties(device).multi_processor_count
+    return _SM_COUNT[device.index]
+
+
+def _pow2(n: int, least: int = 16) -> int:
+    return max(least, triton.next_power_of_2(n))
+
+
+def num_splits_for(programs: int, max_len: int, sms: int, min_chunk: int) -> int:
+    """Splits of the prefix, from shapes only (max_len bounds every prefix): the fewest that fill the
+    SMs in near-whole waves (at one program per SM, >= 90% of the SM-slots of the last wave busy), each
+    split at least min_chunk positions long; when no split count reaches one full wave, the most."""
+    most = max(1, -(-max_len // min_chunk))
+    if programs * most <= sms:
+        return most
+    waves = {s: programs * s / (-(-programs * s // sms) * sms) for s in range(1, most + 1) if programs * s >= sms}
+    good = [s for s, eff in waves.items() if eff >= 0.9]
+    return min(good) if good else max(waves, key=lambda s: (waves[s], -s))
+
+
+def _launch(q, k, v, page_table, prefix_lens, tree_mask, scale, out, lse, *, HKV, D1, D2, DV, shared_v,
+            config: Optional[dict]):
+    B, N, W = tree_mask.shape
+    NH = q.shape[1]
+    G = NH // HKV
+    P, page_size = k.shape[0], k.shape[1]
+    rows = N * G
+    cfg = default_config(q.dtype, D1 + D2, DV, rows, shared_v)
+    cfg.update(config or {})
+    BLOCK_M = min(cfg["BLOCK_M"], _pow2(rows))
+    m_blocks = -(-rows // BLOCK_M)
+    max_len = page_table.shape[1] * page_size
+    splits = cfg.get("splits") or num_splits_for(m_blocks * B * HKV, max_len, _sm_count(q.device),
+                                                 cfg["min_chunk"])
+    split = splits > 1
+    if split:
+        po = torch.empty((splits, B * HKV, rows, DV), dtype=torch.float32, device=q.device)
+        plse = torch.empty((splits, B * HKV, rows), dtype=torch.float32, device=q.device)
+    else:
+        po = plse = out  # unused
+    dot_prec = "ieee" if q.dtype == torch.float32 else "tf32"
+    # k and v as [num_pages, page_size, HKV, dims]; MLA's [num_pages, page_size, D] is HKV = 1
+    kst = (k.stride(0), k.stride(1), k.stride(2) if k.dim() == 4 else 0)
+    vst = (v.stride(0), v.stride(1), v.stride(2) if v.dim() == 4 else 0)
+    _tree_attention_kernel[(m_blocks, B * HKV, splits)](
+        q, k, v, page_table, prefix_lens, tree_mask, out, lse if lse is not None else out, po, plse,
+        scale * _LOG2E, N, W, HKV, P, page_table.shape[1], page_size, splits,
+        q.stride(0), q.stride(1), *kst, *vst, page_table.stride(0), out.stride(0), out.stride(1),
+        G=G, D1=D1, D2=D2, DV=DV, BLOCK_D1=_pow2(D1), BLOCK_D2=_pow2(max(D2, 1)), BLOCK_DV=_pow2(DV),
+        SHARED_V=shared_v, BLOCK_M=BLOCK_M, BLOCK_N=cfg["BLOCK_N"], SPLIT=split, HAS_LSE=lse is not None,
+        DOT_PREC=dot_prec, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    if split:
+        block_v = min(128, _pow2(DV))
+        _merge_kernel[(rows, B * HKV, -(-DV // block_v))](
+            po, plse, out, lse if lse is not None else out, N, HKV, splits, out.stride(0), out.stride(1),
+            G=G, DV=DV, BLOCK_S=min(16, _pow2(splits, 2)), BLOCK_V=block_v, HAS_LSE=lse is not None,
+            num_warps=4)
+
+
+def default_config(dtype: torch.dtype, D: int, DV: int, rows: int, shared_v: bool) -> dict:
+    """Tile sizes by problem: MLA's 512-wide fp32 accumulator needs 8 warps at BLOCK_M = 64."""
+    if shared_v and DV > 128:
+        return dict(BLOCK_M=64, BLOCK_N=32, num_warps=8, num_stages=2, min_chunk=256)
+    big = max(D, DV) > 128
+    return dict(BLOCK_M=64, BLOCK_N=32 if big else 64, num_warps=8 if big else 4, num_stages=2 if big else 3,
+                min_chunk=256)
+
+
+def _check_float(q: Tensor) -> None:
+    if q.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise TypeError(f"q must have dtype bfloat16 | float16 | float32 for the Triton kernel, got "
+                        f"{str(q.dtype).replace('torch.', '')} (float64 runs on CPU tensors, through the reference)")
+
+
+def tree_attention_mla(q: Tensor, kv_cache: Tensor, page_table: Tensor, prefix_lens: Tensor, tree_mask: Tensor,
+                       scale: float, out: Tensor, lse: Optional[Tensor], *, config: Optional[dict] = None) -> None:
+    """Triton tree_attention_mla (arguments as the op; eagle3_ops.reference.tree_attention_mla is the spec).
+    `config` overrides tile sizes and the split count (benchmarks and tests only)."""
+    _check_float(q)
+    D, Dv = q.shape[2], out.shape[2]
+    if Dv > MLA_MAX_DV or D - Dv > MLA_MAX_ROPE:
+        raise ValueError(f"out must have Dv <= {MLA_MAX_DV} and q's D - Dv <= {MLA_MAX_ROPE} for the Triton "
+                         f"kernel (Kimi: 512 and 64), got Dv = {Dv}, D = {D}")
+    _launch(q, kv_cache, kv_cache, page_table, prefix_lens, tree_mask, scale, out, lse, HKV=1, D1=Dv,
+            D2=D - Dv, DV=Dv, shared_v=True, config=config)
+
+
+def tree_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, page_table: Tensor, prefix_lens: Tensor,
+                   tree_mask: Tensor, scale: float, out: Tensor, lse: Optional[Tensor], *,
+                   config: Optional[dict] = None) -> None:
+    """Triton tree_attention, GQA/MHA (arguments as the op; eagle3_ops.reference.tree_attention is the spec).
+    `config` overrides tile sizes and the split count (benchmarks and tests only)."""
+    _check_float(q)
+    Dh, Dv = k_cache.shape[3], v_cache.shape[3]
+    if Dh > GQA_MAX_DIM or Dv > GQA_MAX_DIM:
+        raise ValueError(f"k_cache and v_cache must have head dims <= {GQA_MAX_DIM} for the Triton kernel, got "
+                         f"Dh = {Dh}, Dv = {Dv}")
+    _launch(q, k_cache, v_cache, page_table, prefix_lens, tree_mask, scale, out, lse, HKV=k_cache.shape[2],
+            D1=Dh, D2=0, DV=Dv, shared_v=False, config=config)
