@@ -12,7 +12,7 @@ from torch import Tensor
 
 __all__ = [
     "capture_aux", "add_rmsnorm_capture", "fc_proj", "build_tree", "tree_attention_mla", "tree_attention",
-    "verify_greedy", "verify_sampling", "kv_accept",
+    "verify_greedy", "verify_sampling", "kv_accept", "prepare_fc_weight",
 ]
 
 _ops = torch.ops.eagle3
@@ -38,6 +38,59 @@ def fc_proj(aux: Tensor, weight: Tensor, weight_scale: Optional[Tensor] = None, 
         out = aux.new_empty((R, weight.shape[0]))
     _ops.fc_proj(aux, weight, weight_scale, norm_weight, eps, norm_mode, rows, out)
     return out
+
+
+def prepare_fc_weight(weight: Tensor, norm_mode: str = "none", norm_weight: Optional[Tensor] = None,
+                      fp8: bool = False) -> tuple[Tensor, Optional[Tensor], Optional[Tensor]]:
+    """The drafter's fc weight in the form fc_proj wants, computed once at load.
+
+    Folds the norm weight into the weight's columns (an RMSNorm's weight multiplies column k of the fc:
+    for "fc_norm" the stacked [n_aux, H] chunk weights, for "norm_before_fc" the [n_aux * H] weight), in
+    fp32 and rounded once; optionally quantises to fp8-e4m3 with a per-output-channel fp32 scale
+    (amax / 448).
+
+    Parameters
+    ----------
+    weight : Tensor [Hd, n_aux * H] bf16 | fp16 | fp32
+        fc weight in nn.Linear layout.
+    norm_mode : str
+        fc_proj's norm mode: "none", "norm_before_fc" or "fc_norm".
+    norm_weight : Tensor, optional
+        [n_aux * H] for "norm_before_fc" (None = ones), [n_aux, H] for "fc_norm"; None for "none".
+    fp8 : bool
+        Quantise to float8_e4m3fn with a per-output-channel scale.
+
+    Returns
+    -------
+    (weight, weight_scale, norm_weight) to pass to fc_proj: weight [Hd, n_aux * H] (weight's dtype, or
+    fp8), weight_scale [Hd] fp32 or None, norm_weight ones [n_aux, H] for "fc_norm" (it still gives
+    n_aux) and None otherwise.
+    """
+    from . import _validate
+
+    _validate.tensor(weight, "weight", dtypes=_validate.FLOATS, dim=2)
+    if norm_mode not in _validate.NORM_MODES:
+        raise ValueError(f"norm_mode must be one of {_validate.NORM_MODES}, got {norm_mode!r}")
+    K = weight.shape[1]
+    w = weight.float()
+    out_norm = None
+    if norm_mode == "none" and norm_weight is not None:
+        raise ValueError("norm_weight must be None with norm_mode 'none'")
+    if norm_mode == "fc_norm":
+        if norm_weight is None or norm_weight.dim() != 2 or norm_weight.numel() != K:
+            got = None if norm_weight is None else tuple(norm_weight.shape)
+            raise ValueError(f"norm_weight must have shape (n_aux, H) with n_aux * H = {K}, got {got}")
+        out_norm = torch.ones_like(norm_weight)
+    if norm_weight is not None:
+        if norm_weight.numel() != K:
+            raise ValueError(f"norm_weight must have n_aux * H = {K} elements, got shape {tuple(norm_weight.shape)}")
+        w = w * norm_weight.float().reshape(1, K)
+    if not fp8:
+        return w.to(weight.dtype), None, out_norm
+    if not _validate.FP8:
+        raise TypeError("fp8=True needs torch.float8_e4m3fn (torch >= 2.1)")
+    scale = (w.abs().amax(dim=1) / 448.0).clamp_min(torch.finfo(torch.float32).tiny)
+    return (w / scale[:, None]).to(_validate.FP8[0]), scale.contiguous(), out_norm
 
 
 def build_tree(root_tokens: Tensor, draft_tokens: Tensor, draft_scores: Tensor, draft_parents: Tensor,

@@ -198,3 +198,194 @@ def test_fc_norm_n_aux_comes_from_norm_weight(gen):
         nw = torch.ones(n, 48 // n)
         out = _run(aux, weight, None, nw, 1e-6, "fc_norm", None, torch.float32)
         _check(out, _truth64(aux, weight, None, nw, 1e-6, "fc_norm", None, n_aux=n), f"n_aux {n}")
+
+
+# ---- the Triton kernels: under the interpreter (CI, fp16/fp32) and on the GPU ---------------------------
+
+INTERPRET = __import__("os").environ.get("TRITON_INTERPRET") == "1"
+CASES = [  # (T, R rows or None, H, Hd, norm_mode)
+    (1, None, 40, 24, "none"), (3, None, 40, 24, "fc_norm"), (17, 5, 40, 72, "norm_before_fc"),
+    (6, 9, 33, 17, "fc_norm"), (5, None, 48, 130, "none"),
+]
+
+
+def _norm_weight(gen, norm_mode, n_aux, H, dtype):
+    if norm_mode == "fc_norm":
+        return (1 + 0.2 * torch.randn(n_aux, H, generator=gen)).to(dtype)
+    if norm_mode == "norm_before_fc":
+        return (1 + 0.2 * torch.randn(n_aux * H, generator=gen)).to(dtype)
+    return None
+
+
+def _triton_fc(*args):
+    from eagle3_ops._validate import fc_proj as check
+    from eagle3_ops.triton_kernels import fc_proj as kernels
+
+    check(*args)
+    kernels.fc_proj(*args)
+
+
+@pytest.mark.skipif(not INTERPRET, reason="the Triton interpreter runs the kernels on CPU tensors")
+@pytest.mark.parametrize("T,R,H,Hd,norm_mode", CASES)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("path", ["stream", "tiled", "cublas"])
+def test_triton_interpreted(gen, monkeypatch, T, R, H, Hd, norm_mode, dtype, path):
+    from eagle3_ops.triton_kernels import fc_proj as kernels
+
+    if path != "stream":
+        monkeypatch.setattr(kernels, "STREAM_MAX_ROWS", 0)  # the prefill paths at small sizes
+    aux, weight = _make(gen, T, H, Hd, dtype)
+    scale = (0.5 + torch.rand(Hd, generator=gen)) if path == "tiled" else None
+    nw = _norm_weight(gen, norm_mode, 3, H, dtype)
+    rows = None if R is None else torch.randint(0, T, (R,), generator=gen, dtype=torch.int32)
+    out = poison_(torch.empty(R or T, Hd, dtype=dtype))
+    _triton_fc(aux, weight, scale, nw, 1e-6, norm_mode, rows, out)
+    _check(out, _truth64(aux, weight, scale, nw, 1e-6, norm_mode, rows), f"{path} {norm_mode}")
+
+
+@pytest.mark.skipif(not INTERPRET, reason="the Triton interpreter runs the kernels on CPU tensors")
+def test_triton_interpreted_out_of_range_rows_give_nan_rows(gen):
+    aux, weight = _make(gen, 4, 16, 8, torch.float32)
+    rows = torch.tensor([3, 4, -1, 0])
+    out = poison_(torch.empty(4, 8))
+    from eagle3_ops.triton_kernels import fc_proj as kernels
+    kernels.fc_proj(aux, weight, None, torch.ones(3, 16), 1e-6, "fc_norm", rows, out)
+    assert torch.isnan(out[1:3]).all()
+    good = torch.tensor([0, 3])
+    _check(out[good], _truth64(aux, weight, None, None, 1e-6, "fc_norm", rows[good]))
+
+
+KIMI_H, KIMI_HD = 7168, 7168
+
+
+def _gpu_case(gen, T, R, norm_mode, wdt, strided):
+    """Kimi-shaped inputs made on the GPU (a 7168 x 21504 weight per case), with a CUDA generator seeded from gen."""
+    g = torch.Generator(device="cuda").manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen)))
+    dtype = torch.bfloat16
+    aux_full = (2 * torch.randn(T, 3 * KIMI_H + (64 if strided else 0), generator=g, device="cuda")).to(dtype)
+    aux = aux_full[:, 64:] if strided else aux_full
+    w = torch.randn(KIMI_HD, 3 * KIMI_H, generator=g, device="cuda") / (3 * KIMI_H) ** 0.5
+    scale = None
+    if wdt == "fp8":
+        scale = w.abs().amax(dim=1) / 448.0
+        w = (w / scale[:, None]).to(FP8)
+    else:
+        w = w.to(dtype)
+    nw = _norm_weight(gen, norm_mode, 3, KIMI_H, dtype)
+    nw = None if nw is None else nw.cuda()
+    rows = None if R is None else torch.randint(0, T, (R,), generator=g, device="cuda")
+    return aux, w, scale, nw, rows
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 3, 64, 99, 4096])
+@pytest.mark.parametrize("norm_mode", ["none", "norm_before_fc", "fc_norm"])
+@pytest.mark.parametrize("wdt", ["bf16", "fp8"])
+@pytest.mark.parametrize("with_rows", [False, True])
+def test_cuda_kimi_shape_against_float64(gen, T, norm_mode, wdt, with_rows):
+    R = (T // 2 + 1) if with_rows else None
+    aux, w, scale, nw, rows = _gpu_case(gen, T, R, norm_mode, wdt, strided=T in (3, 99))
+    out = poison_(torch.empty(R or T, KIMI_HD, dtype=torch.bfloat16, device="cuda"))
+    torch.ops.eagle3.fc_proj(aux, w, scale, nw, 1e-6, norm_mode, rows, out)
+    truth = _truth64(aux, w.float(), scale, nw, 1e-6, norm_mode, None if rows is None else rows.cpu())  # on the GPU
+    _check(out, truth, f"T={T} {norm_mode} {wdt}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T", [5, 300])
+def test_cuda_out_dtype_and_fp32(gen, out_dtype, T):
+    aux, w = _make(gen, T, 96, 80, torch.float32)
+    nw = _norm_weight(gen, "fc_norm", 3, 96, torch.float32)
+    out = poison_(torch.empty(T, 80, dtype=out_dtype, device="cuda"))
+    torch.ops.eagle3.fc_proj(aux.cuda(), w.cuda(), None, nw.cuda(), 1e-6, "fc_norm", None, out)
+    _check(out.cpu(), _truth64(aux, w, None, nw, 1e-6, "fc_norm", None))
+
+
+@pytest.mark.gpu
+def test_cuda_out_of_range_rows_give_nan_rows(gen):
+    aux, w = _make(gen, 8, 64, 32, torch.bfloat16)
+    rows = torch.tensor([0, 8, -1, 7], device="cuda")
+    out = torch.zeros(4, 32, dtype=torch.bfloat16, device="cuda")
+    torch.ops.eagle3.fc_proj(aux.cuda(), w.cuda(), None, None, 1e-6, "none", rows, out)
+    assert torch.isnan(out[1:3].cpu()).all()
+    _check(out[[0, 3]].cpu(), _truth64(aux, w, None, None, 1e-6, "none", torch.tensor([0, 7])))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [4, 64])
+def test_cuda_graph_replay_with_new_values(gen, T):
+    aux, w, scale, nw, rows = _gpu_case(gen, T, T, "fc_norm", "bf16", False)
+    out = torch.empty(T, KIMI_HD, dtype=torch.bfloat16, device="cuda")
+    call = lambda: torch.ops.eagle3.fc_proj(aux, w, scale, nw, 1e-6, "fc_norm", rows, out)  # noqa: E731
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        call()  # compile and warm up off the default stream
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    for _ in range(2):
+        aux.copy_((2 * torch.randn(aux.shape, generator=gen)).bfloat16())  # new values, same addresses
+        rows.copy_(torch.randint(0, T, (T,), generator=gen))
+        poison_(out)
+        graph.replay()
+        _check(out, _truth64(aux, w.float(), None, nw, 1e-6, "fc_norm", rows.cpu()))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case, error, match", [
+    ("weight_width", ValueError, "weight must have shape"), ("scale_missing", ValueError, "weight_scale"),
+    ("out_rows", ValueError, "out must have shape"), ("aux_strided", ValueError, "aux must be contiguous in its last"),
+    ("norm_weight", ValueError, "norm_weight"), ("rows_dtype", TypeError, "rows must have dtype"),
+])
+def test_cuda_bad_input_writes_nothing(gen, case, error, match):
+    aux, w = (t.cuda() for t in _make(gen, 4, 32, 16, torch.bfloat16))
+    args = dict(aux=aux, weight=w, weight_scale=None, norm_weight=None, eps=1e-6, norm_mode="none", rows=None,
+                out=poison_(torch.empty(4, 16, dtype=torch.bfloat16, device="cuda")))
+    if case == "weight_width":
+        args["weight"] = w[:, :95].contiguous()
+    elif case == "scale_missing":
+        args["weight"] = w.to(FP8)
+    elif case == "out_rows":
+        args["out"] = args["out"][:3]
+    elif case == "aux_strided":
+        args["aux"] = torch.empty(4, 192, dtype=torch.bfloat16, device="cuda")[:, ::2]
+    elif case == "norm_weight":
+        args.update(norm_mode="fc_norm", norm_weight=torch.ones(5, 32, dtype=torch.bfloat16, device="cuda"))
+    elif case == "rows_dtype":
+        args["rows"] = torch.zeros(4, dtype=torch.float32, device="cuda")
+    before = args["out"].clone()
+    with pytest.raises(error, match=match):
+        torch.ops.eagle3.fc_proj(**args)
+    assert_equal(args["out"].cpu(), before.cpu())
+
+
+@pytest.mark.parametrize("norm_mode", ["none", "norm_before_fc", "fc_norm"])
+@pytest.mark.parametrize("fp8", [False, True])
+def test_prepare_fc_weight_gives_the_same_projection(gen, norm_mode, fp8):
+    if fp8 and FP8 is None:
+        pytest.skip("no float8_e4m3fn in this torch")
+    from eagle3_ops.ops import prepare_fc_weight
+
+    aux, weight = _make(gen, 6, 32, 20, torch.float32)
+    nw = _norm_weight(gen, norm_mode, 3, 32, torch.float32)
+    w, scale, pnw = prepare_fc_weight(weight, norm_mode, nw, fp8=fp8)
+    assert (scale is not None) == fp8 and w.dtype == (FP8 if fp8 else torch.float32)
+    assert pnw is None if norm_mode != "fc_norm" else bool((pnw == 1).all())
+    out = _run(aux, w, scale, pnw, 1e-6, norm_mode, None, torch.float32)
+    ref = _truth64(aux, weight, None, nw, 1e-6, norm_mode, None)
+    assert rel_err(out, ref) <= (0.05 if fp8 else 1e-5)  # e4m3 keeps 3 mantissa bits: ~2-4% per weight
+
+
+def test_prepare_fc_weight_bad_input(gen):
+    from eagle3_ops.ops import prepare_fc_weight
+
+    _, weight = _make(gen, 2, 8, 4, torch.float32)
+    with pytest.raises(ValueError, match="norm_weight"):
+        prepare_fc_weight(weight, "fc_norm", torch.ones(5, 8))
+    with pytest.raises(ValueError, match="norm_mode"):
+        prepare_fc_weight(weight, "fc-norm")
+    with pytest.raises(TypeError, match="weight"):
+        prepare_fc_weight(weight.to(torch.int32))

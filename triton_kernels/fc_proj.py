@@ -1,0 +1,269 @@
+"""fc_proj on CUDA: out = norm(aux[rows]) @ (weight * weight_scale[:, None])^T (reference.fc_proj).
+
+Decode and verify sizes (R <= STREAM_MAX_ROWS) are weight streaming: the 21504 x 7168 weight (308 MB in
+bf16) is read once, in tiles of BLOCK_N output channels x BLOCK_K, split along K so that several
+programs per SM keep many 16-byte loads in flight; the R rows of aux (gathered through `rows` by
+pointer, never copied) are the small operand of a tensor-core dot computed as W_tile @ aux_tile^T
+(swap-AB: the weight tile fills the MMA's M side). Each split's fp32 partial is written once and a second
+small kernel sums the splits, applies the per-channel scale and rounds once to out's dtype.
+
+The norms cost no pass over the weight: the per-row (norm_before_fc) or per-row-and-chunk (fc_norm)
+rsqrt is computed first by a small kernel over aux [R, K]; a K split never straddles a chunk, so each
+split's partial is multiplied by its chunk's rsqrt in fp32. A norm weight is applied to the aux tile on
+the fly (prepare_fc_weight folds it into the weight columns once, at load, so it is usually absent).
+
+Large R (prefill) uses cuBLAS through torch.mm on aux (normalised rows written once when a norm mode
+is on); an fp8 weight there uses the same Triton kernel with a row tile of 64 (tensor cores on both
+sides), since cuBLAS has no bf16 x fp8 product.
+
+A row index outside [0, T) cannot be raised without a host sync: its output row is NaN, nothing is
+read out of bounds (the CPU reference raises). float64 inputs run the reference math in torch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+STREAM_MAX_ROWS = int(os.environ.get("EAGLE3_FC_STREAM_MAX_ROWS", "64"))
+_NORM_CODE = {"none": 0, "norm_before_fc": 1, "fc_norm": 2}
+
+
+@triton.jit
+def _row_rstd_kernel(aux, stride_a, rows, T, K, CHUNK, n_chunks, rstd, eps,
+                     HAS_ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    """rstd[r, c] = 1 / sqrt(mean(aux[rows[r], c*CHUNK:(c+1)*CHUNK]^2) + eps), in fp32."""
+    r = tl.program_id(0)
+    c = tl.program_id(1)
+    if HAS_ROWS:
+        src = tl.load(rows + r).to(tl.int64)
+    else:
+        src = r.to(tl.int64)
+    valid = (src >= 0) & (src < T)
+    src = tl.where(valid, src, 0)
+    base = aux + src * stride_a + c.to(tl.int64) * CHUNK
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for k in range(0, CHUNK, BLOCK):
+        offs = k + tl.arange(0, BLOCK)
+        a = tl.load(base + offs, mask=(offs < CHUNK) & valid, other=0.0).to(tl.float32)
+        acc += a * a
+    ms = tl.sum(acc, axis=0) / CHUNK
+    tl.store(rstd + r * n_chunks + c, 1.0 / tl.sqrt(ms + eps))
+
+
+@triton.jit
+def _fc_stream_kernel(aux, stride_a, rows, T, R, w, K, Hd, rstd, n_chunks, CHUNK, SPLITS_PER_CHUNK, K_PER_SPLIT,
+                      nw, scale, out, stride_o, part,
+                      HAS_ROWS: tl.constexpr, NORM: tl.constexpr, HAS_NW: tl.constexpr, HAS_SCALE: tl.constexpr,
+                      SPLIT: tl.constexpr, COMPUTE: tl.constexpr, IEEE: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr):
+    """One (output-channel tile, row tile, K split): acc[n, t] = sum_k w[n, k] * aux[rows[t], k]."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_t = tl.program_id(2)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    n_ok = offs_n < Hd
+    t_ok = offs_t < R
+    if HAS_ROWS:
+        src = tl.load(rows + offs_t, mask=t_ok, other=0).to(tl.int64)
+    else:
+        src = offs_t.to(tl.int64)
+    valid = t_ok & (src >= 0) & (src < T)
+    src = tl.where(valid, src, 0)
+
+    chunk = pid_k // SPLITS_PER_CHUNK
+    k_lo = chunk * CHUNK + (pid_k % SPLITS_PER_CHUNK) * K_PER_SPLIT
+    k_hi = tl.minimum(k_lo + K_PER_SPLIT, (chunk + 1) * CHUNK)
+    w_ptrs = w + offs_n.to(tl.int64)[:, None] * K + k_lo + tl.arange(0, BLOCK_K)[None, :]
+    a_ptrs = aux + src[None, :] * stride_a + k_lo + tl.arange(0, BLOCK_K)[:, None]
+    acc = tl.zeros([BLOCK_N, BLOCK_T], dtype=tl.float32)
+    for k in range(k_lo, k_hi, BLOCK_K):
+        offs_k = k + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < k_hi
+        wt = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0, eviction_policy="evict_first")
+        at = tl.load(a_ptrs, mask=k_ok[:, None] & valid[None, :], other=0.0)
+        if HAS_NW:
+            at = at.to(tl.float32) * tl.load(nw + offs_k, mask=k_ok, other=0.0).to(tl.float32)[:, None]
+        if IEEE:
+            acc = tl.dot(wt.to(COMPUTE), at.to(COMPUTE), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(wt.to(COMPUTE), at.to(COMPUTE), acc)
+        w_ptrs += BLOCK_K
+        a_ptrs += BLOCK_K
+    if NORM != 0:
+        acc *= tl.load(rstd + offs_t * n_chunks + chunk, mask=t_ok, other=0.0)[None, :]
+    if SPLIT == 1:
+        if HAS_SCALE:
+            acc *= tl.load(scale + offs_n, mask=n_ok, other=0.0)[:, None]
+        acc = tl.where(valid[None, :], acc, float("nan"))
+        o_ptrs = out + offs_t.to(tl.int64)[None, :] * stride_o + offs_n[:, None]
+        tl.store(o_ptrs, acc.to(out.dtype.element_ty), mask=n_ok[:, None] & t_ok[None, :])
+    else:
+        p_ptrs = part + (pid_k * R + offs_t.to(tl.int64))[None, :] * Hd + offs_n[:, None]
+        tl.store(p_ptrs, acc, mask=n_ok[:, None] & t_ok[None, :])
+
+
+@triton.jit
+def _fc_reduce_kernel(part, rows, T, R, Hd, scale, out, stride_o, n_split,
+                      HAS_ROWS: tl.constexpr, HAS_SCALE: tl.constexpr, BLOCK: tl.constexpr):
+    """out[r, n] = scale[n] * sum_s part[s, r, n], rounded once; NaN for an out-of-range row index."""
+    r = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < Hd
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for s in range(0, n_split):
+        acc += tl.load(part + (s * R + r).to(tl.int64) * Hd + offs, mask=ok, other=0.0)
+    if HAS_SCALE:
+        acc *= tl.load(scale + offs, mask=ok, other=0.0)
+    if HAS_ROWS:
+        src = tl.load(rows + r).to(tl.int64)
+        acc = tl.where((src >= 0) & (src < T), acc, float("nan"))
+    tl.store(out + r.to(tl.int64) * stride_o + offs, acc.to(out.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _normalise_rows_kernel(aux, stride_a, rows, T, K, CHUNK, n_chunks, rstd, nw, dst,
+                           HAS_ROWS: tl.constexpr, NORM: tl.constexpr, HAS_NW: tl.constexpr, BLOCK: tl.constexpr):
+    """dst[r] = norm(aux[rows[r]]) in aux's dtype (the prefill path's one pass before cuBLAS)."""
+    r = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < K
+    if HAS_ROWS:
+        src = tl.load(rows + r).to(tl.int64)
+    else:
+        src = r.to(tl.int64)
+    valid = (src >= 0) & (src < T)
+    a = tl.load(aux + tl.where(valid, src, 0) * stride_a + offs, mask=ok & valid, other=0.0).to(tl.float32)
+    if NORM != 0:
+        a *= tl.load(rstd + r * n_chunks + offs // CHUNK, mask=ok, other=0.0)
+    if HAS_NW:
+        a *= tl.load(nw + offs, mask=ok, other=0.0).to(tl.float32)
+    a = tl.where(valid, a, float("nan"))
+    tl.store(dst + r.to(tl.int64) * K + offs, a.to(dst.dtype.element_ty), mask=ok)
+
+
+def _compute_dtype(aux: Tensor, weight: Tensor) -> torch.dtype:
+    if aux.dtype in (torch.bfloat16, torch.float16) and (weight.dtype == aux.dtype or weight.element_size() == 1):
+        return aux.dtype
+    return torch.float32
+
+
+_TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+
+
+def stream_config(R: int, Hd: int, K: int, n_chunks: int, weight: Tensor) -> dict:
+    """Tile sizes and the K split for the weight-streaming kernel; EAGLE3_FC_CONFIG="BN,BK,SPLIT,warps,stages"
+    overrides (for tuning runs)."""
+    override = os.environ.get("EAGLE3_FC_CONFIG")
+    if override:
+        bn, bk, split, warps, stages = (int(v) for v in override.split(","))
+    else:
+        bn = 64 if R <= 16 else 128
+        bk = 128 if weight.element_size() >= 2 else 256
+        split, warps, stages = (6, 4, 4) if R <= 16 else (6, 8, 3)
+    spc = max(1, split // n_chunks)  # splits per chunk: a split never straddles a chunk
+    return dict(BLOCK_N=bn, BLOCK_K=bk, splits_per_chunk=spc, num_warps=warps, num_stages=stages)
+
+
+def _norm_rstd(aux, rows, T, R, K, n_chunks, eps):
+    rstd = torch.empty(R, n_chunks, dtype=torch.float32, device=aux.device)
+    chunk = K // n_chunks
+    _row_rstd_kernel[(R, n_chunks)](aux, aux.stride(0), rows if rows is not None else aux, T, K, chunk, n_chunks,
+                                    rstd, eps, HAS_ROWS=rows is not None, BLOCK=min(2048, triton.next_power_of_2(chunk)))
+    return rstd
+
+
+def _streamed(aux, weight, weight_scale, nw, rstd, norm, n_chunks, rows, out, T, R, K, Hd, block_t, cfg):
+    compute = _compute_dtype(aux, weight)
+    chunk = K // n_chunks
+    spc = cfg["splits_per_chunk"]
+    k_per_split = triton.cdiv(triton.cdiv(chunk, spc), cfg["BLOCK_K"]) * cfg["BLOCK_K"]
+    spc = triton.cdiv(chunk, k_per_split)
+    n_split = spc * n_chunks
+    part = torch.empty(n_split, R, Hd, dtype=torch.float32, device=aux.device) if n_split > 1 else out
+    grid = (triton.cdiv(Hd, cfg["BLOCK_N"]), n_split, triton.cdiv(R, block_t))
+    _fc_stream_kernel[grid](
+        aux, aux.stride(0), rows if rows is not None else aux, T, R, weight, K, Hd,
+        rstd if rstd is not None else aux, n_chunks, chunk, spc, k_per_split,
+        nw if nw is not None else aux, weight_scale if weight_scale is not None else aux, out, out.stride(0), part,
+        HAS_ROWS=rows is not None, NORM=norm, HAS_NW=nw is not None, HAS_SCALE=weight_scale is not None,
+        SPLIT=n_split, COMPUTE=_TL[compute], IEEE=compute == torch.float32,
+        BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], BLOCK_T=block_t,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    if n_split > 1:
+        block = 1024
+        _fc_reduce_kernel[(R, triton.cdiv(Hd, block))](
+            part, rows if rows is not None else aux, T, R, Hd, weight_scale if weight_scale is not None else aux, out,
+            out.stride(0), n_split, HAS_ROWS=rows is not None, HAS_SCALE=weight_scale is not None, BLOCK=block)
+
+
+def _torch_fp64(aux, weight, weight_scale, norm_weight, eps, norm_mode, rows, out, T, K, n_chunks):
+    """The reference math in torch on the device, for float64 inputs (testing): no host sync, NaN rows for
+    out-of-range indices."""
+    if rows is not None:
+        valid = (rows >= 0) & (rows < T)
+        a = aux[rows.long().clamp(0, max(T - 1, 0))].double()
+    else:
+        valid, a = None, aux.double()
+    if norm_mode != "none":
+        c = a.view(a.shape[0], n_chunks, K // n_chunks)
+        c = c * torch.rsqrt(c.pow(2).mean(-1, keepdim=True) + eps)
+        if norm_weight is not None:
+            c = c * norm_weight.double().view(1, n_chunks, K // n_chunks)
+        a = c.reshape(a.shape[0], K)
+    w = weight.double() if weight_scale is None else weight.double() * weight_scale.double()[:, None]
+    res = a @ w.T
+    if valid is not None:
+        res = res.masked_fill(~valid[:, None], float("nan"))
+    out.copy_(res.to(out.dtype))
+
+
+def fc_proj(aux: Tensor, weight: Tensor, weight_scale: Optional[Tensor], norm_weight: Optional[Tensor], eps: float,
+            norm_mode: str, rows: Optional[Tensor], out: Tensor) -> None:
+    """The CUDA launcher (arguments already checked by eagle3_ops._validate.fc_proj)."""
+    T, K = aux.shape
+    Hd = weight.shape[0]
+    R = out.shape[0]
+    n_chunks = norm_weight.shape[0] if norm_mode == "fc_norm" else 1
+    if R == 0 or Hd == 0:
+        return
+    if K == 0:
+        out.zero_()
+        return
+    if torch.float64 in (aux.dtype, weight.dtype, out.dtype):
+        return _torch_fp64(aux, weight, weight_scale, norm_weight, eps, norm_mode, rows, out, T, K, n_chunks)
+    norm = _NORM_CODE[norm_mode]
+    nw = norm_weight.reshape(-1) if norm_weight is not None else None
+    # (CPU tensors only under TRITON_INTERPRET=1, in the tests)
+    on_device = torch.cuda.device(aux.device) if aux.is_cuda else contextlib.nullcontext()
+    with on_device:
+        rstd = _norm_rstd(aux, rows, T, R, K, n_chunks, eps) if norm else None
+        if R <= STREAM_MAX_ROWS:
+            block_t = max(16, triton.next_power_of_2(R))
+            cfg = stream_config(R, Hd, K, n_chunks, weight)
+            _streamed(aux, weight, weight_scale, nw, rstd, norm, n_chunks, rows, out, T, R, K, Hd, block_t, cfg)
+        elif (weight.dtype != aux.dtype or out.dtype != aux.dtype or weight_scale is not None
+              or aux.dtype == torch.float32):
+            # fp8 / mixed precision / scaled / fp32 at prefill size: the same kernel as a tiled GEMM (one
+            # rounding, fp32 accumulation, IEEE fp32 products where the reference has them)
+            cfg = dict(BLOCK_N=128, BLOCK_K=64, splits_per_chunk=1, num_warps=8, num_stages=4)
+            _streamed(aux, weight, weight_scale, nw, rstd, norm, n_chunks, rows, out, T, R, K, Hd, 64, cfg)
+        else:
+            # prefill: cuBLAS on aux itself, or on the normalised / gathered rows written once
+            if norm or rows is not None or nw is not None:
+                a = torch.empty(R, K, dtype=aux.dtype, device=aux.device)
+                block = 1024
+                _normalise_rows_kernel[(R, triton.cdiv(K, block))](
+                    aux, aux.stride(0), rows if rows is not None else aux, T, K, K // n_chunks, n_chunks,
+                    rstd if rstd is not None else aux, nw if nw is not None else aux, a,
+                    HAS_ROWS=rows is not None, NORM=norm, HAS_NW=nw is not None, BLOCK=block)
+            else:
+                a = aux
+            torch.mm(a, weight.t(), out=out)
