@@ -27,7 +27,8 @@ OPS = (
 # Kernels written in Triton, registered here for CUDA tensors: op name -> "module:function" inside
 # eagle3_ops.triton_kernels (imported lazily on first call, so import does no GPU or Triton work).
 TRITON_OPS: dict[str, str] = {"tree_attention_mla": "tree_attention:tree_attention_mla",
-                              "tree_attention": "tree_attention:tree_attention"}
+                              "tree_attention": "tree_attention:tree_attention",
+                              "fc_proj": "fc_proj:fc_proj"}
 
 _lib = torch.library.Library("eagle3", "IMPL")  # noqa: TOR901  (kept alive for the process)
 
