@@ -1,0 +1,92 @@
+"""add_rmsnorm_capture at Kimi width (H = 7168, bf16), in one run:
+
+- "add_rmsnorm": the plain fused add + RMSNorm (capture off) vs PyTorch's `residual += x; x = rms_norm`
+  vs torch.compile of the same. Bytes: x and residual read and written, the weight read.
+- "add_rmsnorm_capture": the same with the capture of every row into an aux slot (25% more bytes) vs the
+  PyTorch way (`aux[:, slot] = residual` after the add) and its torch.compile.
+- "capture_3_layers": what capturing three layers costs on top of the norms. torch: SGLang/vLLM's path,
+  `h + r` per captured layer then `torch.cat` into [T, 3H]; eagle3: three times (capture on - capture
+  off) from the rows above (the extra cost of the fused capture), shown against the torch path.
+
+Device time: CUDA-graph replays of back-to-back calls over input sets rotated past L2 (median per call).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from common import graph_time_us, rotation
+
+import eagle3_ops  # noqa: F401
+
+H, N_AUX, SLOT, EPS = 7168, 3, 1, 1e-6
+TS = [1, 64, 512, 4096]
+_times: dict = {}
+
+
+def _plain(x, r, w, aux):
+    r.add_(x)
+    if aux is not None:
+        aux[:, SLOT * H:(SLOT + 1) * H] = r
+    x.copy_(F.rms_norm(r, (H,), w, EPS))
+
+
+_compiled = torch.compile(_plain, dynamic=False)
+PROVIDERS = {
+    "eagle3": lambda x, r, w, aux: torch.ops.eagle3.add_rmsnorm_capture(x, r, w, EPS, aux, SLOT, None),
+    "torch": _plain,
+    "torch.compile": _compiled,
+}
+
+
+def _sets(T, capture):
+    nbytes = 4 * T * H * 2 + (T * H * 2 if capture else 0)
+    sets = []
+    for _ in range(rotation(nbytes)):
+        x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+        r = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+        w = torch.ones(H, device="cuda", dtype=torch.bfloat16)
+        aux = torch.empty(T, N_AUX * H, device="cuda", dtype=torch.bfloat16) if capture else None
+        sets.append((x, r, w, aux))
+    return sets, nbytes + H * 2
+
+
+@pytest.mark.parametrize("provider", list(PROVIDERS))
+@pytest.mark.parametrize("capture", [False, True], ids=["off", "capture"])
+@pytest.mark.parametrize("T", TS)
+def test_add_rmsnorm(benchmark, recorder, provider, capture, T):
+    fn = PROVIDERS[provider]
+    sets, nbytes = _sets(T, capture)
+    us = graph_time_us([lambda s=s: fn(*s) for s in sets])
+    x, r, w, aux = sets[0]
+    benchmark.pedantic(lambda: fn(x, r, w, aux), rounds=100, warmup_rounds=10)
+    _times[(provider, capture, T)] = us
+    recorder.add("add_rmsnorm_capture" if capture else "add_rmsnorm", f"T={T} H={H}", provider, us, nbytes,
+                 host_us=benchmark.stats.stats.median * 1e6)
+
+
+@pytest.mark.parametrize("T", TS)
+def test_capture_3_layers(benchmark, recorder, T):
+    """The plain capture path (3 x `h + r`, then cat) timed here; ours is 3 x the measured extra of the
+    fused capture (needs test_add_rmsnorm's eagle3 rows of the same T, run first in this file)."""
+    nbytes = 3 * 3 * T * H * 2 + 2 * 3 * T * H * 2  # 3 x (read h, r; write the sum), then cat: read + write 3TH
+    sets = []
+    for _ in range(rotation(nbytes)):
+        hs = [torch.randn(T, H, device="cuda", dtype=torch.bfloat16) for _ in range(6)]
+        sets.append(hs)
+
+    def plain(hs):
+        torch.cat([hs[0] + hs[1], hs[2] + hs[3], hs[4] + hs[5]], dim=-1)
+
+    us = graph_time_us([lambda s=s: plain(s) for s in sets])
+    benchmark.pedantic(lambda: plain(sets[0]), rounds=50, warmup_rounds=5)
+    shape = f"T={T} H={H}"
+    recorder.add("capture_3_layers", shape, "torch", us, nbytes)
+    on, off = _times.get(("eagle3", True, T)), _times.get(("eagle3", False, T))
+    if on is not None and off is not None:
+        extra = 3 * max(on - off, 0.0)
+        # the fused capture's own bytes: 3 aux slices written
+        recorder.add("capture_3_layers", shape, "eagle3", max(extra, 1e-3), 3 * T * H * 2,
+                     derived="3 x (capture on - capture off)", share_of_torch=extra / us)

@@ -1,0 +1,58 @@
+"""Sweep fc_proj's weight-streaming configurations at Kimi shape (a tuning aid, not a benchmark):
+python bench/tune_fc.py [T ...]. Prints us per (T, weight dtype, BLOCK_N, BLOCK_K, split, warps, stages)
+and the best per case; the defaults live in triton_kernels/fc_proj.py:stream_config."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from common import graph_time_us  # noqa: E402
+
+import eagle3_ops  # noqa: E402,F401
+from eagle3_ops.ops import prepare_fc_weight  # noqa: E402
+
+H = 7168
+K = 3 * H
+
+
+def main(ts):
+    w = torch.randn(H, K, device="cuda") / K**0.5
+    weights = {"bf16": (w.bfloat16(), None)}
+    w8, s8, _ = prepare_fc_weight(w, fp8=True)
+    weights["fp8"] = (w8, s8)
+    del w
+    copy = torch.empty(1 << 29, dtype=torch.bfloat16, device="cuda")
+    dst = torch.empty_like(copy)
+    from common import event_median_us
+    bw = 2 * copy.numel() * 2 / (event_median_us(lambda: dst.copy_(copy), reps=10) * 1e-6)
+    del copy, dst
+    print(f"copy {bw / 1e12:.2f} TB/s")
+    for T in ts:
+        aux = torch.randn(T, K, device="cuda", dtype=torch.bfloat16)
+        out = torch.empty(T, H, device="cuda", dtype=torch.bfloat16)
+        for name, (wt, sc) in weights.items():
+            results = []
+            bks = (128, 256) if name == "bf16" else (128, 256, 512)
+            for bn, bk, split, warps, stages in itertools.product((64, 128), bks, (3, 6, 12), (4, 8), (3, 4, 6)):
+                os.environ["EAGLE3_FC_CONFIG"] = f"{bn},{bk},{split},{warps},{stages}"
+                try:
+                    us = graph_time_us([lambda: torch.ops.eagle3.fc_proj(aux, wt, sc, None, 1e-6, "none", None, out)],
+                                       reps=10)
+                except Exception as e:  # out of shared memory etc.
+                    print(f"T={T} {name} {bn},{bk},{split},{warps},{stages}: {type(e).__name__}")
+                    continue
+                results.append((us, bn, bk, split, warps, stages))
+            results.sort()
+            nbytes = wt.numel() * wt.element_size()
+            for us, *cfg in results[:5]:
+                print(f"T={T:<3} {name:<5} cfg={cfg} {us:8.2f} us  {nbytes / (us * 1e-6) / bw * 100:5.1f}% of copy")
+    os.environ.pop("EAGLE3_FC_CONFIG", None)
+
+
+if __name__ == "__main__":
+    main([int(t) for t in sys.argv[1:]] or [1, 16, 64])
