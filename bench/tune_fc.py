@@ -37,8 +37,8 @@ def main(ts):
         out = torch.empty(T, H, device="cuda", dtype=torch.bfloat16)
         for name, (wt, sc) in weights.items():
             results = []
-            bks = (128, 256) if name == "bf16" else (128, 256, 512)
-            for bn, bk, split, warps, stages in itertools.product((64, 128), bks, (3, 6, 12), (4, 8), (3, 4, 6)):
+            bks = (128, 256) if name == "bf16" else (256, 512)
+            for bn, bk, split, warps, stages in itertools.product((64, 128), bks, (4, 8), (4, 8), (4,)):
                 os.environ["EAGLE3_FC_CONFIG"] = f"{bn},{bk},{split},{warps},{stages}"
                 try:
                     us = graph_time_us([lambda: torch.ops.eagle3.fc_proj(aux, wt, sc, None, 1e-6, "none", None, out)],
