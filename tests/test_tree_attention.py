@@ -6,6 +6,7 @@ float64 with that boolean mask (and an explicit log-sum-exp for lse)."""
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -109,8 +110,8 @@ class Case:
             self.v_cache = torch.randn(P, page_size, HKV, Dv, generator=gen).to(dtype)
 
     def run(self, with_lse=True):
-        out = poison_(torch.empty(self.q.shape[0], self.NH, self.Dv, dtype=self.dtype))
-        lse = poison_(torch.empty(self.q.shape[0], self.NH)) if with_lse else None
+        out = poison_(torch.empty(self.q.shape[0], self.NH, self.Dv, dtype=self.dtype, device=self.q.device))
+        lse = poison_(torch.empty(self.q.shape[0], self.NH, device=self.q.device)) if with_lse else None
         common = (self.page_table, self.prefix_lens, self.tree_mask, self.scale, out, lse)
         if self.mla:
             torch.ops.eagle3.tree_attention_mla(self.q, self.k_cache, *common)
@@ -291,3 +292,247 @@ def test_identity_page_table_equals_shuffled(gen, mla):
     out2, lse2 = c.run()
     assert_equal(out2, out)
     assert_equal(lse2, lse)
+
+
+# ---- the Triton kernels ------------------------------------------------------------------------------
+# CI runs them under TRITON_INTERPRET=1 on CPU tensors, called directly (torch.ops on CPU tensors is the
+# reference); the H200 runs them through torch.ops at the real shapes (-m gpu). The interpreter has no
+# bf16 (its tl.dot multiplies bf16 bit patterns), so interpreted cases are fp16 / fp32.
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+interpreted = pytest.mark.skipif(not INTERPRET, reason="runs the Triton kernels under TRITON_INTERPRET=1")
+
+
+def _kernel(c: Case, config=None, with_lse=True):
+    """The Triton launcher itself (not the op), on the case's device; outputs poisoned first."""
+    from eagle3_ops.triton_kernels import tree_attention as ta
+
+    dev = c.q.device
+    out = poison_(torch.empty(c.q.shape[0], c.NH, c.Dv, dtype=c.dtype, device=dev))
+    lse = poison_(torch.empty(c.q.shape[0], c.NH, device=dev)) if with_lse else None
+    common = (c.page_table, c.prefix_lens, c.tree_mask, c.scale, out, lse)
+    if c.mla:
+        ta.tree_attention_mla(c.q, c.k_cache, *common, config=config)
+    else:
+        ta.tree_attention(c.q, c.k_cache, c.v_cache, *common, config=config)
+    return out, lse
+
+
+def _check_against(c: Case, out, lse, ref_out, ref_lse, rows=slice(None)):
+    assert not torch.isnan(out[rows]).any(), f"out not fully written: first NaN at {tuple(torch.isnan(out[rows]).nonzero()[0])}"
+    err = rel_err(out[rows], ref_out[rows])
+    assert err <= TOLERANCES[c.dtype], f"out: rel err {err:.3g} > {TOLERANCES[c.dtype]}"
+    if lse is not None:
+        lse_err = rel_err(lse[rows], ref_lse[rows])
+        assert lse_err <= TOLERANCES[torch.float32], f"lse: rel err {lse_err:.3g}"
+
+
+@interpreted
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("N, kind, splits, dtype", [
+    (1, "chain", 3, torch.float16),  # decode, the prefix split three ways + the merge kernel
+    (7, "bushy", 3, torch.float32),  # a tree, split + merge
+    (7, "bushy", 1, torch.float16),  # one split: the kernel writes out and lse itself
+    (33, "chain", 1, torch.float32),  # two mask words, bit 31 (int32's sign bit) used
+])  # (fp16 is slow under the interpreter: numpy half matmuls; N = 33 with splits runs many merge programs)
+@pytest.mark.parametrize("mla", [True, False])
+def test_kernel_interpreted(gen, mla, N, kind, splits, dtype, page_size):
+    kw = dict(NH=4, D=40, Dv=32) if mla else dict(NH=8, HKV=2, D=16, Dv=24)  # odd dims: padded tiles
+    c = Case(gen, mla=mla, prefixes=[0, 17, 70], N=N, kind=kind, page_size=page_size, dtype=dtype, **kw)
+    out, lse = _kernel(c, config=dict(splits=splits))
+    _check_against(c, out, lse, *c.truth())
+    without, none = _kernel(c, config=dict(splits=splits), with_lse=False)
+    assert none is None
+    assert_equal(without, out, "out without lse")
+
+
+@interpreted
+def test_kernel_interpreted_kimi_dims(gen):
+    # Kimi's 576 = 512 latent + 64 rope key and V = the first 512 dims (two dots per tile), fewer heads.
+    c = Case(gen, mla=True, prefixes=[3, 40], N=4, kind="bushy", page_size=16, NH=8, D=576, Dv=512,
+             dtype=torch.float16, scale=KIMI_SCALE)
+    out, lse = _kernel(c, config=dict(splits=2))
+    _check_against(c, out, lse, *c.truth())
+
+
+def _bad_values(c: Case):
+    """Request 1 reaches a page id past the cache, request 2's prefix leaves no room for its tree:
+    the kernel must not read out of bounds, and poisons exactly those requests with NaN."""
+    N = c.N
+    c.page_table[1, 0] = c.k_cache.shape[0] + 1000
+    c.prefix_lens[2] = c.page_table.shape[1] * c.k_cache.shape[1] - N + 1
+    return [slice(0, N), slice(N, 2 * N), slice(2 * N, 3 * N)]
+
+
+@interpreted
+@pytest.mark.parametrize("mla", [True, False])
+def test_kernel_interpreted_bad_values_poison_only_their_request(gen, mla):
+    kw = dict(NH=4, D=40, Dv=32) if mla else dict(NH=8, HKV=2, D=16, Dv=24)
+    c = Case(gen, mla=mla, prefixes=[5, 17, 9], N=7, kind="bushy", page_size=4, **kw)
+    ref_out, ref_lse = c.truth()  # request 0 stays valid
+    good, bad_page, bad_prefix = _bad_values(c)
+    out, lse = _kernel(c, config=dict(splits=2))
+    _check_against(c, out, lse, ref_out, ref_lse, rows=good)
+    for rows in (bad_page, bad_prefix):
+        assert torch.isnan(out[rows]).all() and torch.isnan(lse[rows]).all()
+
+
+def test_kernel_refuses_unsupported_shapes(gen):
+    from eagle3_ops.triton_kernels import tree_attention as ta
+
+    c = Case(gen, mla=True, prefixes=[1], N=1, kind="chain", page_size=4, NH=2, D=40, Dv=32)
+    args = (c.page_table, c.prefix_lens, c.tree_mask, c.scale)
+    with pytest.raises(ValueError, match="out must have Dv <= 512"):  # a 1024-wide V would not fit registers
+        ta.tree_attention_mla(torch.zeros(1, 2, 1100), torch.zeros(4, 4, 1100), *args, torch.zeros(1, 2, 1024), None)
+    with pytest.raises(ValueError, match="D - Dv <= 128"):  # rope part past one tile
+        ta.tree_attention_mla(torch.zeros(1, 2, 400), torch.zeros(4, 4, 400), *args, torch.zeros(1, 2, 64), None)
+    with pytest.raises(ValueError, match="k_cache and v_cache must have head dims <= 256"):
+        ta.tree_attention(torch.zeros(1, 2, 512), torch.zeros(4, 4, 1, 512), torch.zeros(4, 4, 1, 64), *args,
+                          torch.zeros(1, 2, 64), None)
+    with pytest.raises(TypeError, match="q must have dtype bfloat16 | float16 | float32"):
+        ta.tree_attention_mla(c.q.double(), c.k_cache.double(), *args, torch.zeros(1, 2, 32, dtype=torch.float64),
+                              None)
+
+
+# ---- on the H200 -------------------------------------------------------------------------------------
+
+
+class GpuCase(Case):
+    """A Case built on the GPU at real sizes: ragged prefixes (request 0 at `prefix`, the others uniform in
+    [0, prefix]), a shuffled page table, and a float64 truth computed on the GPU request by request."""
+
+    def __init__(self, seed, *, mla, B, prefix, N, kind, page_size, NH, D, Dv, HKV=1, dtype=torch.bfloat16,
+                 scale=KIMI_SCALE):
+        self.mla, self.N, self.NH, self.Dv, self.dtype, self.scale = mla, N, NH, Dv, dtype, scale
+        host = torch.Generator().manual_seed(seed)
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        prefixes = [prefix] + torch.randint(0, prefix + 1, (B - 1,), generator=host).tolist()
+        self.parents = tree.random_parents(B, N, host, kind)
+        self.tree_mask = tree.tree_mask(self.parents).cuda()
+        self.prefix_lens = torch.tensor(prefixes, dtype=torch.int32, device="cuda")
+        need = [-(-(p + N) // page_size) for p in prefixes]
+        pages = sum(need) + 2
+        perm = torch.randperm(pages, generator=g, device="cuda").int()
+        self.page_table = perm[-1].repeat(B, max(need) + 1)  # unused entries: a spare page
+        k = 0
+        for b, n in enumerate(need):
+            self.page_table[b, :n] = perm[k:k + n]
+            k += n
+        self.q = torch.randn(B * N, NH, D, generator=g, device="cuda").to(dtype)
+        cache = (pages, page_size) if mla else (pages, page_size, HKV)
+        self.k_cache = torch.randn(*cache, D, generator=g, device="cuda").to(dtype)
+        self.v_cache = None if mla else torch.randn(*cache, Dv, generator=g, device="cuda").to(dtype)
+
+    def truth(self):
+        B, N, ps = self.prefix_lens.shape[0], self.N, self.k_cache.shape[1]
+        outs, lses = [], []
+        for b in range(B):
+            P = int(self.prefix_lens[b])
+            pos = torch.arange(P + N, device="cuda")
+            where = (self.page_table[b, pos // ps].long(), pos % ps)
+            visible = torch.cat([torch.ones(N, P, dtype=torch.bool),
+                                 _ancestor_walk(self.parents[b].tolist())], 1).cuda()
+            qb = self.q[b * N:(b + 1) * N].double()  # [N, NH, D]
+            if self.mla:
+                k = self.k_cache[where].double()  # [L, D], V = its first Dv dims
+                s = torch.einsum("nhd,ld->nhl", qb, k)
+                v = k[:, None, :self.Dv]
+            else:
+                group = self.NH // self.k_cache.shape[2]
+                k = self.k_cache[where].double().repeat_interleave(group, 1)  # [L, NH, Dh]
+                v = self.v_cache[where].double().repeat_interleave(group, 1)
+                s = torch.einsum("nhd,lhd->nhl", qb, k)
+            s = (s * self.scale).masked_fill(~visible[:, None, :], -math.inf)
+            lse = torch.logsumexp(s, -1)
+            outs.append(torch.einsum("nhl,lhd->nhd", torch.exp(s - lse[..., None]), v.expand(-1, self.NH, -1)))
+            lses.append(lse)
+        return torch.cat(outs), torch.cat(lses)
+
+
+KIMI_MLA = dict(mla=True, NH=64, D=576, Dv=512)
+KIMI_DRAFTER = dict(mla=False, NH=64, HKV=64, D=128, Dv=128, scale=128 ** -0.5)  # one Llama-style layer
+LLAMA_8B = dict(mla=False, NH=32, HKV=8, D=128, Dv=128, scale=128 ** -0.5)
+# (N, prefix, B, page_size, kind): every value of the issue's grid at least once, at least one long
+# prefix per page size; prefixes ragged within each batch.
+SWEEP = {"mla": [(1, 32768, 1, 1, "chain"), (1, 4096, 32, 64, "chain"), (1, 0, 8, 16, "chain"),
+                 (4, 0, 3, 16, "chain"), (4, 63, 8, 1, "bushy"), (4, 1, 1, 64, "chain"),
+                 (16, 32768, 1, 64, "bushy"), (16, 4096, 8, 16, "bushy"), (16, 1, 32, 1, "chain"),
+                 (64, 63, 3, 64, "bushy"), (64, 4096, 1, 16, "chain"), (64, 32768, 32, 16, "bushy")],
+         "kimi_drafter": [(16, 4096, 8, 16, "bushy"), (4, 0, 32, 16, "chain"), (1, 32768, 3, 64, "chain"),
+                          (64, 63, 1, 1, "bushy")],
+         "llama_8b": [(1, 32768, 1, 1, "chain"), (64, 63, 3, 64, "bushy"), (16, 32768, 3, 64, "chain"),
+                      (4, 1, 8, 1, "bushy"), (16, 4096, 32, 16, "bushy")]}
+SHAPES = {"mla": KIMI_MLA, "kimi_drafter": KIMI_DRAFTER, "llama_8b": LLAMA_8B}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape, case", [(s, c) for s, cs in SWEEP.items() for c in cs],
+                         ids=[f"{s}-N{c[0]}-prefix{c[1]}-B{c[2]}-ps{c[3]}-{c[4]}" for s, cs in SWEEP.items() for c in cs])
+def test_gpu_against_float64(shape, case):
+    N, prefix, B, page_size, kind = case
+    c = GpuCase(hash(case) % 2**31, B=B, prefix=prefix, N=N, kind=kind, page_size=page_size, **SHAPES[shape])
+    out, lse = c.run()  # through torch.ops on CUDA tensors: the registered Triton launcher
+    _check_against(c, out, lse, *c.truth())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("shape", ["mla", "llama_8b"])
+def test_gpu_dtypes(shape, dtype):
+    c = GpuCase(7, B=3, prefix=700, N=16, kind="bushy", page_size=16, dtype=dtype, **SHAPES[shape])
+    out, lse = c.run()
+    _check_against(c, out, lse, *c.truth())
+    without, _ = c.run(with_lse=False)
+    assert_equal(without, out, "out without lse")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", ["mla", "llama_8b"])
+def test_gpu_graph_replay_matches_eager(shape):
+    # Capture once, then write new q, cache rows, prefix lengths and trees into the same tensors: replay
+    # must equal an eager call on the new values (the split count comes from shapes, never from values).
+    c = GpuCase(11, B=4, prefix=5000, N=16, kind="bushy", page_size=16, **SHAPES[shape])
+    out = torch.empty(c.q.shape[0], c.NH, c.Dv, dtype=c.dtype, device="cuda")
+    lse = torch.empty(c.q.shape[0], c.NH, device="cuda")
+    caches = [c.k_cache] if c.mla else [c.k_cache, c.v_cache]
+    call = (lambda: torch.ops.eagle3.tree_attention_mla(c.q, c.k_cache, c.page_table, c.prefix_lens, c.tree_mask,
+                                                        c.scale, out, lse)) if c.mla else \
+        (lambda: torch.ops.eagle3.tree_attention(c.q, c.k_cache, c.v_cache, c.page_table, c.prefix_lens,
+                                                 c.tree_mask, c.scale, out, lse))
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        call()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    g = torch.Generator(device="cuda").manual_seed(12)
+    c.q.copy_(torch.randn(c.q.shape, generator=g, device="cuda"))
+    for cache in caches:
+        cache.copy_(torch.randn(cache.shape, generator=g, device="cuda"))
+    c.prefix_lens.copy_(torch.tensor([5000, 17, 0, 4321], dtype=torch.int32))
+    c.parents = tree.random_parents(4, 16, torch.Generator().manual_seed(13), "bushy")
+    c.tree_mask.copy_(tree.tree_mask(c.parents))
+    poison_(out)
+    poison_(lse)
+    graph.replay()
+    torch.cuda.synchronize()
+    replayed = out.clone(), lse.clone()
+    eager = c.run()
+    assert_equal(replayed[0], eager[0], "out replayed vs eager")
+    assert_equal(replayed[1], eager[1], "lse replayed vs eager")
+    _check_against(c, *eager, *c.truth())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", ["mla", "llama_8b"])
+def test_gpu_bad_values_poison_only_their_request(shape):
+    c = GpuCase(21, B=3, prefix=300, N=7, kind="bushy", page_size=16, **SHAPES[shape])
+    ref_out, ref_lse = c.truth()
+    good, bad_page, bad_prefix = _bad_values(c)
+    out, lse = c.run()  # no host sync, no error: out-of-range values poison their request
+    torch.cuda.synchronize()
+    _check_against(c, out, lse, ref_out, ref_lse, rows=good)
+    for rows in (bad_page, bad_prefix):
+        assert torch.isnan(out[rows]).all() and torch.isnan(lse[rows]).all()
