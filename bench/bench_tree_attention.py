@@ -1,0 +1,191 @@
+"""Tree-verify attention, MLA (Kimi: 64 heads over one 576-dim latent head, V = its first 512 dims) and GQA
+(the Kimi drafter's layer 64 q / 64 kv heads x 128; a Llama-8B layer 32 q / 8 kv x 128), bf16, paged KV
+(page size 64), uniform prefixes, random bushy trees.
+
+Providers, all in one run: eagle3 (torch.ops.eagle3.*, the Triton kernels); torch (vectorised: gather the
+paged rows, one matmul for the scores, the tree mask, softmax in fp32, one matmul for the output); torch.sdpa
+(scaled_dot_product_attention with a boolean [B, 1, N, L] mask after the same gather); torch.compile of the
+vectorised version (a few shapes: compiling costs GPU-machine time).
+
+Device time: CUDA-graph replays of back-to-back calls over input sets rotated past L2 (median per call).
+FLOPs: 2 * rows * L * (Dk + Dv) per request, rows = N * NH, L = prefix + N (the tree block counted whole).
+Bytes: the KV rows of every request read once, q read, out written. Printed: us, the vectorised torch us,
+speed-up, TFLOP/s, GB/s, and the fraction of the floor max(bytes / copy_bw, flops / mm_rate) / time.
+
+EAGLE3_TREE_SWEEP=1 also times tile configurations of the Triton kernel (provider eagle3:<config>).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from common import graph_time_us, rotation
+
+import eagle3_ops  # noqa: F401
+from eagle3_ops import tree
+
+PAGE = 64
+DEV = "cuda"  # the device of every input (a CPU check of the baselines sets "cpu")
+KIMI_SCALE = 0.130861
+# name -> (kind, NH, HKV, Dk, Dv, scale)
+MODELS = {"mla": ("mla", 64, 1, 576, 512, KIMI_SCALE),
+          "kimi-drafter": ("gqa", 64, 64, 128, 128, 128 ** -0.5),
+          "llama-8b": ("gqa", 32, 8, 128, 128, 128 ** -0.5)}
+# (model, B, prefix, N): the issue's targets first
+SHAPES = [("mla", 1, 32768, 16), ("mla", 8, 8192, 16), ("mla", 1, 4096, 16), ("mla", 1, 32768, 1),
+          ("mla", 32, 32768, 1), ("mla", 8, 8192, 4), ("kimi-drafter", 1, 8192, 16), ("llama-8b", 1, 8192, 16),
+          ("llama-8b", 8, 8192, 16)]
+COMPILED = {("mla", 1, 4096, 16), ("llama-8b", 1, 8192, 16)}
+SWEEP = [dict(BLOCK_N=32, num_warps=8, num_stages=2), dict(BLOCK_N=32, num_warps=8, num_stages=3),
+         dict(BLOCK_N=64, num_warps=8, num_stages=1), dict(BLOCK_N=64, num_warps=8, num_stages=2),
+         dict(BLOCK_N=16, num_warps=8, num_stages=4)]
+SWEEP_CHUNKS = [128, 512, 1024]  # min_chunk (split length floor) for the N = 1 shapes
+
+
+def _sid(s):
+    model, B, P, N = s
+    return f"{model} B{B} P{P} N{N}"
+
+
+def _inputs(model, B, P, N, g):
+    kind, NH, HKV, Dk, Dv, scale = MODELS[model]
+    L = P + N
+    pages = -(-L // PAGE)
+    perm = torch.randperm(B * pages, generator=g, device=DEV).int()
+    page_table = perm.view(B, pages).contiguous()
+    parents = tree.random_parents(B, N, torch.Generator().manual_seed(int(perm[0])), "bushy")
+    x = dict(q=torch.randn(B * N, NH, Dk, generator=g, device=DEV, dtype=torch.bfloat16),
+             page_table=page_table, prefix_lens=torch.full((B,), P, dtype=torch.int32, device=DEV),
+             tree_mask=tree.tree_mask(parents).to(DEV), out=torch.empty(B * N, NH, Dv, device=DEV,
+                                                                      dtype=torch.bfloat16),
+             lse=torch.empty(B * N, NH, device=DEV))
+    if kind == "mla":
+        x["k"] = torch.randn(B * pages, PAGE, Dk, generator=g, device=DEV, dtype=torch.bfloat16)
+        x["v"] = None
+    else:
+        x["k"] = torch.randn(B * pages, PAGE, HKV, Dk, generator=g, device=DEV, dtype=torch.bfloat16)
+        x["v"] = torch.randn(B * pages, PAGE, HKV, Dv, generator=g, device=DEV, dtype=torch.bfloat16)
+    return x
+
+
+def _counts(model, B, P, N):
+    kind, NH, HKV, Dk, Dv, _ = MODELS[model]
+    L = P + N
+    kv = B * L * (Dk if kind == "mla" else HKV * (Dk + Dv)) * 2
+    nbytes = kv + B * N * NH * (Dk + Dv) * 2
+    return nbytes, 2 * B * N * NH * L * (Dk + Dv)
+
+
+def _dense(x, B, P, N):
+    """Vectorised torch: the paged rows gathered densely [B, L, ...] and the [B, N, L] visibility."""
+    L = P + N
+    pos = torch.arange(L, device=DEV)
+    k = x["k"][x["page_table"][:, pos // PAGE].long(), pos % PAGE]
+    v = None if x["v"] is None else x["v"][x["page_table"][:, pos // PAGE].long(), pos % PAGE]
+    j = torch.arange(N, device=DEV)
+    bits = (x["tree_mask"][:, :, j // 32] >> (j % 32)) & 1  # [B, N, N]
+    visible = torch.cat([torch.ones(B, N, P, dtype=torch.bool, device=DEV), bits.bool()], dim=2)
+    return k, v, visible
+
+
+def _providers(model, B, P, N):
+    kind, NH, HKV, Dk, Dv, scale = MODELS[model]
+
+    def eagle3(x):
+        if kind == "mla":
+            torch.ops.eagle3.tree_attention_mla(x["q"], x["k"], x["page_table"], x["prefix_lens"], x["tree_mask"],
+                                                scale, x["out"], x["lse"])
+        else:
+            torch.ops.eagle3.tree_attention(x["q"], x["k"], x["v"], x["page_table"], x["prefix_lens"],
+                                            x["tree_mask"], scale, x["out"], x["lse"])
+
+    def plain(x):
+        k, v, visible = _dense(x, B, P, N)
+        q = x["q"].view(B, N, HKV, NH // HKV, Dk)
+        if kind == "mla":
+            k = k[:, :, None, :]
+            v = k[..., :Dv]
+        s = torch.einsum("bnkgd,blkd->bkgnl", q, k).float() * scale  # [B, HKV, G, N, L]
+        s = s.masked_fill(~visible[:, None, None], float("-inf"))
+        lse = torch.logsumexp(s, -1)
+        p = torch.exp(s - lse[..., None]).to(q.dtype)
+        o = torch.einsum("bkgnl,blkd->bnkgd", p, v)
+        x["out"].copy_(o.reshape(B * N, NH, Dv))
+        x["lse"].copy_(lse.permute(0, 3, 1, 2).reshape(B * N, NH))
+
+    def sdpa(x):
+        k, v, visible = _dense(x, B, P, N)
+        q = x["q"].view(B, N, NH, Dk).transpose(1, 2)
+        if kind == "mla":
+            k = k[:, None]  # [B, 1, L, Dk]
+            v = k[..., :Dv]
+        else:
+            k, v = k.transpose(1, 2), v.transpose(1, 2)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=visible[:, None], scale=scale, enable_gqa=True)
+        x["out"].copy_(o.transpose(1, 2).reshape(B * N, NH, Dv))
+
+    providers = {"eagle3": eagle3, "torch": plain}
+    if B * (P + N) * NH * (Dk + Dv) * 2 <= 16e9:  # SDPA's math path repeats the KV heads for every query head
+        providers["torch.sdpa"] = sdpa
+    if (model, B, P, N) in COMPILED:
+        providers["torch.compile"] = torch.compile(plain, dynamic=False)
+    if os.environ.get("EAGLE3_TREE_SWEEP") == "1" and kind == "mla":
+        from eagle3_ops.triton_kernels import tree_attention as ta
+
+        configs = [dict(min_chunk=c) for c in SWEEP_CHUNKS] if N == 1 else []
+        for cfg in SWEEP + configs:
+            def tuned(x, cfg=cfg):
+                ta.tree_attention_mla(x["q"], x["k"], x["page_table"], x["prefix_lens"], x["tree_mask"], scale,
+                                      x["out"], x["lse"], config=cfg)
+            providers["eagle3:" + ",".join(f"{k}={v}" for k, v in cfg.items())] = tuned
+    return providers
+
+
+_ROWS: list = []
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _table():
+    yield
+    lines = [f"{'shape':<26} {'provider':<44} {'us':>9} {'torch us':>9} {'speed-up':>8} {'TFLOP/s':>8} "
+             f"{'GB/s':>7} {'of floor':>8}"]
+    base = {r[0]: r[2] for r in _ROWS if r[1] == "torch"}
+    for shape, provider, us, nbytes, flops, fraction in _ROWS:
+        ref = base.get(shape)
+        lines.append(f"{shape:<26} {provider:<44} {us:>9.1f} {ref or float('nan'):>9.1f} "
+                     f"{(ref / us if ref else float('nan')):>7.2f}x {flops / us * 1e-6:>8.1f} "
+                     f"{nbytes / us * 1e-3:>7.0f} {100 * fraction:>7.1f}%")
+    text = "\n".join(lines)
+    out = os.environ.get("EAGLE3_BENCH_OUT")
+    if out:
+        with open(os.path.join(out, "tree_attention_table.txt"), "w") as f:
+            f.write(text + "\n")
+    sys.__stdout__.write("\n" + text + "\n")
+
+
+def _cases():
+    for s in SHAPES:
+        for p in _providers(*s):
+            yield pytest.param(s, p, id=f"{_sid(s)}-{p}")
+
+
+@pytest.mark.parametrize("shape, provider", list(_cases()))
+def test_tree_attention(recorder, shape, provider):
+    model, B, P, N = shape
+    nbytes, flops = _counts(*shape)
+    fn = _providers(*shape)[provider]
+    g = torch.Generator(device=DEV).manual_seed(0)
+    sets = [_inputs(model, B, P, N, g) for _ in range(rotation(nbytes))]
+    try:
+        us = graph_time_us([lambda x=x: fn(x) for x in sets], reps=10)
+    except Exception as e:  # a sweep configuration that does not fit the chip (shared memory)
+        if not provider.startswith("eagle3:"):
+            raise
+        pytest.skip(f"{provider}: {type(e).__name__}: {str(e)[:200]}")
+    row = recorder.add("tree_attention", _sid(shape), provider, us, nbytes, flops, tflops=flops / us * 1e-6)
+    _ROWS.append((_sid(shape), provider, us, nbytes, flops, row.fraction))
