@@ -160,6 +160,16 @@ def _table():
         lines.append(f"{shape:<26} {provider:<44} {us:>9.1f} {ref or float('nan'):>9.1f} "
                      f"{(ref / us if ref else float('nan')):>7.2f}x {flops / us * 1e-6:>8.1f} "
                      f"{nbytes / us * 1e-3:>7.0f} {100 * fraction:>7.1f}%")
+    if os.environ.get("EAGLE3_TREE_SWEEP") == "1":  # registers, spills, shared memory of each compiled variant
+        from eagle3_ops.triton_kernels import tree_attention as ta
+
+        try:
+            for cache in ta._tree_attention_kernel.device_caches.values():
+                for key, k in cache[0].items():
+                    lines.append(f"compiled: regs {k.n_regs} spills {k.n_spills} shared {k.metadata.shared} "
+                                 f"warps {k.metadata.num_warps} stages {k.metadata.num_stages} {str(key)[-160:]}")
+        except (AttributeError, IndexError, TypeError) as e:
+            lines.append(f"compiled variants not readable on this triton: {e}")
     text = "\n".join(lines)
     out = os.environ.get("EAGLE3_BENCH_OUT")
     if out:
