@@ -121,7 +121,7 @@ setup(
     python_requires=">=3.10",
     # Our Triton kernels ship as eagle3_ops.triton_kernels, never as a top-level `triton_kernels`
     # (another project's package name).
-    packages=["eagle3_ops", "eagle3_ops.models", "eagle3_ops.engine", "eagle3_ops.triton_kernels"],
+    packages=["eagle3_ops", "eagle3_ops.models", "eagle3_ops.engine", "eagle3_ops.compat", "eagle3_ops.triton_kernels"],
     package_dir={"eagle3_ops": "eagle3_ops", "eagle3_ops.triton_kernels": "triton_kernels"},
     package_data={"eagle3_ops": ["assets/*/*.json", "assets/*/*.md", "assets/*/*/*.json", "assets/*/*/*.safetensors"]},
     ext_modules=[extension()],

@@ -1,0 +1,519 @@
+// verify_sampling: tree rejection sampling from target logits (reference.verify_sampling is the spec).
+//
+// Four launches, no host sync, nothing fp32 [B, N, V]:
+//   1. row_stats: one pass over all B * N logit rows, in chunks of kChunk tokens per block: per chunk
+//      the max, its first index and sum exp((l - max) / T). The memory-bound part (the floor).
+//   2. walk: one block per request. Combines the chunk stats of the rows on its path, walks the tree
+//      (children in index order, u_k from Philox stream 0), keeps the residual distribution in closed
+//      form, and writes accept_nodes, accept_len and the accepted draft tokens.
+//        - without draft_probs (one-hot q): after rejecting x, p <- p with p(x) = 0, renormalised by
+//          1 - p(x): a set R of rejected tokens and a scale, no pass over the vocabulary;
+//        - with draft_probs: q of the current row is scattered through d2t into a per-request fp32
+//          scratch row [B, V] (never [B, N, V]), and each rejection costs one block pass over V for
+//          the residual's mass sum_v max(p_j(v) - q(v), 0); p_j(v) is recomputed pointwise from
+//          (p(v), q(v)) and the chain of those sums.
+//   3. race: the bonus token of each request's last row, argmax_v p_k(v) / E_v with E_v = -log(u_v)
+//      (Philox stream 1, idx = token id), over all chunks of that row in parallel; per request a
+//      packed (score, -token) key reduced with atomicMax, so ties go to the lowest token id. Tokens
+//      whose logit bounds their score below the thread's best so far skip Philox (E_v >= -log(1 -
+//      2^-24) gives score <= (l - max) / T + 16.7): exact, and most of a peaked row is skipped.
+//   4. finish: writes the bonus after the accepted drafts.
+//
+// Bit-for-bit and where it cannot be: the uniforms are the reference's exactly (same Philox counters,
+// same float32 values). The decisions compare u * q(x) < p(x) with p from float32 exp and float64
+// sums, where the reference computes in float64; the bonus compares log-domain float32 scores where
+// the reference divides float64 values. A decision or a race therefore differs from the reference
+// only when the two sides are within ~1e-6 relative of each other: the GPU tests require exact
+// agreement on all but a tiny fraction of draws, and the chi-square tests check the distribution.
+// Temperature 0 (greedy) compares logits only and agrees exactly.
+//
+// Values the CPU reference raises on are made harmless here (a check would need a host sync):
+// a negative or NaN temperature samples greedily; a token outside [0, V) has probability 0 (never
+// accepted, never excluded); a parent that is not smaller than its node is never visited (children
+// are looked for only at larger indices, so a walk ends after at most N - 1 steps); a d2t entry that
+// maps outside [0, V) drops that draft token's probability. A non-injective d2t is handled (q(t) sums
+// every draft id mapped to t, as the reference's index_add), in an order that may vary in the last bit.
+
+#include <ATen/Dispatch.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <cstdint>
+
+#include "eagle3/checks.h"
+
+namespace eagle3 {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kChunk = 8192;  // tokens per block in row_stats and race
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kMaxNegLogE = 16.7f;  // > -log(-log(1 - 2^-24)) = 16.635: the race score's headroom
+
+// ---- Philox4x32-10 (eagle3_ops._philox): counter (idx, row | stream << 31, offset lo, offset hi) ----
+__device__ __forceinline__ float philox_uniform(uint32_t idx, uint32_t row_stream, uint64_t offset, uint64_t seed) {
+  uint32_t c0 = idx, c1 = row_stream, c2 = static_cast<uint32_t>(offset), c3 = static_cast<uint32_t>(offset >> 32);
+  uint32_t k0 = static_cast<uint32_t>(seed), k1 = static_cast<uint32_t>(seed >> 32);
+#pragma unroll
+  for (int r = 0; r < 10; ++r) {
+    const uint32_t lo0 = 0xD2511F53u * c0, hi0 = __umulhi(0xD2511F53u, c0);
+    const uint32_t lo1 = 0xCD9E8D57u * c2, hi1 = __umulhi(0xCD9E8D57u, c2);
+    c0 = hi1 ^ c1 ^ k0;
+    c1 = lo1;
+    c2 = hi0 ^ c3 ^ k1;
+    c3 = lo0;
+    k0 += 0x9E3779B9u;
+    k1 += 0xBB67AE85u;
+  }
+  return static_cast<float>((c0 >> 9) * 2u + 1u) * 5.9604644775390625e-08f;  // 2^-24
+}
+
+template <typename T>
+__device__ __forceinline__ float to_f(T x) { return static_cast<float>(x); }
+
+// Order-preserving unsigned image of a float (NaN aside).
+__device__ __forceinline__ uint32_t ordered(float x) {
+  const uint32_t u = __float_as_uint(x);
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+// Per-request state handed from walk to race and finish.
+//   ws_i [B, 8 + N] int64: final row, greedy, argmax of the final row, |R| or rejections, race key,
+//                         accept_len, -, -, then R (one-hot path: rejected tokens)
+//   ws_d [B, 4 + N] f64:  max of the final row, 1 / T, Z (sum exp((l - max) / T)), -, then per rejection
+//                         1 / residual mass (0: that rejection left p unchanged) (draft_probs path)
+constexpr int kWsI = 8, kWsD = 4;
+
+// p_j(v) from p(v), q(v) after j rejections on the draft_probs path.
+__device__ __forceinline__ double residual_prob(double pv, double qv, const double* inv, int j) {
+  for (int i = 0; i < j; ++i) {
+    if (inv[i] > 0) pv = fmax(pv - qv, 0.0) * inv[i];
+  }
+  return pv;
+}
+
+template <typename T>
+__device__ __forceinline__ T block_sum(T v, T* red) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  __syncthreads();
+  if (lane == 0) red[warp] = v;
+  __syncthreads();
+  T total = 0;
+  for (int w = 0; w < (blockDim.x >> 5); ++w) total += red[w];
+  return total;
+}
+
+// ---- 1. row_stats ----------------------------------------------------------------------------------
+// logits [B * N, V] row stride ld; part_m / part_s [B * N, G] f32, part_a [B * N, G] i32
+// grid: (B * N, G = ceil(V / kChunk))
+template <typename scalar_t>
+__global__ void __launch_bounds__(kThreads) row_stats_kernel(const scalar_t* __restrict__ logits, int64_t ld,
+                                                             int64_t V, int N, const float* __restrict__ temperature,
+                                                             float* __restrict__ part_m, int32_t* __restrict__ part_a,
+                                                             float* __restrict__ part_s) {
+  const int64_t row = blockIdx.x;
+  const int G = gridDim.y;
+  const float T = temperature[row / N];
+  const bool greedy = !(T > 0.0f);
+  const float c = greedy ? 0.0f : kLog2e / T;
+  const scalar_t* x = logits + row * ld;
+  const int64_t begin = static_cast<int64_t>(blockIdx.y) * kChunk;
+  const int64_t end = min(V, begin + kChunk);
+  float m = -INFINITY, s = 0.0f;
+  int32_t a = static_cast<int32_t>(begin);
+  // Unrolled by 4 with all loads first; each thread visits its tokens in increasing order, so a
+  // strict > keeps the first maximum.
+  for (int64_t v0 = begin + threadIdx.x; v0 < end; v0 += 4 * kThreads) {
+    float l[4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const int64_t v = v0 + u * kThreads;
+      l[u] = v < end ? to_f(x[v]) : -INFINITY;
+    }
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const int64_t v = v0 + u * kThreads;
+      if (v >= end) break;
+      if (l[u] > m) {
+        s = m == -INFINITY ? 0.0f : s * exp2f((m - l[u]) * c);
+        m = l[u];
+        a = static_cast<int32_t>(v);
+      }
+      if (!greedy && l[u] != -INFINITY) s += exp2f((l[u] - m) * c);
+    }
+  }
+  // block reduction of (m, a, s): max, then the smallest index at the max, sums rescaled
+  __shared__ float sm[kThreads / 32], ss[kThreads / 32];
+  __shared__ int32_t sa[kThreads / 32];
+  for (int o = 16; o > 0; o >>= 1) {
+    const float m2 = __shfl_xor_sync(0xffffffffu, m, o);
+    const float s2 = __shfl_xor_sync(0xffffffffu, s, o);
+    const int32_t a2 = __shfl_xor_sync(0xffffffffu, a, o);
+    const float mn = fmaxf(m, m2);
+    if (!greedy) {
+      s = (m == -INFINITY ? 0.0f : s * exp2f((m - mn) * c)) + (m2 == -INFINITY ? 0.0f : s2 * exp2f((m2 - mn) * c));
+    }
+    a = (m2 > m || (m2 == m && a2 < a)) ? a2 : a;
+    m = mn;
+  }
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  if (lane == 0) {
+    sm[warp] = m;
+    ss[warp] = s;
+    sa[warp] = a;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int w = 1; w < kThreads / 32; ++w) {
+      const float mn = fmaxf(m, sm[w]);
+      if (!greedy) {
+        s = (m == -INFINITY ? 0.0f : s * exp2f((m - mn) * c)) +
+            (sm[w] == -INFINITY ? 0.0f : ss[w] * exp2f((sm[w] - mn) * c));
+      }
+      a = (sm[w] > m || (sm[w] == m && sa[w] < a)) ? sa[w] : a;
+      m = mn;
+    }
+    part_m[row * G + blockIdx.y] = m;
+    part_a[row * G + blockIdx.y] = a;
+    part_s[row * G + blockIdx.y] = s;
+  }
+}
+
+// ---- 2. walk ---------------------------------------------------------------------------------------
+// tokens [B, N] int64, parents [B, N] int32, draft_probs [B * N, Vd] row stride ldq (nullptr: one-hot),
+// d2t [Vd] int64 (nullptr: identity), qt [B, V] f32 scratch (draft_probs path only)
+// outputs accept_nodes [B, N] i32, accept_len [B] i32, emitted [B, N] i64 (bonus slot left to finish)
+// grid: B; dynamic shared memory: N doubles (1 / residual mass per rejection)
+template <typename scalar_t, typename prob_t>
+__global__ void __launch_bounds__(kThreads) walk_kernel(
+    const scalar_t* __restrict__ logits, int64_t ld, int64_t V, const prob_t* __restrict__ draft_probs, int64_t ldq,
+    int64_t Vd, const int64_t* __restrict__ d2t, const int64_t* __restrict__ tokens, const int32_t* __restrict__ parents,
+    int N, const float* __restrict__ temperature, const int64_t* __restrict__ seed, const int64_t* __restrict__ offset,
+    const float* __restrict__ part_m, const int32_t* __restrict__ part_a, const float* __restrict__ part_s, int G,
+    float* __restrict__ qt, int64_t* __restrict__ ws_i, double* __restrict__ ws_d, int32_t* __restrict__ accept_nodes,
+    int32_t* __restrict__ accept_len, int64_t* __restrict__ emitted) {
+  extern __shared__ double inv[];  // [N]
+  __shared__ double red[kThreads / 32];
+  __shared__ double sh_m, sh_Z;
+  __shared__ int32_t sh_a;
+  __shared__ int sh_next;
+  const int64_t b = blockIdx.x;
+  const float T = temperature[b];
+  const bool greedy = !(T > 0.0f);
+  const double invT = greedy ? 0.0 : 1.0 / static_cast<double>(T);
+  const uint64_t sd = static_cast<uint64_t>(seed[b]), off = static_cast<uint64_t>(offset[b]);
+  const bool has_q = draft_probs != nullptr;
+  int64_t* wi = ws_i + b * (kWsI + N);
+  double* wd = ws_d + b * (kWsD + N);
+  int c = 0, depth = 0;
+  if (threadIdx.x == 0) accept_nodes[b * N] = 0;
+  while (true) {
+    const int64_t row = b * N + c;
+    const scalar_t* lrow = logits + row * ld;
+    if (has_q) {  // q of this row in target ids
+      float* qrow = qt + b * V;
+      for (int64_t v = threadIdx.x; v < V; v += kThreads) qrow[v] = 0.0f;
+      __syncthreads();
+      for (int64_t d = threadIdx.x; d < Vd; d += kThreads) {
+        const int64_t t = d + (d2t != nullptr ? d2t[d] : 0);
+        if (t >= 0 && t < V) atomicAdd(qrow + t, to_f(draft_probs[row * ldq + d]));
+      }
+      __syncthreads();
+    }
+    if (threadIdx.x == 0) {
+      float m = -INFINITY;
+      int32_t a = 0;
+      for (int g = 0; g < G; ++g) {
+        const float mg = part_m[row * G + g];
+        if (mg > m) {
+          m = mg;
+          a = part_a[row * G + g];
+        }
+      }
+      double Z = 0.0;
+      if (!greedy) {
+        for (int g = 0; g < G; ++g) {
+          const float mg = part_m[row * G + g];
+          if (mg != -INFINITY) Z += static_cast<double>(part_s[row * G + g]) * exp((static_cast<double>(mg) - m) * invT);
+        }
+      }
+      sh_m = m;
+      sh_a = G > 0 ? a : 0;
+      sh_Z = Z;
+    }
+    __syncthreads();
+    const double m = sh_m, Z = sh_Z;
+    const int32_t amax = sh_a;
+    auto prob = [&](int64_t v, float l) -> double {  // p(v) of this row, before any rejection
+      if (greedy) return v == amax ? 1.0 : 0.0;
+      return exp((static_cast<double>(l) - m) * invT) / Z;
+    };
+    int n_rej = 0, n_R = 0, k = 0;
+    double scale = 1.0;  // one-hot path: p_j(v) = p(v) * scale outside R
+    int next = -1;
+    for (int j = c + 1; j < N; ++j) {
+      if (parents[b * N + j] != c) continue;
+      const int64_t x = tokens[b * N + j];
+      const bool valid = x >= 0 && x < V;
+      if (threadIdx.x == 0) {
+        double px = 0.0, qx = 1.0;
+        if (valid) {
+          const double p0 = prob(x, to_f(lrow[x]));
+          if (has_q) {
+            qx = qt[b * V + x];
+            px = residual_prob(p0, qx, inv, n_rej);
+          } else {
+            bool out = false;
+            for (int i = 0; i < n_R; ++i) out |= wi[kWsI + i] == x;
+            px = out ? 0.0 : p0 * scale;
+          }
+        }
+        const double u = philox_uniform(static_cast<uint32_t>(k), static_cast<uint32_t>(row), off, sd);
+        const bool acc = u * qx < px;
+        sh_next = acc ? j : -1;
+        if (!acc && !has_q && valid && px < 1.0 && px > 0.0) {  // x leaves the support, the rest scales up
+          wi[kWsI + n_R++] = x;
+          scale /= (1.0 - px);
+        }
+      }
+      __syncthreads();
+      next = sh_next;
+      if (next >= 0) break;
+      if (has_q) {  // residual mass sum_v max(p_j(v) - q(v), 0): one block pass over V
+        const float mf = static_cast<float>(m), cf = static_cast<float>(invT) * kLog2e;
+        double part = 0.0;
+        for (int64_t v = threadIdx.x; v < V; v += kThreads) {
+          const double qv = qt[b * V + v];
+          const double p0 = greedy ? (v == amax ? 1.0 : 0.0) : static_cast<double>(exp2f((to_f(lrow[v]) - mf) * cf)) / Z;
+          part += fmax(residual_prob(p0, qv, inv, n_rej) - qv, 0.0);
+        }
+        const double s = block_sum(part, red);
+        if (threadIdx.x == 0) inv[n_rej] = s > 0.0 ? 1.0 / s : 0.0;
+        ++n_rej;
+        __syncthreads();
+      }
+      ++k;
+    }
+    if (next >= 0) {
+      c = next;
+      ++depth;
+      if (threadIdx.x == 0) {
+        accept_nodes[b * N + depth] = c;
+        emitted[b * N + depth - 1] = tokens[b * N + c];
+      }
+      continue;
+    }
+    if (threadIdx.x == 0) {
+      wi[0] = row;
+      wi[1] = greedy;
+      wi[2] = amax;
+      wi[3] = has_q ? n_rej : n_R;
+      wi[4] = 0;  // race key
+      wi[5] = depth;
+      wd[0] = m;
+      wd[1] = invT;
+      wd[2] = Z;
+      for (int i = 0; i < n_rej; ++i) wd[kWsD + i] = inv[i];
+      accept_len[b] = depth;
+      for (int i = depth + 1; i < N; ++i) {
+        accept_nodes[b * N + i] = -1;
+        emitted[b * N + i] = -1;
+      }
+    }
+    break;
+  }
+}
+
+
+// ---- 3. race ---------------------------------------------------------------------------------------
+// grid: (B, G); each block scans one chunk of its request's final row.
+template <typename scalar_t>
+__global__ void __launch_bounds__(kThreads) race_kernel(const scalar_t* __restrict__ logits, int64_t ld, int64_t V,
+                                                        int N, const int64_t* __restrict__ seed,
+                                                        const int64_t* __restrict__ offset, const float* __restrict__ qt,
+                                                        int64_t* __restrict__ ws_i, const double* __restrict__ ws_d) {
+  const int64_t b = blockIdx.x;
+  int64_t* wi = ws_i + b * (kWsI + N);
+  const double* wd = ws_d + b * (kWsD + N);
+  if (wi[1]) return;  // greedy: the bonus is the argmax
+  const int64_t row = wi[0];
+  const int n = static_cast<int>(wi[3]);
+  const float m = static_cast<float>(wd[0]), c = static_cast<float>(wd[1]);
+  const double Z = wd[2];
+  const uint64_t sd = static_cast<uint64_t>(seed[b]), off = static_cast<uint64_t>(offset[b]);
+  const uint32_t row_stream = static_cast<uint32_t>(row) | 0x80000000u;
+  const scalar_t* x = logits + row * ld;
+  const int64_t begin = static_cast<int64_t>(blockIdx.y) * kChunk, end = min(V, begin + kChunk);
+  float best = -INFINITY;
+  int64_t best_v = -1;
+  for (int64_t v = begin + threadIdx.x; v < end; v += kThreads) {
+    const float z = (to_f(x[v]) - m) * c;  // log(p(v) * Z)
+    float score;
+    if (qt == nullptr) {
+      if (best_v >= 0 && z + kMaxNegLogE < best) continue;  // cannot beat this thread's best
+      bool excluded = false;
+      for (int i = 0; i < n; ++i) excluded |= wi[kWsI + i] == v;
+      if (excluded) continue;
+      const float u = philox_uniform(static_cast<uint32_t>(v), row_stream, off, sd);
+      score = z - logf(-logf(u));
+    } else {
+      const double pv = residual_prob(static_cast<double>(exp2f(z * kLog2e)) / Z, qt[b * V + v], wd + kWsD, n);
+      if (!(pv > 0.0)) continue;
+      const float lp = static_cast<float>(log(pv));
+      if (best_v >= 0 && lp + kMaxNegLogE < best) continue;
+      const float u = philox_uniform(static_cast<uint32_t>(v), row_stream, off, sd);
+      score = lp - logf(-logf(u));
+    }
+    if (best_v < 0 || score > best) {  // increasing v per thread: a tie keeps the smaller id
+      best = score;
+      best_v = v;
+    }
+  }
+  unsigned long long key = best_v < 0 ? 0ull
+                                      : (static_cast<unsigned long long>(ordered(best)) << 32) |
+                                            (0xFFFFFFFFull - static_cast<unsigned long long>(best_v));
+  for (int o = 16; o > 0; o >>= 1) {
+    const unsigned long long other = __shfl_xor_sync(0xffffffffu, key, o);
+    key = other > key ? other : key;
+  }
+  if ((threadIdx.x & 31) == 0 && key != 0) atomicMax(reinterpret_cast<unsigned long long*>(wi + 4), key);
+}
+
+// ---- 4. finish -------------------------------------------------------------------------------------
+__global__ void finish_kernel(int B, int N, int64_t V, const int64_t* __restrict__ ws_i, int64_t* __restrict__ emitted) {
+  const int b = blockIdx.x * blockDim.x + threadIdx.x;
+  if (b >= B) return;
+  const int64_t* wi = ws_i + static_cast<int64_t>(b) * (kWsI + N);
+  const uint64_t key = static_cast<uint64_t>(wi[4]);
+  int64_t bonus = (wi[1] || key == 0) ? wi[2] : static_cast<int64_t>(0xFFFFFFFFull - (key & 0xFFFFFFFFull));
+  bonus = bonus < 0 ? 0 : (bonus >= V ? V - 1 : bonus);  // NaN rows: still a token id
+  emitted[static_cast<int64_t>(b) * N + wi[5]] = bonus;
+}
+
+void check_floats(const at::Tensor& t, const char* name) {
+  const auto st = t.scalar_type();
+  TORCH_CHECK_TYPE(st == at::kFloat || st == at::kBFloat16 || st == at::kHalf || st == at::kDouble, name,
+                   " must have dtype bfloat16 | float16 | float32 | float64, got ", st);
+}
+
+void check_same_device(const at::Tensor& t, const char* name, const at::Tensor& like) {
+  TORCH_CHECK_VALUE(t.device() == like.device(), name, " must be on the same device as target_logits (",
+                    like.device(), "), got ", t.device());
+}
+
+// target_logits [B * N, V] (last dim contiguous), draft_probs [B * N, Vd] optional, d2t [Vd] int64 optional,
+// tokens [B, N] int64, parents [B, N] int32, temperature [B] f32, seed [B] i64, offset [B] i64
+// Host checks mirror eagle3_ops._validate.verify_sampling.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_sampling_cuda(
+    const at::Tensor& target_logits, const std::optional<at::Tensor>& draft_probs, const std::optional<at::Tensor>& d2t,
+    const at::Tensor& tokens, const at::Tensor& parents, const at::Tensor& temperature, const at::Tensor& seed,
+    const at::Tensor& offset) {
+  CHECK_CUDA(target_logits);
+  check_floats(target_logits, "target_logits");
+  CHECK_DIM(target_logits, 2);
+  TORCH_CHECK_VALUE(target_logits.size(1) <= 1 || target_logits.stride(1) == 1,
+                    "target_logits must be contiguous in its last dimension, got strides ", target_logits.strides());
+  CHECK_DTYPE(tokens, at::kLong);
+  CHECK_DIM(tokens, 2);
+  check_same_device(tokens, "tokens", target_logits);
+  TORCH_CHECK_VALUE(tokens.is_contiguous(), "tokens must be contiguous");
+  const int64_t B = tokens.size(0), N = tokens.size(1);
+  TORCH_CHECK_VALUE(N >= 1, "tokens must have N >= 1 nodes (node 0 is the root)");
+  CHECK_DTYPE(parents, at::kInt);
+  CHECK_SHAPE(parents, B, N);
+  check_same_device(parents, "parents", target_logits);
+  TORCH_CHECK_VALUE(parents.is_contiguous(), "parents must be contiguous");
+  const int64_t V = target_logits.size(1);
+  TORCH_CHECK_VALUE(target_logits.size(0) == B * N, "target_logits must have shape (B * N, V) = (", B * N, ", ", V,
+                    "), got ", target_logits.sizes());
+  TORCH_CHECK_VALUE(V >= 1 && V < (int64_t{1} << 31), "target_logits must have 1 <= V < 2**31, got V = ", V);
+  TORCH_CHECK_VALUE(B * N < (int64_t{1} << 31), "B * N must be < 2**31 (a Philox row), got ", B * N);
+  int64_t Vd = V;
+  if (draft_probs) {
+    const at::Tensor& dp = *draft_probs;
+    check_floats(dp, "draft_probs");
+    check_same_device(dp, "draft_probs", target_logits);
+    CHECK_DIM(dp, 2);
+    Vd = dp.size(1);
+    TORCH_CHECK_VALUE(dp.size(0) == B * N, "draft_probs must have shape (B * N, Vd) = (", B * N, ", ", Vd, "), got ",
+                      dp.sizes());
+    TORCH_CHECK_VALUE(Vd <= 1 || dp.stride(1) == 1, "draft_probs must be contiguous in its last dimension, got strides ",
+                      dp.strides());
+  }
+  if (d2t) {
+    TORCH_CHECK_VALUE(draft_probs.has_value(),
+                      "d2t maps draft_probs' vocabulary to the target's: pass draft_probs too, or d2t=None");
+    const at::Tensor& map = *d2t;
+    CHECK_DTYPE(map, at::kLong);
+    TORCH_CHECK_VALUE(map.dim() == 1 && map.size(0) == Vd, "d2t must have shape (Vd) = (", Vd, "), got ", map.sizes());
+    check_same_device(map, "d2t", target_logits);
+    TORCH_CHECK_VALUE(map.is_contiguous(), "d2t must be contiguous");
+  } else {
+    TORCH_CHECK_VALUE(Vd == V, "draft_probs has Vd = ", Vd, " != V = ", V,
+                      ": pass d2t [Vd] int64 (target = draft + d2t[draft])");
+  }
+  CHECK_DTYPE(temperature, at::kFloat);
+  CHECK_SHAPE(temperature, B);
+  CHECK_DTYPE(seed, at::kLong);
+  CHECK_SHAPE(seed, B);
+  CHECK_DTYPE(offset, at::kLong);
+  CHECK_SHAPE(offset, B);
+  for (const auto& [t, name] : {std::pair<const at::Tensor&, const char*>{temperature, "temperature"}, {seed, "seed"},
+                                {offset, "offset"}}) {
+    check_same_device(t, name, target_logits);
+    TORCH_CHECK_VALUE(t.is_contiguous(), name, " must be contiguous");
+  }
+
+  const c10::cuda::OptionalCUDAGuard guard(target_logits.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const auto i32 = tokens.options().dtype(at::kInt);
+  at::Tensor accept_nodes = at::empty({B, N}, i32);
+  at::Tensor accept_len = at::empty({B}, i32);
+  at::Tensor emitted = at::empty({B, N}, tokens.options());
+  if (B == 0) return {accept_nodes, accept_len, emitted};
+  const int G = static_cast<int>((V + kChunk - 1) / kChunk);
+  at::Tensor part = at::empty({3, B * N, G}, i32);  // max (f32 bits), argmax, sum (f32 bits)
+  at::Tensor ws_i = at::empty({B, kWsI + N}, tokens.options());
+  at::Tensor ws_d = at::empty({B, kWsD + N}, tokens.options().dtype(at::kDouble));
+  at::Tensor qt;
+  if (draft_probs) qt = at::empty({B, V}, tokens.options().dtype(at::kFloat));
+  float* part_m = reinterpret_cast<float*>(part[0].data_ptr<int32_t>());
+  int32_t* part_a = part[1].data_ptr<int32_t>();
+  float* part_s = reinterpret_cast<float*>(part[2].data_ptr<int32_t>());
+  const int64_t ld = target_logits.stride(0);
+
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, target_logits.scalar_type(), "verify_sampling", [&] {
+    using logit_t = scalar_t;
+    const logit_t* lg = target_logits.data_ptr<logit_t>();
+    row_stats_kernel<logit_t><<<dim3(static_cast<unsigned>(B * N), G), kThreads, 0, stream>>>(
+        lg, ld, V, static_cast<int>(N), temperature.data_ptr<float>(), part_m, part_a, part_s);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    const at::ScalarType prob_type = draft_probs ? draft_probs->scalar_type() : at::kFloat;
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, prob_type, "verify_sampling_q", [&] {
+      const scalar_t* dp = draft_probs ? draft_probs->data_ptr<scalar_t>() : nullptr;
+      walk_kernel<logit_t, scalar_t><<<static_cast<unsigned>(B), kThreads, N * sizeof(double), stream>>>(
+          lg, ld, V, dp, draft_probs ? draft_probs->stride(0) : 0, Vd, d2t ? d2t->data_ptr<int64_t>() : nullptr,
+          tokens.data_ptr<int64_t>(), parents.data_ptr<int32_t>(), static_cast<int>(N), temperature.data_ptr<float>(),
+          seed.data_ptr<int64_t>(), offset.data_ptr<int64_t>(), part_m, part_a, part_s, G,
+          draft_probs ? qt.data_ptr<float>() : nullptr, ws_i.data_ptr<int64_t>(), ws_d.data_ptr<double>(),
+          accept_nodes.data_ptr<int32_t>(), accept_len.data_ptr<int32_t>(), emitted.data_ptr<int64_t>());
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
+    race_kernel<logit_t><<<dim3(static_cast<unsigned>(B), G), kThreads, 0, stream>>>(
+        lg, ld, V, static_cast<int>(N), seed.data_ptr<int64_t>(), offset.data_ptr<int64_t>(),
+        draft_probs ? qt.data_ptr<float>() : nullptr, ws_i.data_ptr<int64_t>(), ws_d.data_ptr<double>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  finish_kernel<<<static_cast<unsigned>((B + 127) / 128), 128, 0, stream>>>(
+      static_cast<int>(B), static_cast<int>(N), V, ws_i.data_ptr<int64_t>(), emitted.data_ptr<int64_t>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return {accept_nodes, accept_len, emitted};
+}
+
+}  // namespace
+}  // namespace eagle3
+
+TORCH_LIBRARY_IMPL(eagle3, CUDA, m) { m.impl("verify_sampling", &eagle3::verify_sampling_cuda); }
