@@ -648,3 +648,246 @@ def test_sampling_bad_input(case, error, match):
         args["draft_probs"] = torch.softmax(torch.randn(B * N - 1, V), -1)
     with pytest.raises(error, match=match):
         torch.ops.eagle3.verify_sampling(*args.values())
+
+
+# ---- verify_sampling on CUDA against the reference (-m gpu) -------------------------------------------------
+# The kernel draws the reference's Philox uniforms exactly; its probabilities are float32 exp with float64
+# sums where the reference is float64 throughout, so a decision (u * q < p) or the bonus race can differ
+# only when its two sides agree to ~1e-6: exact agreement is required at temperature 0 and on all but a
+# tiny fraction of requests otherwise (in practice none), and the distribution is tested by chi-square.
+
+
+def _cuda(*ts):
+    return [t.cuda() if isinstance(t, torch.Tensor) else t for t in ts]
+
+
+def _sampling_cuda_vs_reference(logits, tokens, parents, temperature, seed, offset, draft_probs=None, d2t=None):
+    want = sampling(logits, tokens, parents, temperature, seed, offset, draft_probs=draft_probs, d2t=d2t)
+    B = tokens.shape[0]
+    full = lambda v, dt: v if isinstance(v, torch.Tensor) else torch.full((B,), v, dtype=dt)  # noqa: E731
+    got = torch.ops.eagle3.verify_sampling(*_cuda(logits, draft_probs, d2t, tokens, parents,
+                                                  full(temperature, torch.float32), full(seed, torch.int64),
+                                                  full(offset, torch.int64)))
+    got = [g.cpu() for g in got]
+    check_walk_structure(got, logits, tokens, parents)
+    same = (got[0] == want[0]).all(1) & (got[1] == want[1]) & (got[2] == want[2]).all(1)
+    return got, want, same
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B", [1, 7, 64])
+@pytest.mark.parametrize("N", [1, 2, 8, 64])
+@pytest.mark.parametrize("with_q", [False, True])
+def test_cuda_sampling_temperature_zero_is_exact(B, N, with_q):
+    for dtype in (torch.bfloat16, torch.float32):
+        logits, tokens, parents = planted(B * 100 + N, B, N, 4099, "beam" if N < 64 else "bushy", dtype=dtype,
+                                          integer=True)
+        g = torch.Generator().manual_seed(N)
+        dp = torch.softmax(torch.randn(B * N, 4099, generator=g), -1) if with_q else None
+        got, want, same = _sampling_cuda_vs_reference(logits, tokens, parents, 0.0, 3, 5, draft_probs=dp)
+        assert bool(same.all()), f"{dtype}: requests {(~same).nonzero().flatten().tolist()} differ"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B, N, kind", [(1, 1, "chain"), (7, 2, "chain"), (7, 8, "beam"), (64, 8, "bushy"),
+                                        (7, 64, "wide"), (64, 64, "beam")])
+@pytest.mark.parametrize("q", ["one_hot", "draft_probs", "draft_probs_d2t"])
+def test_cuda_sampling_matches_reference_draws(B, N, kind, q):
+    V, Vd = 1111, 500
+    logits, tokens, parents = planted(B + N, B, N, V, kind, p_plant=0.6)
+    logits = logits * 2.5  # peaked rows: acceptances and rejections both frequent
+    g = torch.Generator().manual_seed(B * N)
+    dp = d2t = None
+    if q == "draft_probs":
+        dp = torch.softmax(torch.randn(B * N, V, generator=g) * 2, -1)
+    elif q == "draft_probs_d2t":
+        dp = torch.softmax(torch.randn(B * N, Vd, generator=g) * 2, -1)
+        d2t = torch.sort(torch.randperm(V, generator=g)[:Vd]).values - torch.arange(Vd)  # injective, EAGLE-like
+    temperature = torch.tensor([0.0, 0.6, 1.0, 1.7])[torch.arange(B) % 4]
+    seed = torch.arange(B) * 7919 + 2**33
+    offset = torch.arange(B) + 2**32 + 11
+    got, want, same = _sampling_cuda_vs_reference(logits, tokens, parents, temperature, seed, offset, dp, d2t)
+    assert float(same.float().mean()) >= 0.97, f"requests {(~same).nonzero().flatten().tolist()} differ"
+    assert bool(same[temperature == 0].all())
+
+
+@pytest.mark.gpu
+def test_cuda_sampling_one_hot_target_is_deterministic():
+    parents, tokens = i32([[-1, 0, 0, 0, 1, 2]]), i64([[7, 3, 5, 6, 8, 9]])
+    V, B = 12, 64
+    hot = torch.zeros(6, V)
+    hot[torch.arange(6), torch.tensor([5, 1, 9, 1, 1, 2])] = 1e4
+    g = torch.Generator().manual_seed(0)
+    draft_probs = torch.softmax(torch.randn(B * 6, V, generator=g), -1)
+    for dtype in (torch.bfloat16, torch.float32):
+        for dp in (None, draft_probs):
+            for temperature in (0.5, 1.0, 3.0):
+                out = torch.ops.eagle3.verify_sampling(*_cuda(
+                    hot.repeat(B, 1).to(dtype), dp, None, tokens.expand(B, 6).contiguous(),
+                    parents.expand(B, 6).contiguous(), torch.full((B,), temperature), torch.arange(B) * 1000003,
+                    torch.arange(B)))
+                assert_equal(out[0].cpu(), i32([[0, 2, 5, -1, -1, -1]] * B), "accept_nodes")
+                assert_equal(out[1].cpu(), i32([2] * B), "accept_len")
+                assert_equal(out[2].cpu(), i64([[5, 9, 2, -1, -1, -1]] * B), "emitted")
+
+
+def _chi_square_p(counts, p):
+    """p-value of Pearson's chi-square statistic (cells with expected count >= 5; the rest pooled)."""
+    n = counts.sum()
+    expected = p * n
+    keep = expected >= 5
+    obs = np.append(counts[keep], counts[~keep].sum())
+    exp = np.append(expected[keep], expected[~keep].sum())
+    if exp[-1] == 0:
+        assert obs[-1] == 0, "a token of probability 0 was emitted"
+        obs, exp = obs[:-1], exp[:-1]
+    stat = float(((obs - exp) ** 2 / exp).sum())
+    dof = len(obs) - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
+                                         torch.tensor(stat / 2, dtype=torch.float64)))
+
+
+CHI_LOGITS = torch.tensor([2.0, 1.5, 1.2, 1.0, 0.8, 0.5, 0.3, 0.1, 0.0, -0.2, -0.5, -0.8, -1.0, -1.5, -2.0, -3.0])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("temperature", [0.5, 1.0, 1.8])
+@pytest.mark.parametrize("shape", ["leaf", "siblings", "bushy", "chain", "draft_probs_d2t"])
+def test_cuda_sampling_chi_square_first_token(shape, temperature):
+    # 200k seeded trials of the first emitted token against softmax(root logits / T), vocabulary 16.
+    V, trials = 16, 200_000
+    parents_row, tokens_row = {"leaf": ([-1], [0]), "siblings": ([-1, 0, 0, 0], [9, 0, 3, 0]),
+                               "bushy": ([-1, 0, 0, 1, 1, 2], [9, 1, 0, 4, 2, 7]),
+                               "chain": ([-1, 0, 1, 2], [9, 0, 5, 1]),
+                               "draft_probs_d2t": ([-1, 0, 0, 1], [9, 2, 6, 3])}[shape]
+    N = len(parents_row)
+    g = torch.Generator().manual_seed(17)
+    logits = CHI_LOGITS[torch.randperm(V, generator=g)].repeat(N, 1)  # every node row has the same target here
+    logits[1:] = torch.randn(N - 1, V, generator=g)                   # except below the root
+    dp = d2t = None
+    if shape == "draft_probs_d2t":  # draft vocabulary of 8 mapped into 16; children drawn from q at the root
+        d2t = torch.arange(8)  # draft d -> target d + d2t[d] = 2d
+        dp = torch.softmax(torch.randn(N, 8, generator=g), -1)
+    B = trials
+    tokens = torch.tensor(tokens_row).expand(B, N).contiguous()
+    if shape == "draft_probs_d2t":  # iid draft samples from q at the root for the root's two children
+        picks = torch.multinomial(dp[0].expand(B, 8), 2, replacement=True, generator=g) * 2
+        tokens = tokens.clone()
+        tokens[:, 1:3] = picks
+        dp = dp.repeat(B, 1)
+    out = torch.ops.eagle3.verify_sampling(*_cuda(logits.repeat(B, 1), dp, d2t, tokens,
+                                                  torch.tensor(parents_row, dtype=torch.int32).expand(B, N).contiguous(),
+                                                  torch.full((B,), temperature), torch.arange(B) + 12345,
+                                                  torch.full((B,), 99, dtype=torch.int64)))
+    first = out[2][:, 0].cpu().numpy()
+    p = torch.softmax(logits[0].double() / temperature, -1).numpy()
+    pval = _chi_square_p(np.bincount(first, minlength=V).astype(np.float64), p)
+    assert pval > 1e-3, f"chi-square p = {pval:.2e}"
+
+
+@pytest.mark.gpu
+def test_cuda_sampling_graph_replay_with_new_seeds_and_offsets():
+    B, N, V = 7, 8, 3001
+    logits, tokens, parents = planted(21, B, N, V, "beam", p_plant=0.6)
+    logits = (logits * 2).cuda()
+    static = dict(temperature=torch.ones(B, device="cuda"), seed=torch.zeros(B, dtype=torch.int64, device="cuda"),
+                  offset=torch.zeros(B, dtype=torch.int64, device="cuda"))
+    tok_c, par_c = tokens.cuda(), parents.cuda()
+    call = lambda: torch.ops.eagle3.verify_sampling(logits, None, None, tok_c, par_c, static["temperature"],  # noqa: E731
+                                                    static["seed"], static["offset"])
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        call()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = call()
+    outcomes = set()
+    for step in range(4):
+        static["seed"].copy_(torch.arange(B) * 31 + step)
+        static["offset"].copy_(torch.full((B,), 1000 * step))
+        static["temperature"].copy_(torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 1.0, 0.7]))
+        graph.replay()
+        eager = call()
+        for c, e, name in zip(captured, eager, ("accept_nodes", "accept_len", "emitted")):
+            assert_equal(c.cpu(), e.cpu(), f"{name} (replay {step})")
+        outcomes.add(tuple(captured[2].flatten().tolist()))
+    assert len(outcomes) > 1, "new seeds and offsets did not change the draws"
+
+
+@pytest.mark.gpu
+def test_cuda_sampling_never_materialises_fp32_probabilities():
+    B, N, V = 16, 8, 163840
+    g = torch.Generator().manual_seed(2)
+    logits = torch.randn(B * N, V, generator=g).to(torch.bfloat16).cuda()
+    tokens = torch.randint(0, V, (B, N), generator=g).cuda()
+    parents = tree.random_parents(B, N, g, "beam").cuda()
+    dp = torch.softmax(torch.randn(B * N, 32000, generator=g), -1).cuda()
+    d2t = (torch.sort(torch.randperm(V, generator=g)[:32000]).values - torch.arange(32000)).cuda()
+    args = (torch.ones(B, device="cuda"), torch.arange(B, device="cuda"), torch.zeros(B, dtype=torch.int64, device="cuda"))
+    for q in ((None, None), (dp, d2t)):
+        torch.ops.eagle3.verify_sampling(logits, *q, tokens, parents, *args)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        torch.ops.eagle3.verify_sampling(logits, *q, tokens, parents, *args)
+        torch.cuda.synchronize()
+        extra = torch.cuda.max_memory_allocated() - base
+        assert extra < B * N * V * 4 / 4, f"{extra} bytes of workspace (fp32 [B, N, V] would be {B * N * V * 4})"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case, error, match", [
+    ("temperature_dtype", TypeError, "temperature must have dtype"),
+    ("seed_dtype", TypeError, "seed must have dtype"),
+    ("offset_shape", ValueError, "offset must have shape"),
+    ("d2t_without_draft_probs", ValueError, "d2t"),
+    ("vd_without_d2t", ValueError, "d2t"),
+    ("draft_probs_rows", ValueError, "draft_probs must have shape"),
+    ("logits_rows", ValueError, "target_logits must have shape"),
+])
+def test_cuda_sampling_bad_input(case, error, match):
+    args = _good_sampling_args()
+    B, N, V = 2, 3, 11
+    if case == "temperature_dtype":
+        args["temperature"] = torch.ones(B, dtype=torch.float64)
+    elif case == "seed_dtype":
+        args["seed"] = args["seed"].int()
+    elif case == "offset_shape":
+        args["offset"] = torch.zeros(B + 1, dtype=torch.int64)
+    elif case == "d2t_without_draft_probs":
+        args["d2t"] = torch.zeros(V, dtype=torch.int64)
+    elif case == "vd_without_d2t":
+        args["draft_probs"] = torch.softmax(torch.randn(B * N, 5), -1)
+    elif case == "draft_probs_rows":
+        args["draft_probs"] = torch.softmax(torch.randn(B * N - 1, V), -1)
+    elif case == "logits_rows":
+        args["target_logits"] = args["target_logits"][:-1]
+    args = {k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in args.items()}
+    with pytest.raises(error, match=match):
+        torch.ops.eagle3.verify_sampling(**args)
+
+
+@pytest.mark.gpu
+def test_cuda_sanitize_verify_sampling_small():
+    # Small enough for compute-sanitizer (SANITIZE='sampling'): both q paths, a 64-node tree, odd V, B 0,
+    # harmless bad values (token out of range, parent not topological, negative temperature).
+    V = 333
+    logits, tokens, parents = planted(5, 3, 64, V, "beam")
+    tokens[0, 5] = V + 7
+    parents[1, 9] = 40
+    g = torch.Generator().manual_seed(1)
+    dp = torch.softmax(torch.randn(3 * 64, 100, generator=g), -1)
+    d2t = torch.randint(-50, V - 99, (100,), generator=g)
+    for q in ((None, None), (dp, d2t)):
+        out = torch.ops.eagle3.verify_sampling(*_cuda(logits, *q, tokens, parents, torch.tensor([1.0, -1.0, 0.5]),
+                                                      torch.arange(3), torch.zeros(3, dtype=torch.int64)))
+        torch.cuda.synchronize()
+        assert out[1].cpu().tolist()[1] >= 0
+    out = torch.ops.eagle3.verify_sampling(torch.randn(0, 9, device="cuda"), None, None,
+                                           torch.empty(0, 4, dtype=torch.int64, device="cuda"),
+                                           torch.empty(0, 4, dtype=torch.int32, device="cuda"),
+                                           torch.empty(0, device="cuda"), torch.empty(0, dtype=torch.int64, device="cuda"),
+                                           torch.empty(0, dtype=torch.int64, device="cuda"))
+    assert [tuple(o.shape) for o in out] == [(0, 4), (0,), (0, 4)]
