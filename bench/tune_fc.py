@@ -37,8 +37,9 @@ def main(ts):
         out = torch.empty(T, H, device="cuda", dtype=torch.bfloat16)
         for name, (wt, sc) in weights.items():
             results = []
-            bks = (128, 256) if name == "bf16" else (256, 512)
-            for bn, bk, split, warps, stages in itertools.product((64, 128), bks, (4, 8), (4, 8), (4,)):
+            space = [(64, 128), (128, 256), (4, 8, 12), (4, 8), (4,)] if name == "bf16" else \
+                [(64, 128), (128, 256, 512), (4, 8), (4, 8), (3,)]
+            for bn, bk, split, warps, stages in itertools.product(*space):
                 os.environ["EAGLE3_FC_CONFIG"] = f"{bn},{bk},{split},{warps},{stages}"
                 try:
                     us = graph_time_us([lambda: torch.ops.eagle3.fc_proj(aux, wt, sc, None, 1e-6, "none", None, out)],

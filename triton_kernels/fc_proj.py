@@ -13,8 +13,8 @@ split's partial is multiplied by its chunk's rsqrt in fp32. A norm weight is app
 the fly (prepare_fc_weight folds it into the weight columns once, at load, so it is usually absent).
 
 Large R (prefill) uses cuBLAS through torch.mm on aux (normalised rows written once when a norm mode
-is on); an fp8 weight there uses the same Triton kernel with a row tile of 64 (tensor cores on both
-sides), since cuBLAS has no bf16 x fp8 product.
+is on); an fp8 weight there is first dequantised to aux's dtype (cuBLAS has no bf16 x fp8 product); fp32
+or mixed dtypes use the Triton kernel as a tiled GEMM.
 
 A row index outside [0, T) cannot be raised without a host sync: its output row is NaN, nothing is
 read out of bounds (the CPU reference raises). float64 inputs run the reference math in torch.
@@ -249,14 +249,11 @@ def fc_proj(aux: Tensor, weight: Tensor, weight_scale: Optional[Tensor], norm_we
             block_t = max(16, triton.next_power_of_2(R))
             cfg = stream_config(R, Hd, K, n_chunks, weight)
             _streamed(aux, weight, weight_scale, nw, rstd, norm, n_chunks, rows, out, T, R, K, Hd, block_t, cfg)
-        elif (weight.dtype != aux.dtype or out.dtype != aux.dtype or weight_scale is not None
-              or aux.dtype == torch.float32):
-            # fp8 / mixed precision / scaled / fp32 at prefill size: the same kernel as a tiled GEMM (one
-            # rounding, fp32 accumulation, IEEE fp32 products where the reference has them)
-            cfg = dict(BLOCK_N=128, BLOCK_K=64, splits_per_chunk=1, num_warps=8, num_stages=4)
-            _streamed(aux, weight, weight_scale, nw, rstd, norm, n_chunks, rows, out, T, R, K, Hd, 64, cfg)
-        else:
-            # prefill: cuBLAS on aux itself, or on the normalised / gathered rows written once
+        elif aux.dtype in (torch.bfloat16, torch.float16) and out.dtype == aux.dtype and (
+                weight.dtype == aux.dtype or weight.element_size() == 1):
+            # prefill: cuBLAS on aux itself, or on the normalised / gathered rows written once; an fp8 (or
+            # scaled) weight is dequantised to aux's dtype first (cuBLAS has no bf16 x fp8 product)
+            w_mm = weight if weight_scale is None else _dequantised(weight, weight_scale, aux.dtype)
             if norm or rows is not None or nw is not None:
                 a = torch.empty(R, K, dtype=aux.dtype, device=aux.device)
                 block = 1024
@@ -266,4 +263,29 @@ def fc_proj(aux: Tensor, weight: Tensor, weight_scale: Optional[Tensor], norm_we
                     HAS_ROWS=rows is not None, NORM=norm, HAS_NW=nw is not None, BLOCK=block)
             else:
                 a = aux
-            torch.mm(a, weight.t(), out=out)
+            torch.mm(a, w_mm.t(), out=out)
+        else:
+            # fp32 / mixed precision / another out dtype at prefill size: the same kernel as a tiled GEMM
+            # (one rounding, fp32 accumulation, IEEE fp32 products where the reference has them)
+            cfg = dict(BLOCK_N=128, BLOCK_K=64, splits_per_chunk=1, num_warps=8, num_stages=4)
+            _streamed(aux, weight, weight_scale, nw, rstd, norm, n_chunks, rows, out, T, R, K, Hd, 64, cfg)
+
+
+@triton.jit
+def _dequant_kernel(w, scale, dst, n_elem, K, HAS_SCALE: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < n_elem
+    v = tl.load(w + offs, mask=ok, other=0.0).to(tl.float32)
+    if HAS_SCALE:
+        v *= tl.load(scale + offs // K, mask=ok, other=0.0)
+    tl.store(dst + offs, v.to(dst.dtype.element_ty), mask=ok)
+
+
+def _dequantised(weight: Tensor, weight_scale: Optional[Tensor], dtype: torch.dtype) -> Tensor:
+    """weight * weight_scale[:, None] in `dtype` (rounded once), for the cuBLAS prefill path."""
+    dst = torch.empty(weight.shape, dtype=dtype, device=weight.device)
+    block = 4096
+    _dequant_kernel[(triton.cdiv(weight.numel(), block),)](
+        weight, weight_scale if weight_scale is not None else weight, dst, weight.numel(), weight.shape[1],
+        HAS_SCALE=weight_scale is not None, BLOCK=block)
+    return dst
