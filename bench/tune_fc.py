@@ -15,6 +15,7 @@ from common import graph_time_us  # noqa: E402
 
 import eagle3_ops  # noqa: E402,F401
 from eagle3_ops.ops import prepare_fc_weight  # noqa: E402
+from eagle3_ops.triton_kernels import fc_proj as kernels  # noqa: E402
 
 H = 7168
 K = 3 * H
@@ -25,6 +26,7 @@ def main(ts):
     weights = {"bf16": (w.bfloat16(), None)}
     w8, s8, _ = prepare_fc_weight(w, fp8=True)
     weights["fp8"] = (w8, s8)
+    weights["fp8-bf16dot"] = (w8, s8)
     del w
     copy = torch.empty(1 << 29, dtype=torch.bfloat16, device="cuda")
     dst = torch.empty_like(copy)
@@ -37,10 +39,12 @@ def main(ts):
         out = torch.empty(T, H, device="cuda", dtype=torch.bfloat16)
         for name, (wt, sc) in weights.items():
             results = []
-            space = [(64, 128), (128, 256), (4, 8, 12), (4, 8), (4,)] if name == "bf16" else \
-                [(64, 128), (128, 256, 512), (4, 8), (4, 8), (3,)]
+            space = {"bf16": [(64, 128), (128, 256), (4, 8, 12), (4, 8), (4,)],
+                     "fp8": [(64, 128), (128, 256, 512), (4, 8), (4, 8), (3,)],
+                     "fp8-bf16dot": [(64, 128), (256,), (4, 8), (4,), (3,)]}[name]
             for bn, bk, split, warps, stages in itertools.product(*space):
                 os.environ["EAGLE3_FC_CONFIG"] = f"{bn},{bk},{split},{warps},{stages}"
+                kernels.FP8_VIA_F16 = name != "fp8-bf16dot"
                 try:
                     us = graph_time_us([lambda: torch.ops.eagle3.fc_proj(aux, wt, sc, None, 1e-6, "none", None, out)],
                                        reps=10)

@@ -32,6 +32,8 @@ import triton.language as tl
 from torch import Tensor
 
 STREAM_MAX_ROWS = int(os.environ.get("EAGLE3_FC_STREAM_MAX_ROWS", "64"))
+# fp8 weights with bf16 activations: dot in fp16 (native e4m3 -> fp16 conversion) instead of bf16
+FP8_VIA_F16 = os.environ.get("EAGLE3_FC_FP8_F16", "1") == "1"
 _NORM_CODE = {"none": 0, "norm_before_fc": 1, "fc_norm": 2}
 
 
@@ -61,7 +63,7 @@ def _row_rstd_kernel(aux, stride_a, rows, T, K, CHUNK, n_chunks, rstd, eps,
 def _fc_stream_kernel(aux, stride_a, rows, T, R, w, K, Hd, rstd, n_chunks, CHUNK, SPLITS_PER_CHUNK, K_PER_SPLIT,
                       nw, scale, out, stride_o, part,
                       HAS_ROWS: tl.constexpr, NORM: tl.constexpr, HAS_NW: tl.constexpr, HAS_SCALE: tl.constexpr,
-                      SPLIT: tl.constexpr, COMPUTE: tl.constexpr, IEEE: tl.constexpr,
+                      SPLIT: tl.constexpr, COMPUTE: tl.constexpr, IEEE: tl.constexpr, F16: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr):
     """One (output-channel tile, row tile, K split): acc[n, t] = sum_k w[n, k] * aux[rows[t], k]."""
     pid_n = tl.program_id(0)
@@ -91,12 +93,18 @@ def _fc_stream_kernel(aux, stride_a, rows, T, R, w, K, Hd, rstd, n_chunks, CHUNK
         at = tl.load(a_ptrs, mask=k_ok[:, None] & valid[None, :], other=0.0)
         if HAS_NW:
             at = at.to(tl.float32) * tl.load(nw + offs_k, mask=k_ok, other=0.0).to(tl.float32)[:, None]
-        if IEEE:
+        if F16:
+            # fp8 weight: e4m3 -> fp16 is one native conversion per pair; the bf16 activations go to fp16
+            # scaled by 2^-8 (exact), so values up to 1.6e7 stay finite (undone after the loop)
+            acc = tl.dot(wt.to(tl.float16), (at.to(tl.float32) * 0.00390625).to(tl.float16), acc)
+        elif IEEE:
             acc = tl.dot(wt.to(COMPUTE), at.to(COMPUTE), acc, input_precision="ieee")
         else:
             acc = tl.dot(wt.to(COMPUTE), at.to(COMPUTE), acc)
         w_ptrs += BLOCK_K
         a_ptrs += BLOCK_K
+    if F16:
+        acc *= 256.0
     if NORM != 0:
         acc *= tl.load(rstd + offs_t * n_chunks + chunk, mask=t_ok, other=0.0)[None, :]
     if SPLIT == 1:
@@ -195,6 +203,7 @@ def _streamed(aux, weight, weight_scale, nw, rstd, norm, n_chunks, rows, out, T,
         nw if nw is not None else aux, weight_scale if weight_scale is not None else aux, out, out.stride(0), part,
         HAS_ROWS=rows is not None, NORM=norm, HAS_NW=nw is not None, HAS_SCALE=weight_scale is not None,
         SPLIT=n_split, COMPUTE=_TL[compute], IEEE=compute == torch.float32,
+        F16=weight.element_size() == 1 and compute == torch.bfloat16 and FP8_VIA_F16,
         BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], BLOCK_T=block_t,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if n_split > 1:
