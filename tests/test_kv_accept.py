@@ -300,18 +300,9 @@ def test_page_table_exactly_full_is_fine():
     assert_equal(prefix_lens, want_prefix, "prefix_lens")
 
 
-@pytest.mark.parametrize("case, error, match", [
-    ("no_caches", TypeError, "caches must be a non-empty list"),
-    ("page_layout", ValueError, r"caches\[1\] must have shape"),
-    ("non_contiguous", ValueError, r"caches\[2\] must be contiguous"),
-    ("accept_len_dtype", TypeError, "accept_len must have dtype"),
-    ("accept_nodes_dtype", TypeError, "accept_nodes must have dtype"),
-    ("prefix_lens_shape", ValueError, "prefix_lens must have shape"),
-    ("page_table_dtype", TypeError, "page_table must have dtype"),
-])
-def test_bad_arguments(case, error, match):
-    caches, page_table, prefix_lens, accept_nodes, accept_len = _bad_case("none")
-    before = [c.clone() for c in caches]
+def _break_argument(case, caches, page_table, prefix_lens, accept_nodes, accept_len):
+    """The arguments with one of them made invalid in the way `case` names (shape, dtype, layout, device)."""
+    caches = list(caches)
     if case == "no_caches":
         caches = []
     elif case == "page_layout":
@@ -326,7 +317,233 @@ def test_bad_arguments(case, error, match):
         prefix_lens = prefix_lens[:2]
     elif case == "page_table_dtype":
         page_table = page_table.long()
+    elif case == "page_table_cpu":
+        page_table = page_table.cpu()
+    elif case == "cache_cpu":
+        caches[2] = caches[2].cpu()
+    elif case == "too_many_nodes":
+        accept_nodes = torch.zeros(3, 2049, dtype=torch.int32, device=accept_nodes.device)
+    return caches, page_table, prefix_lens, accept_nodes, accept_len
+
+
+@pytest.mark.parametrize("case, error, match", [
+    ("no_caches", TypeError, "caches must be a non-empty list"),
+    ("page_layout", ValueError, r"caches\[1\] must have shape"),
+    ("non_contiguous", ValueError, r"caches\[2\] must be contiguous"),
+    ("accept_len_dtype", TypeError, "accept_len must have dtype"),
+    ("accept_nodes_dtype", TypeError, "accept_nodes must have dtype"),
+    ("prefix_lens_shape", ValueError, "prefix_lens must have shape"),
+    ("page_table_dtype", TypeError, "page_table must have dtype"),
+])
+def test_bad_arguments(case, error, match):
+    caches, page_table, prefix_lens, accept_nodes, accept_len = _bad_case("none")
+    before = [c.clone() for c in caches]
+    caches, page_table, prefix_lens, accept_nodes, accept_len = _break_argument(
+        case, caches, page_table, prefix_lens, accept_nodes, accept_len)
     with pytest.raises(error, match=match):
         kv_accept(caches, page_table, prefix_lens, accept_nodes, accept_len)
     if case != "no_caches":
         assert_same_bits(caches[0], before[0], "caches[0]")
+
+
+# ---- CUDA kernel (csrc/kv_accept.cu) against the reference -----------------------------------------------
+
+
+def gpu_caches(g, num_pages, page_size, mla_layers=1):
+    """Layers of every row layout the kernel handles, one launch group each: MLA latent rows (576 bf16,
+    16-byte units), GQA K / V rows (2 x 8 fp16), 12-byte fp32 rows (4-byte units) and 5-byte fp8 rows
+    (1-byte units); values random (NaN payloads included) so that only exact byte copies pass."""
+    caches = [torch.randn(num_pages, page_size, 576, generator=g).bfloat16() for _ in range(mla_layers)]
+    caches += [torch.randn(num_pages, page_size, 2, 8, generator=g).half(),
+               torch.randn(num_pages, page_size, 2, 8, generator=g).half(),
+               torch.randn(num_pages, page_size, 3, generator=g),
+               torch.randn(num_pages, page_size, 5, generator=g).to(torch.float8_e4m3fn)]
+    caches[-2].view(-1)[::7] = float("nan")
+    return caches
+
+
+def check_cuda_against_reference(caches, page_table, prefix_lens, accept_nodes, accept_len):
+    """The CUDA op on copies of the inputs, compared bit for bit with the CPU reference on the originals."""
+    want = [c.clone() for c in caches]
+    want_prefix = prefix_lens.clone()
+    dev = [c.cuda() for c in caches]
+    got_prefix = prefix_lens.cuda()
+    kv_accept(dev, page_table.cuda(), got_prefix, accept_nodes.cuda(), accept_len.cuda())
+    kv_accept(want, page_table, want_prefix, accept_nodes, accept_len)  # the reference (CPU dispatch)
+    for i, (d, w) in enumerate(zip(dev, want)):
+        assert_same_bits(d.cpu(), w, f"caches[{i}]")
+    assert_equal(got_prefix.cpu(), want_prefix, "prefix_lens")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size", [1, 16, 64])           # SGLang's token layout, typical pages, big pages
+@pytest.mark.parametrize("B", [1, 7, 64])                    # one request, odd, a full verify batch
+@pytest.mark.parametrize("N", [1, 2, 8, 64])                 # root only, one draft, EAGLE-3 default, large
+@pytest.mark.parametrize("kind", ["chain", "bushy"])         # nothing moves; deep paths whose rows move
+def test_cuda_random_sweep_matches_reference(page_size, B, N, kind):
+    g = torch.Generator().manual_seed(1000 * page_size + 10 * B + N)
+    prefix = torch.randint(0, 3 * page_size + 5, (B,), generator=g).tolist()  # ragged; pages straddled
+    page_table, num_pages = paged_layout(g, prefix, N, page_size)
+    caches = gpu_caches(g, num_pages, page_size)
+    parents = tree.random_parents(B, N, g, kind)
+    accept_nodes, accept_len = random_paths(g, parents)
+    check_cuda_against_reference(caches, page_table, i32(prefix), accept_nodes, accept_len)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("accepted", [[0, 2, 3], [0, 3, 1, 2], [0, 2, 4, 6, 7], [4, 3, 2, 1, 0]])
+@pytest.mark.parametrize("page_size", [1, 4, 64])
+def test_cuda_overlapping_moves(accepted, page_size):
+    # The DESIGN case (2 -> 1 and 3 -> 2), an order verify never produces but the op allows, the
+    # benchmark's all-moving pattern, and a reversal (every row both read and overwritten).
+    g = torch.Generator().manual_seed(len(accepted) * page_size)
+    B, N = 5, 8
+    prefix = [0, 3, 13, 62, 64]
+    page_table, num_pages = paged_layout(g, prefix, N, page_size)
+    caches = gpu_caches(g, num_pages, page_size, mla_layers=3)
+    accept_nodes = torch.full((B, N), -1, dtype=torch.int32)
+    accept_nodes[:, :len(accepted)] = i32(accepted)
+    accept_len = torch.full((B,), len(accepted) - 1, dtype=torch.int32)
+    check_cuda_against_reference(caches, page_table, i32(prefix), accept_nodes, accept_len)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layers", [61, 130])  # Kimi-K2 (one launch), more than one launch holds (two)
+def test_cuda_many_layers(layers):
+    g = torch.Generator().manual_seed(layers)
+    B, N, ps = 7, 8, 16
+    prefix = [0, 15, 16, 100, 3, 47, 200]
+    page_table, num_pages = paged_layout(g, prefix, N, ps)
+    caches = [torch.randn(num_pages, ps, 576, generator=g).bfloat16() for _ in range(layers)]
+    parents = tree.random_parents(B, N, g, "bushy")
+    accept_nodes, accept_len = random_paths(g, parents)
+    check_cuda_against_reference(caches, page_table, i32(prefix), accept_nodes, accept_len)
+
+
+@pytest.mark.gpu
+def test_cuda_large_tree_moves_every_row():
+    # N = 2048 (the CUDA limit): a chain whose rows are all accepted in reverse order, 2048 moving rows
+    # of one column in one round.
+    g = torch.Generator().manual_seed(5)
+    B, N, ps = 2, 2048, 64
+    prefix = [5, 70]
+    page_table, num_pages = paged_layout(g, prefix, N, ps)
+    caches = [torch.randn(num_pages, ps, 576, generator=g).bfloat16(), torch.randn(num_pages, ps, 3, generator=g)]
+    accept_nodes = torch.arange(N - 1, -1, -1, dtype=torch.int32).repeat(B, 1)
+    accept_len = torch.full((B,), N - 1, dtype=torch.int32)
+    check_cuda_against_reference(caches, page_table, i32(prefix), accept_nodes, accept_len)
+
+
+def _skip_expected(caches, page_table, prefix_lens, accept_nodes, accept_len, bad):
+    """What the CUDA op gives when request `bad` is skipped: the reference on the other requests (pages
+    are disjoint), request `bad`'s rows and prefix_len untouched."""
+    keep = [b for b in range(page_table.shape[0]) if b != bad]
+    want = [c.clone() for c in caches]
+    sub_prefix = prefix_lens[keep].clone()
+    kv_accept(want, page_table[keep].contiguous(), sub_prefix, accept_nodes[keep].contiguous(),
+              accept_len[keep].contiguous())
+    want_prefix = prefix_lens.clone()
+    want_prefix[keep] = sub_prefix
+    return want, want_prefix
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["node_too_large", "node_negative", "accept_len_too_large", "accept_len_negative",
+                                  "page_table_too_short", "page_out_of_range", "page_negative", "prefix_negative"])
+def test_cuda_out_of_range_skips_the_request(case):
+    # No host sync to raise: the broken request 1 is skipped whole (rows and prefix_len untouched), the
+    # others move, nothing outside the tensors is touched (compute-sanitizer runs the small variant).
+    caches, page_table, prefix_lens, accept_nodes, accept_len = _bad_case(case)
+    want, want_prefix = _skip_expected(caches, page_table, prefix_lens, accept_nodes, accept_len, bad=1)
+    dev = [c.cuda() for c in caches]
+    got_prefix = prefix_lens.cuda()
+    kv_accept(dev, page_table.cuda(), got_prefix, accept_nodes.cuda(), accept_len.cuda())
+    for i, (d, w) in enumerate(zip(dev, want)):
+        assert_same_bits(d.cpu(), w, f"caches[{i}]")
+    assert_equal(got_prefix.cpu(), want_prefix, "prefix_lens")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case, error, match", [
+    ("no_caches", TypeError, "caches must be a non-empty list"),
+    ("page_layout", ValueError, r"caches\[1\] must have shape"),             # mismatched layer shapes
+    ("non_contiguous", ValueError, r"caches\[2\] must be contiguous"),
+    ("accept_len_dtype", TypeError, "accept_len must have dtype"),
+    ("accept_nodes_dtype", TypeError, "accept_nodes must have dtype"),
+    ("prefix_lens_shape", ValueError, "prefix_lens must have shape"),
+    ("page_table_dtype", TypeError, "page_table must have dtype"),
+    ("page_table_cpu", ValueError, "page_table must be on the same device"),
+    ("cache_cpu", ValueError, r"caches\[2\] must be on the same device"),
+    ("too_many_nodes", ValueError, "accept_nodes must have N <= 2048"),
+])
+def test_cuda_bad_arguments_raise_before_any_write(case, error, match):
+    caches, page_table, prefix_lens, accept_nodes, accept_len = _bad_case("none")
+    caches, page_table, prefix_lens = [c.cuda() for c in caches], page_table.cuda(), prefix_lens.cuda()
+    accept_nodes, accept_len = accept_nodes.cuda(), accept_len.cuda()
+    before = [c.clone() for c in caches]
+    prefix_before = prefix_lens.clone()
+    with pytest.raises(error, match=match):
+        kv_accept(*_break_argument(case, caches, page_table, prefix_lens, accept_nodes, accept_len))
+    torch.cuda.synchronize()
+    for i, (c, b) in enumerate(zip(caches, before)):
+        assert_same_bits(c.cpu(), b.cpu(), f"caches[{i}]")
+    assert_equal(prefix_lens.cpu(), prefix_before.cpu(), "prefix_lens")
+
+
+@pytest.mark.gpu
+def test_cuda_graph_replay_with_new_values():
+    # Captured once; each replay sees new cache contents, a new page table, new prefixes and new accepted
+    # paths at the same addresses, and must match the reference on those values.
+    g = torch.Generator().manual_seed(21)
+    B, N, ps = 7, 8, 16
+    prefix = [0, 9, 31, 2, 16, 40, 5]
+    page_table, num_pages = paged_layout(g, prefix, N, ps, spare_pages=6)
+    caches = gpu_caches(g, num_pages, ps, mla_layers=2)
+    dev = [c.cuda() for c in caches]
+    pt, pl = page_table.cuda(), i32(prefix).cuda()
+    nodes, lens = torch.zeros(B, N, dtype=torch.int32, device="cuda"), torch.zeros(B, dtype=torch.int32, device="cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        kv_accept(dev, pt, pl, nodes, lens)  # warm up off the default stream
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        kv_accept(dev, pt, pl, nodes, lens)
+    for step in range(3):
+        new_prefix = torch.randint(0, 2 * ps, (B,), generator=g, dtype=torch.int32)
+        new_table = torch.randperm(num_pages, generator=g)[:page_table.numel()].view(page_table.shape).int()
+        new_caches = gpu_caches(g, num_pages, ps, mla_layers=2)
+        new_nodes, new_lens = random_paths(g, tree.random_parents(B, N, g, "bushy"))
+        for d, c in zip(dev, new_caches):
+            d.copy_(c)
+        pt.copy_(new_table)
+        pl.copy_(new_prefix)
+        nodes.copy_(new_nodes)
+        lens.copy_(new_lens)
+        graph.replay()
+        kv_accept(new_caches, new_table, new_prefix, new_nodes, new_lens)  # reference
+        for i, (d, w) in enumerate(zip(dev, new_caches)):
+            assert_same_bits(d.cpu(), w, f"replay {step}: caches[{i}]")
+        assert_equal(pl.cpu(), new_prefix, f"replay {step}: prefix_lens")
+
+
+@pytest.mark.gpu
+def test_cuda_sanitize_kv_accept_small():
+    # Small enough for compute-sanitizer memcheck (gpu_run.sh SANITIZE='cuda_sanitize'): every unit width,
+    # overlapping moves, a chain that moves nothing, a request skipped for a page past the pool.
+    g = torch.Generator().manual_seed(8)
+    B, N, ps = 4, 6, 4
+    prefix = [0, 5, 11, 2]
+    page_table, num_pages = paged_layout(g, prefix, N, ps)
+    caches = gpu_caches(g, num_pages, ps)
+    accept_nodes = i32([[0, 2, 3, -1, -1, -1], [0, 1, 2, 3, 4, 5], [0, 3, 1, 2, -1, -1], [0, 4, -1, -1, -1, -1]])
+    accept_len = i32([2, 5, 3, 1])
+    check_cuda_against_reference(caches, page_table, i32(prefix), accept_nodes, accept_len)
+    page_table[3, 1] = num_pages  # request 3's tree rows live on a page that does not exist
+    want, want_prefix = _skip_expected(caches, page_table, i32(prefix), accept_nodes, accept_len, bad=3)
+    dev, got_prefix = [c.cuda() for c in caches], i32(prefix).cuda()
+    kv_accept(dev, page_table.cuda(), got_prefix, accept_nodes.cuda(), accept_len.cuda())
+    for i, (d, w) in enumerate(zip(dev, want)):
+        assert_same_bits(d.cpu(), w, f"caches[{i}]")
+    assert_equal(got_prefix.cpu(), want_prefix, "prefix_lens")

@@ -593,8 +593,15 @@ def _good_sampling_args(B=2, N=3, V=11):
     ("empty_tree", ValueError, "tokens must have N >= 1"),
 ])
 def test_greedy_bad_input(case, error, match):
+    with pytest.raises(error, match=match):
+        greedy(*_bad_greedy_args(case, "cpu"))
+
+
+def _bad_greedy_args(case, device):
+    """Valid verify_greedy arguments (B 2, N 3, V 11) with one made invalid in the way `case` names."""
     B, N, V = 2, 3, 11
-    logits, tokens, parents = torch.randn(B * N, V), torch.randint(0, V, (B, N)), i32([[-1, 0, 0]] * B)
+    logits = torch.randn(B * N, V, device=device)
+    tokens, parents = torch.randint(0, V, (B, N)).to(device), i32([[-1, 0, 0]] * B).to(device)
     if case == "logits_rows":
         logits = logits[:-1]
     elif case == "logits_dtype":
@@ -604,13 +611,19 @@ def test_greedy_bad_input(case, error, match):
     elif case == "parents_shape":
         parents = parents[:, :2]
     elif case == "parents_not_tree":
-        parents = i32([[-1, 0, 0], [-1, 2, 0]])
+        parents = i32([[-1, 0, 0], [-1, 2, 0]]).to(device)
     elif case == "negative_token":
         tokens[1, 2] = -1
     elif case == "empty_tree":
         logits, tokens, parents = torch.randn(0, V), torch.empty(B, 0, dtype=torch.int64), torch.empty(B, 0, dtype=torch.int32)
-    with pytest.raises(error, match=match):
-        greedy(logits, tokens, parents)
+        logits, tokens, parents = logits.to(device), tokens.to(device), parents.to(device)
+    elif case == "parents_dtype":
+        parents = parents.long()
+    elif case == "tokens_cpu":
+        tokens = tokens.cpu()
+    elif case == "logits_not_last_contiguous":
+        logits = torch.randn(V, B * N, device=device).t()
+    return logits, tokens, parents
 
 
 @pytest.mark.parametrize("case, error, match", [
@@ -648,6 +661,191 @@ def test_sampling_bad_input(case, error, match):
         args["draft_probs"] = torch.softmax(torch.randn(B * N - 1, V), -1)
     with pytest.raises(error, match=match):
         torch.ops.eagle3.verify_sampling(*args.values())
+
+
+# ---- verify_greedy CUDA kernel (csrc/verify_greedy.cu) against the reference --------------------------
+
+
+def _poison_allocator():
+    """Leave a sentinel in the CUDA caching allocator's free blocks, so that an output element the kernel
+    fails to write shows up as -7 rather than as a plausible stale value."""
+    junk = torch.full((1 << 16,), -7, dtype=torch.int64, device="cuda")  # the small-block pool (<= 1 MB)
+    del junk
+
+
+def cuda_greedy_vs_reference(logits, tokens, parents):
+    """The CUDA op on device copies, compared exactly (dtypes included) with the CPU reference."""
+    _poison_allocator()
+    got = greedy(logits.cuda(), tokens.cuda(), parents.cuda())
+    want = greedy(logits.cpu(), tokens.cpu(), parents.cpu())
+    for gt, w, name in zip(got, want, ("accept_nodes", "accept_len", "emitted")):
+        assert gt.dtype == w.dtype and gt.is_cuda, name
+        assert_equal(gt.cpu(), w, name)
+    return want
+
+
+def planted_cuda(seed, B, N, V, kind, dtype, integer=False):
+    """planted() with the logits drawn on the GPU (a Kimi-vocabulary sweep is too big for a CPU RNG)."""
+    g = torch.Generator().manual_seed(seed)
+    gd = torch.Generator(device="cuda").manual_seed(seed)
+    parents = tree.random_parents(B, N, g, kind)
+    if integer:  # few distinct values: long runs of ties, broken by the first index
+        logits = torch.randint(-3, 4, (B * N, V), generator=gd, device="cuda").float()
+    else:
+        logits = torch.randn(B * N, V, generator=gd, device="cuda")
+    logits = logits.to(dtype)
+    target = logits.argmax(-1).view(B, N).cpu()
+    plant = torch.rand(B, N, generator=g) < 0.7
+    tokens = torch.where(plant, target.gather(1, parents.long().clamp(min=0)), torch.randint(0, V, (B, N), generator=g))
+    return logits, tokens, parents
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("B", [1, 7, 64])
+@pytest.mark.parametrize("N", [1, 2, 8, 64])
+@pytest.mark.parametrize("kind", ["chain", "bushy"])
+def test_cuda_greedy_random_sweep_matches_reference(dtype, B, N, kind):
+    # Kimi's V = 163840, except B 64 x N 64 (4096 rows) at V = 32000 to keep the CPU reference quick.
+    V = 32000 if B * N > 512 else 163840
+    logits, tokens, parents = planted_cuda(B * 100 + N, B, N, V, kind, dtype)
+    want = cuda_greedy_vs_reference(logits, tokens, parents)
+    if kind == "chain" and N > 1:
+        assert int(want[1].max()) >= 1  # the planted walks go somewhere
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
+@pytest.mark.parametrize("V", [1, 111, 4096, 163840])
+def test_cuda_greedy_ties_take_the_first_index(dtype, V):
+    # Integer logits in [-3, 3]: each row's maximum occurs many times; the first must win (torch.argmax),
+    # across 16-byte vectors, threads, and the vocabulary slices of different blocks.
+    logits, tokens, parents = planted_cuda(V, 7, 8, V, "bushy", dtype, integer=True)
+    cuda_greedy_vs_reference(logits, tokens, parents)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
+def test_cuda_greedy_special_values(dtype):
+    # Rows made of one value (index 0 wins), -0.0 vs +0.0 (equal: the first wins), -inf everywhere, NaN
+    # (counts as the maximum, the first NaN wins, as torch.argmax), the maximum in the last element, and
+    # ties between two slices far apart.
+    V = 163840
+    rows = torch.randn(8, V, generator=torch.Generator().manual_seed(2)).to(dtype)
+    rows[0] = 1.5
+    rows[1] = -0.0
+    rows[1, 100:] = 0.0
+    rows[2] = float("-inf")
+    rows[3, 70000] = float("nan")
+    rows[3, 150000] = float("nan")
+    rows[4, V - 1] = 100.0
+    rows[5, 3] = 50.0
+    rows[5, V - 2] = 50.0
+    rows[6, 5] = float("inf")
+    rows[7] = float("-inf")
+    rows[7, 123456] = -1e30 if dtype != torch.bfloat16 else -1e30
+    tokens = torch.zeros(1, 8, dtype=torch.int64)
+    parents = tree.chain_parents(1, 8)
+    want_target = rows.argmax(-1)
+    tokens[0, 1:] = want_target[:-1]  # the whole chain accepted: every row's argmax is checked
+    want = cuda_greedy_vs_reference(rows, tokens, parents)
+    assert int(want[1][0]) == 7
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["padded_rows", "unaligned_rows", "odd_vocab"])
+def test_cuda_greedy_strided_and_odd_layouts(layout):
+    # A row stride larger than V (a view into a wider buffer) on the 16-byte path, a stride that breaks
+    # 16-byte alignment (element path), a vocabulary that is not a multiple of the vector (element path).
+    B, N, V = 3, 8, 32000
+    logits, tokens, parents = planted_cuda(7, B, N, V, "bushy", torch.bfloat16)
+    if layout == "padded_rows":
+        wide = torch.randn(B * N, V + 64, device="cuda").bfloat16()
+        wide[:, :V] = logits
+        logits = wide[:, :V]
+    elif layout == "unaligned_rows":
+        wide = torch.randn(B * N, V + 3, device="cuda").bfloat16()
+        wide[:, 1:V + 1] = logits
+        logits = wide[:, 1:V + 1]
+    else:
+        logits = torch.cat([logits, torch.randn(B * N, 5, device="cuda").bfloat16()], 1)
+    cuda_greedy_vs_reference(logits, tokens, parents)
+
+
+@pytest.mark.gpu
+def test_cuda_greedy_graph_replay_with_new_values():
+    # Captured once; each replay reads new logits and a new tree at the same addresses.
+    B, N, V = 7, 8, 163840
+    logits, tokens, parents = planted_cuda(1, B, N, V, "bushy", torch.bfloat16)
+    tokens, parents = tokens.cuda(), parents.cuda()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        greedy(logits, tokens, parents)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = greedy(logits, tokens, parents)
+    for step in range(3):
+        new_logits, new_tokens, new_parents = planted_cuda(10 + step, B, N, V, ["bushy", "chain", "wide"][step],
+                                                           torch.bfloat16)
+        logits.copy_(new_logits)
+        tokens.copy_(new_tokens)
+        parents.copy_(new_parents)
+        for o in out:
+            o.fill_(-7)
+        graph.replay()
+        want = greedy(new_logits.cpu(), new_tokens, new_parents)
+        for gt, w, name in zip(out, want, ("accept_nodes", "accept_len", "emitted")):
+            assert_equal(gt.cpu(), w, f"replay {step}: {name}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case, error, match", [
+    ("logits_rows", ValueError, "logits must have shape"),
+    ("logits_dtype", TypeError, "logits must have dtype"),
+    ("tokens_dtype", TypeError, "tokens must have dtype"),
+    ("parents_shape", ValueError, "parents must have shape"),
+    ("parents_dtype", TypeError, "parents must have dtype"),
+    ("tokens_cpu", ValueError, "tokens must be on the same device"),
+    ("logits_not_last_contiguous", ValueError, "logits must be contiguous in its last dimension"),
+    ("empty_tree", ValueError, "tokens must have N >= 1"),
+])
+def test_cuda_greedy_bad_input(case, error, match):
+    # The CUDA launcher's checks raise the CPU validator's errors (data-dependent tree checks excepted:
+    # test_cuda_greedy_invalid_tree_is_harmless).
+    with pytest.raises(error, match=match):
+        greedy(*_bad_greedy_args(case, "cuda"))
+
+
+@pytest.mark.gpu
+def test_cuda_greedy_invalid_tree_is_harmless():
+    # A tree check needs a host sync, so CUDA does not raise on a broken tree (the CPU reference does):
+    # a node whose parent is not an earlier node is never accepted, the walk ends, and every output is a
+    # well-formed path over valid edges. Here node 2 claims parent 3 (not topological) and node 4 claims
+    # itself; both carry their claimed parent's argmax.
+    V = 50
+    argmax = [10, 11, 12, 13, 14, 15]
+    logits = logits_with_argmax(argmax, V)
+    parents = i32([[-1, 0, 3, 1, 4, 0]])
+    tokens = i64([[0, 10, 13, 11, 14, 20]])
+    nodes, lens, emitted = greedy(logits.cuda(), tokens.cuda(), parents.cuda())
+    assert nodes.cpu().tolist() == [[0, 1, 3, -1, -1, -1]]  # 0 -> 1 (token 10) -> 3 (token 11); 3 -> 2 refused
+    assert lens.cpu().tolist() == [2]
+    assert emitted.cpu().tolist() == [[10, 11, 13, -1, -1, -1]]
+
+
+@pytest.mark.gpu
+def test_cuda_sanitize_verify_greedy_small():
+    # Small enough for compute-sanitizer memcheck (gpu_run.sh SANITIZE='cuda_sanitize'): the 16-byte and
+    # the element paths, every dtype, a 64-node tree (the walk), B 0.
+    for dtype in DTYPES:
+        for V in (111, 4096):
+            logits, tokens, parents = planted(V, 3, 64, V, "beam", dtype)
+            cuda_greedy_vs_reference(logits, tokens, parents)
+    out = greedy(torch.randn(0, 9, device="cuda"), torch.empty(0, 4, dtype=torch.int64, device="cuda"),
+                 torch.empty(0, 4, dtype=torch.int32, device="cuda"))
+    assert [tuple(o.shape) for o in out] == [(0, 4), (0,), (0, 4)]
 
 
 # ---- verify_sampling on CUDA against the reference (-m gpu) -------------------------------------------------

@@ -1,0 +1,22 @@
+// Device properties the launchers size their grids by, read once per device (no ATen/cuda/CUDAContext.h:
+// the toolkit here lacks the cuBLAS headers it pulls in).
+#pragma once
+
+#include <c10/cuda/CUDAException.h>
+#include <cuda_runtime.h>
+
+#include <atomic>
+
+namespace eagle3 {
+
+inline int num_sms(int device) {
+  static std::atomic<int> cached[64] = {};
+  const bool cacheable = device >= 0 && device < 64;
+  if (cacheable && cached[device].load(std::memory_order_relaxed) > 0) return cached[device].load(std::memory_order_relaxed);
+  int n = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device));
+  if (cacheable) cached[device].store(n, std::memory_order_relaxed);
+  return n;
+}
+
+}  // namespace eagle3

@@ -1,0 +1,299 @@
+// kv_accept: move each request's accepted tree rows from prefix_len + accept_nodes[i] to prefix_len + i in
+// every layer's cache, then prefix_lens += accept_len + 1: all layers in one launch.
+//
+// Work split: one thread-block cluster of C blocks per request (C up to 8, chosen so the grid fills the
+// chip). Each block first compacts the request's *moving* rows (accept_nodes[i] != i) into a list in
+// shared memory: rows that stay in place cost neither a read nor a write. The cluster then divides the
+// flat column space (layer, 16-byte unit within a row) of all layers between its blocks; a block moves
+// its columns in rounds of kThreads * kUnits units: every thread loads its units of all moving rows of
+// the round's columns into registers, the block barrier, then every thread stores. All rows of one
+// column belong to one round of one block, and only rows of the same column can overlap (accepted
+// [0, 2, 3] moves 2 -> 1 and 3 -> 2), so every read of a position precedes every write to it.
+//
+// prefix_lens: every block reads prefix_lens[b] first, then arrives on the cluster barrier; block 0
+// waits on that barrier before it writes prefix_lens[b] = P + a + 1, so no block can read the advanced
+// value. (Blocks of other requests never read it.)
+//
+// Bad indices cannot be raised without a host sync. A request with accept_len outside [0, N), an
+// accepted node outside [0, N), prefix_len < 0, prefix_len + N past its page table, or a page index
+// outside [0, num_pages) for any row it would read or write is skipped whole: its cache rows and its
+// prefix_len stay untouched (every block of the request sees the same values, so all skip together).
+// Nothing is ever read or written out of bounds. The CPU reference raises IndexError instead.
+// Requests are assumed to own disjoint pages (as every engine's page allocator gives them).
+
+#include <ATen/core/Tensor.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "eagle3/checks.h"
+#include "eagle3/device.h"
+
+namespace eagle3 {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kUnits = 8;                       // units (up to 16 bytes each) per thread per round
+constexpr int kRoundUnits = kThreads * kUnits;  // 2048: a round holds every moving row of >= 1 column
+constexpr int kMaxNodes = kRoundUnits;          // N <= 2048 keeps one column's rows in one round
+constexpr int kMaxLayers = 128;                 // per launch (kernel parameter space); more layers: more launches
+constexpr int kMaxCluster = 8;
+
+struct LayerBases {
+  void* base[kMaxLayers];
+};
+
+__device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive;" ::: "memory"); }
+__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait;" ::: "memory"); }
+
+// q = n / d for n < 2**24 and d >= 1, from a float reciprocal plus one correction step (an integer division
+// costs ~20 instructions per unit; this costs 5).
+__device__ __forceinline__ uint32_t div_small(uint32_t n, uint32_t d, float inv_d) {
+  uint32_t q = static_cast<uint32_t>(static_cast<float>(n) * inv_d);
+  if (q * d > n) {
+    --q;
+  } else if ((q + 1) * d <= n) {
+    ++q;
+  }
+  return q;
+}
+
+// layers        num_layers bases, each a contiguous cache [num_pages, page_size, row] of `vpr` units per row
+// page_table    [B, max_pages] int32, row stride pt_stride
+// prefix_lens   [B] int32 (advanced when `advance`)
+// accept_nodes  [B, N] int32
+// accept_len    [B] int32
+// grid: B * C blocks in clusters of C; block rank r of cluster b serves request b, columns [r, r+1) / C of
+// the num_layers * vpr (< 2**24) columns. dynamic shared memory: 2 * N int64 (rows to read and write).
+template <typename unit_t>
+__global__ void __launch_bounds__(kThreads) kv_accept_kernel(
+    const __grid_constant__ LayerBases layers, int num_layers, uint32_t vpr, float inv_vpr, int C,
+    const int32_t* __restrict__ page_table, int64_t pt_stride, int64_t max_pages, int32_t* prefix_lens,
+    const int32_t* __restrict__ accept_nodes, const int32_t* __restrict__ accept_len, int N, int64_t page_size,
+    int64_t num_pages, bool advance) {
+  extern __shared__ int64_t rows_smem[];
+  int64_t* src_row = rows_smem;      // [m] flat row index (page * page_size + slot) to read
+  int64_t* dst_row = rows_smem + N;  // [m] flat row index to write
+  __shared__ int s_m, s_bad;
+  const int64_t b = blockIdx.x / C;
+  const int rank = blockIdx.x % C;
+
+  // Three independent loads (one round trip), then the page table (a second one).
+  const int64_t P = prefix_lens[b];
+  const int a = accept_len[b];
+  const int node0 = threadIdx.x < N ? accept_nodes[b * N + threadIdx.x] : 0;
+  const bool bad0 = a < 0 || a >= N || P < 0 || P + N > max_pages * page_size;
+  if (threadIdx.x == 0) {
+    s_m = 0;
+    s_bad = bad0;
+  }
+  __syncthreads();   // also: every thread of this block has read prefix_lens[b]
+  cluster_arrive();  // release: this block is done reading prefix_lens[b]
+
+  if (!bad0) {
+    const int32_t* pages = page_table + b * pt_stride;
+    for (int i = threadIdx.x; i <= a; i += kThreads) {
+      const int node = i < kThreads ? node0 : accept_nodes[b * N + i];
+      if (node < 0 || node >= N) {
+        s_bad = 1;
+        continue;
+      }
+      const int64_t src = P + node, dst = P + i;  // < P + N <= max_pages * page_size
+      const int64_t sp = pages[src / page_size], dp = pages[dst / page_size];
+      if (sp < 0 || sp >= num_pages || dp < 0 || dp >= num_pages) {
+        s_bad = 1;
+        continue;
+      }
+      if (node != i) {  // a row that stays in place is neither read nor written
+        const int k = atomicAdd(&s_m, 1);
+        src_row[k] = sp * page_size + src % page_size;
+        dst_row[k] = dp * page_size + dst % page_size;
+      }
+    }
+  }
+  __syncthreads();
+  const int m = s_m;
+  const bool bad = s_bad;
+  if (!bad && m > 0) {
+    const uint32_t total = static_cast<uint32_t>(num_layers) * vpr;
+    const uint32_t c0 = static_cast<uint32_t>(static_cast<uint64_t>(total) * rank / C);
+    const uint32_t c1 = static_cast<uint32_t>(static_cast<uint64_t>(total) * (rank + 1) / C);
+    // Rounds of G columns x m rows (G * m <= kRoundUnits, as few rounds as possible, balanced): unit u of
+    // a round is row u / G, column u % G, so a warp reads and writes consecutive units of one row.
+    const uint32_t most = kRoundUnits / m;
+    const uint32_t rounds = (c1 - c0 + most - 1) / most;
+    const uint32_t G = rounds > 0 ? (c1 - c0 + rounds - 1) / rounds : 1;
+    const float inv_g = 1.0f / static_cast<float>(G);
+    for (uint32_t cs = c0; cs < c1; cs += G) {
+      unit_t r[kUnits];
+      unit_t* dst_ptr[kUnits];
+#pragma unroll
+      for (int k = 0; k < kUnits; ++k) {
+        const uint32_t u = threadIdx.x + k * kThreads;
+        const uint32_t row = div_small(u, G, inv_g);
+        const uint32_t col = cs + (u - row * G);
+        dst_ptr[k] = nullptr;
+        if (row < static_cast<uint32_t>(m) && col < c1) {
+          const uint32_t layer = div_small(col, vpr, inv_vpr);
+          const uint32_t unit = col - layer * vpr;
+          unit_t* base = static_cast<unit_t*>(layers.base[layer]);
+          r[k] = base[src_row[row] * vpr + unit];
+          dst_ptr[k] = base + dst_row[row] * vpr + unit;
+        }
+      }
+      __syncthreads();  // every read of this round's columns happens before any write to them
+#pragma unroll
+      for (int k = 0; k < kUnits; ++k) {
+        if (dst_ptr[k] != nullptr) *dst_ptr[k] = r[k];
+      }
+    }
+  }
+
+  cluster_wait();  // acquire: every block of this request has read prefix_lens[b]
+  if (advance && rank == 0 && threadIdx.x == 0 && !bad) prefix_lens[b] = static_cast<int32_t>(P + a + 1);
+}
+
+struct Group {
+  int width;      // bytes per unit: 16, 8, 4, 2 or 1
+  int64_t vpr;    // units per row
+  std::vector<void*> bases;
+};
+
+template <typename unit_t>
+void launch(const Group& g, size_t first, size_t count, int C, int64_t B, const at::Tensor& page_table,
+            const at::Tensor& prefix_lens, const at::Tensor& accept_nodes, const at::Tensor& accept_len, int N,
+            int64_t page_size, int64_t num_pages, bool advance, cudaStream_t stream) {
+  LayerBases bases{};
+  for (size_t i = 0; i < count; ++i) bases.base[i] = g.bases[first + i];
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(static_cast<unsigned>(B * C));
+  config.blockDim = dim3(kThreads);
+  config.dynamicSmemBytes = 2 * static_cast<size_t>(N) * sizeof(int64_t);
+  config.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = C;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  config.attrs = attr;
+  config.numAttrs = 1;
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kv_accept_kernel<unit_t>, bases, static_cast<int>(count),
+                                    static_cast<uint32_t>(g.vpr), 1.0f / static_cast<float>(g.vpr), C, page_table.data_ptr<int32_t>(),
+                                    page_table.stride(0), page_table.size(1), prefix_lens.data_ptr<int32_t>(),
+                                    accept_nodes.data_ptr<int32_t>(), accept_len.data_ptr<int32_t>(), N, page_size,
+                                    num_pages, advance));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// caches        list of contiguous [num_pages, page_size, ...] tensors, any dtype; per layer the row
+//               (trailing dims) and dtype may differ, num_pages and page_size may not
+// page_table    [B, max_pages] int32, last dim contiguous
+// prefix_lens   [B] int32, contiguous, mutated
+// accept_nodes  [B, N] int32, contiguous
+// accept_len    [B] int32, contiguous
+void kv_accept_cuda(const at::TensorList caches, const at::Tensor& page_table, const at::Tensor& prefix_lens,
+                    const at::Tensor& accept_nodes, const at::Tensor& accept_len) {
+  TORCH_CHECK_TYPE(!caches.empty(),
+                   "caches must be a non-empty list of per-layer cache tensors [num_pages, page_size, ...]");
+  const at::Tensor& first = caches[0];
+  TORCH_CHECK_VALUE(first.dim() >= 3, "caches[0] must have shape (num_pages, page_size, ...), got ", first.sizes());
+  CHECK_CUDA(first);
+  const int64_t num_pages = first.size(0), page_size = first.size(1);
+  for (size_t i = 0; i < caches.size(); ++i) {
+    const at::Tensor& c = caches[i];
+    TORCH_CHECK_VALUE(c.device() == first.device(), "caches[", i, "] must be on the same device as caches[0] (",
+                      first.device(), "), got ", c.device());
+    TORCH_CHECK_VALUE(c.dim() >= 3 && c.size(0) == num_pages && c.size(1) == page_size, "caches[", i,
+                      "] must have shape (num_pages, page_size, ...) = (", num_pages, ", ", page_size,
+                      ", ...) like caches[0], got ", c.sizes());
+    TORCH_CHECK_VALUE(c.is_contiguous(), "caches[", i, "] must be contiguous");
+  }
+  CHECK_DTYPE(page_table, at::kInt);
+  CHECK_DIM(page_table, 2);
+  TORCH_CHECK_VALUE(page_table.device() == first.device(), "page_table must be on the same device as caches[0] (",
+                    first.device(), "), got ", page_table.device());
+  TORCH_CHECK_VALUE(page_table.size(1) <= 1 || page_table.stride(1) == 1,
+                    "page_table must be contiguous in its last dimension, got strides ", page_table.strides());
+  const int64_t B = page_table.size(0);
+  CHECK_DTYPE(prefix_lens, at::kInt);
+  CHECK_SHAPE(prefix_lens, B);
+  TORCH_CHECK_VALUE(prefix_lens.device() == first.device(), "prefix_lens must be on the same device as caches[0] (",
+                    first.device(), "), got ", prefix_lens.device());
+  TORCH_CHECK_VALUE(prefix_lens.is_contiguous(), "prefix_lens must be contiguous");
+  CHECK_DTYPE(accept_nodes, at::kInt);
+  CHECK_DIM(accept_nodes, 2);
+  TORCH_CHECK_VALUE(accept_nodes.device() == first.device(), "accept_nodes must be on the same device as caches[0] (",
+                    first.device(), "), got ", accept_nodes.device());
+  TORCH_CHECK_VALUE(accept_nodes.is_contiguous(), "accept_nodes must be contiguous, got strides ",
+                    accept_nodes.strides());
+  const int64_t N = accept_nodes.size(1);
+  CHECK_SHAPE(accept_nodes, B, N);
+  TORCH_CHECK_VALUE(N > 0, "accept_nodes must have N >= 1 columns");
+  TORCH_CHECK_VALUE(N <= kMaxNodes, "accept_nodes must have N <= ", kMaxNodes,
+                    " columns on CUDA (a request's moving rows are held in registers), got ", N);
+  CHECK_DTYPE(accept_len, at::kInt);
+  CHECK_SHAPE(accept_len, B);
+  TORCH_CHECK_VALUE(accept_len.device() == first.device(), "accept_len must be on the same device as caches[0] (",
+                    first.device(), "), got ", accept_len.device());
+  TORCH_CHECK_VALUE(accept_len.is_contiguous(), "accept_len must be contiguous");
+  TORCH_CHECK_VALUE(B * kMaxCluster < (int64_t{1} << 31), "page_table has too many requests: B = ", B);
+  if (B == 0) return;
+
+  // Layers with the same row layout share a launch (the kernel assumes one unit width and row length):
+  // for MLA or uniform K / V caches that is a single launch for all layers.
+  std::vector<Group> groups;
+  for (const at::Tensor& c : caches) {
+    int64_t row_elems = 1;
+    for (int64_t d = 2; d < c.dim(); ++d) row_elems *= c.size(d);
+    const int64_t row_bytes = row_elems * static_cast<int64_t>(c.element_size());
+    if (row_bytes == 0 || c.numel() == 0) continue;  // nothing to move in this layer
+    const auto addr = reinterpret_cast<uintptr_t>(c.data_ptr());
+    int width = 16;
+    while (width > 1 && (row_bytes % width != 0 || addr % width != 0)) width /= 2;
+    const int64_t vpr = row_bytes / width;
+    TORCH_CHECK_VALUE(vpr * kMaxLayers < (int64_t{1} << 24), "caches rows must be shorter than ",
+                      ((int64_t{1} << 24) / kMaxLayers) * width, " bytes on CUDA, got ", row_bytes);
+    auto it = std::find_if(groups.begin(), groups.end(), [&](const Group& g) { return g.width == width && g.vpr == vpr; });
+    if (it == groups.end()) {
+      groups.push_back(Group{width, vpr, {}});
+      it = groups.end() - 1;
+    }
+    it->bases.push_back(c.data_ptr());
+  }
+  if (groups.empty()) groups.push_back(Group{16, 1, {}});  // no bytes to move: only advance prefix_lens
+
+  const c10::cuda::OptionalCUDAGuard guard(first.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const int64_t want = (4 * num_sms(first.get_device()) + B - 1) / B;
+  const int C = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(kMaxCluster, want)));
+  size_t launches = 0;
+  for (const Group& g : groups) launches += std::max<size_t>(1, (g.bases.size() + kMaxLayers - 1) / kMaxLayers);
+  size_t done = 0;
+  for (const Group& g : groups) {
+    for (size_t firstl = 0; firstl < std::max<size_t>(1, g.bases.size()); firstl += kMaxLayers) {
+      const size_t count = std::min<size_t>(kMaxLayers, g.bases.size() - std::min(firstl, g.bases.size()));
+      const bool advance = ++done == launches;  // the last launch advances prefix_lens (stream order)
+      auto go = [&](auto unit_tag) {
+        launch<decltype(unit_tag)>(g, firstl, count, C, B, page_table, prefix_lens, accept_nodes, accept_len,
+                                   static_cast<int>(N), page_size, num_pages, advance, stream);
+      };
+      switch (g.width) {
+        case 16: go(uint4{}); break;
+        case 8: go(uint2{}); break;
+        case 4: go(uint32_t{}); break;
+        case 2: go(uint16_t{}); break;
+        default: go(uint8_t{}); break;
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace eagle3
+
+TORCH_LIBRARY_IMPL(eagle3, CUDA, m) { m.impl("kv_accept", &eagle3::kv_accept_cuda); }
