@@ -285,18 +285,23 @@ def _bad_args(case):
     return (root, tokens, scores, parents, prefix) + out
 
 
-@pytest.mark.parametrize("case, error, match", [
-    ("nan_score", ValueError, "draft_scores"),
-    ("depth0_parent", IndexError, r"draft_parents\[:, 0\]"),
-    ("parent_too_large", IndexError, "draft_parents"),
-    ("parent_negative", IndexError, "draft_parents"),
+# Shape, dtype and size errors: raised up front on every device.
+LAYOUT_CASES = [
     ("too_many_nodes", ValueError, "tokens must have N"),
     ("mask_words", ValueError, "tree_mask must have shape"),
     ("positions_dtype", TypeError, "positions must have dtype"),
     ("prefix_dtype", TypeError, "prefix_lens must have dtype"),
     ("scores_shape", ValueError, "draft_scores must have shape"),
     ("parents_dtype", TypeError, "draft_parents must have dtype"),
-])
+]
+
+
+@pytest.mark.parametrize("case, error, match", [
+    ("nan_score", ValueError, "draft_scores"),
+    ("depth0_parent", IndexError, r"draft_parents\[:, 0\]"),
+    ("parent_too_large", IndexError, "draft_parents"),
+    ("parent_negative", IndexError, "draft_parents"),
+] + LAYOUT_CASES)
 def test_bad_input_raises_and_writes_nothing(case, error, match):
     args = _bad_args(case)
     outs = args[5:]
@@ -389,14 +394,7 @@ def test_gpu_cuda_graph_replays_with_new_values():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case, error, match", [
-    ("too_many_nodes", ValueError, "tokens must have N"),
-    ("mask_words", ValueError, "tree_mask must have shape"),
-    ("positions_dtype", TypeError, "positions must have dtype"),
-    ("prefix_dtype", TypeError, "prefix_lens must have dtype"),
-    ("scores_shape", ValueError, "draft_scores must have shape"),
-    ("parents_dtype", TypeError, "draft_parents must have dtype"),
-])
+@pytest.mark.parametrize("case, error, match", LAYOUT_CASES)
 def test_gpu_bad_input_raises_and_writes_nothing(case, error, match):
     args = [t.cuda() for t in _bad_args(case)]
     before = [t.clone() for t in args[5:]]
