@@ -49,7 +49,7 @@ def _tile(acc, m_i, l_i, q1, q2, K, V, page, slot, stride_kp, stride_ks, stride_
     s = tl.dot(q1, tl.trans(k1), input_precision=DOT_PREC)
     if D2 > 0:
         k2 = tl.load(K + kv_row[:, None] + D1 + d2[None, :], mask=ok[:, None] & (d2[None, :] < D2), other=0.0)
-        s += tl.dot(q2, tl.trans(k2), input_precision=DOT_PREC)
+        s = tl.dot(q2, tl.trans(k2), s, input_precision=DOT_PREC)  # accumulate in place: no second tile
     s = tl.where(visible, s * scale_log2, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen nothing yet stays at 0
@@ -61,7 +61,9 @@ def _tile(acc, m_i, l_i, q1, q2, K, V, page, slot, stride_kp, stride_ks, stride_
     else:
         v_row = page * stride_vp + slot * stride_vs
         v = tl.load(V + v_row[:, None] + dv[None, :], mask=ok[:, None] & (dv[None, :] < DV), other=0.0)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+    # rescale, then accumulate into acc itself (a separate dot result would double the 128 registers
+    # per thread that MLA's 64 x 512 fp32 accumulator takes at 8 warps)
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PREC)
     return acc, m_new, l_i
 
 
@@ -284,8 +286,10 @@ def _launch(q, k, v, page_table, prefix_lens, tree_mask, scale, out, lse, *, HKV
 
 def default_config(dtype: torch.dtype, D: int, DV: int, rows: int, shared_v: bool) -> dict:
     """Tile sizes by problem: MLA's 512-wide fp32 accumulator needs 8 warps at BLOCK_M = 64."""
-    if shared_v and DV > 128:
-        return dict(BLOCK_M=64, BLOCK_N=32, num_warps=8, num_stages=2, min_chunk=256)
+    if shared_v and DV > 128:  # MLA; fp32: half the rows and keys, or Q and two K stages pass 227 KB of smem
+        if dtype == torch.float32:
+            return dict(BLOCK_M=32, BLOCK_N=16, num_warps=8, num_stages=2, min_chunk=256)
+        return dict(BLOCK_M=64, BLOCK_N=32, num_warps=8, num_stages=3, min_chunk=256)
     big = max(D, DV) > 128
     return dict(BLOCK_M=64, BLOCK_N=32 if big else 64, num_warps=8 if big else 4, num_stages=2 if big else 3,
                 min_chunk=256)
