@@ -710,7 +710,7 @@ def test_cuda_greedy_random_sweep_matches_reference(dtype, B, N, kind):
     V = 32000 if B * N > 512 else 163840
     logits, tokens, parents = planted_cuda(B * 100 + N, B, N, V, kind, dtype)
     want = cuda_greedy_vs_reference(logits, tokens, parents)
-    if kind == "chain" and N > 1:
+    if kind == "chain" and N > 1 and B > 1:  # one request may stop at the root (30% of roots are not planted)
         assert int(want[1].max()) >= 1  # the planted walks go somewhere
 
 
