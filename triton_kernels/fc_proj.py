@@ -172,10 +172,12 @@ def stream_config(R: int, Hd: int, K: int, n_chunks: int, weight: Tensor) -> dic
     override = os.environ.get("EAGLE3_FC_CONFIG")
     if override:
         bn, bk, split, warps, stages = (int(v) for v in override.split(","))
+    elif weight.element_size() == 1:
+        # measured on the H200 (bench/results/fc_sweep_h200.log): 48 us at T = 1, 73 us at T = 64
+        bn, bk, split, warps, stages = 128, 128, 4, 4, 3
     else:
-        bn = 64 if R <= 16 else 128
-        bk = 128 if weight.element_size() >= 2 else 256
-        split, warps, stages = (6, 4, 4) if R <= 16 else (6, 8, 3)
+        # measured: 77 us at T = 1 (64-row tiles), 87 us at T = 64 (128-row tiles: half the aux re-reads)
+        bn, bk, split, warps, stages = (64 if R <= 16 else 128), 128, 4, 4, 4
     spc = max(1, split // n_chunks)  # splits per chunk: a split never straddles a chunk
     return dict(BLOCK_N=bn, BLOCK_K=bk, splits_per_chunk=spc, num_warps=warps, num_stages=stages)
 
