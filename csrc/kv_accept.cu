@@ -43,6 +43,7 @@ constexpr int kRoundUnits = kThreads * kUnits;  // 2048: a round holds every mov
 constexpr int kMaxNodes = kRoundUnits;          // N <= 2048 keeps one column's rows in one round
 constexpr int kMaxLayers = 128;                 // per launch (kernel parameter space); more layers: more launches
 constexpr int kMaxCluster = 8;
+constexpr int kMinBlocksPerSm = 4;             // <= 64 registers: 1024 threads and 128 KB of loads in flight per SM
 
 struct LayerBases {
   void* base[kMaxLayers];
@@ -63,6 +64,18 @@ __device__ __forceinline__ uint32_t div_small(uint32_t n, uint32_t d, float inv_
   return q;
 }
 
+// Unit u of the round whose columns start at cs: row u / G of the moving rows, column cs + u % G, that
+// column's layer and unit within the row. False when the unit falls outside (row >= m or column >= c1).
+__device__ __forceinline__ bool locate(uint32_t u, uint32_t cs, uint32_t c1, uint32_t G, float inv_g, int m,
+                                       uint32_t vpr, float inv_vpr, uint32_t& row, uint32_t& layer, uint32_t& unit) {
+  row = div_small(u, G, inv_g);
+  const uint32_t col = cs + (u - row * G);
+  if (row >= static_cast<uint32_t>(m) || col >= c1) return false;
+  layer = div_small(col, vpr, inv_vpr);
+  unit = col - layer * vpr;
+  return true;
+}
+
 // layers        num_layers bases, each a contiguous cache [num_pages, page_size, row] of `vpr` units per row
 // page_table    [B, max_pages] int32, row stride pt_stride
 // prefix_lens   [B] int32 (advanced when `advance`)
@@ -71,7 +84,7 @@ __device__ __forceinline__ uint32_t div_small(uint32_t n, uint32_t d, float inv_
 // grid: B * C blocks in clusters of C; block rank r of cluster b serves request b, columns [r, r+1) / C of
 // the num_layers * vpr (< 2**24) columns. dynamic shared memory: 2 * N int64 (rows to read and write).
 template <typename unit_t>
-__global__ void __launch_bounds__(kThreads) kv_accept_kernel(
+__global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) kv_accept_kernel(
     const __grid_constant__ LayerBases layers, int num_layers, uint32_t vpr, float inv_vpr, int C,
     const int32_t* __restrict__ page_table, int64_t pt_stride, int64_t max_pages, int32_t* prefix_lens,
     const int32_t* __restrict__ accept_nodes, const int32_t* __restrict__ accept_len, int N, int64_t page_size,
@@ -131,25 +144,22 @@ __global__ void __launch_bounds__(kThreads) kv_accept_kernel(
     const float inv_g = 1.0f / static_cast<float>(G);
     for (uint32_t cs = c0; cs < c1; cs += G) {
       unit_t r[kUnits];
-      unit_t* dst_ptr[kUnits];
 #pragma unroll
       for (int k = 0; k < kUnits; ++k) {
-        const uint32_t u = threadIdx.x + k * kThreads;
-        const uint32_t row = div_small(u, G, inv_g);
-        const uint32_t col = cs + (u - row * G);
-        dst_ptr[k] = nullptr;
-        if (row < static_cast<uint32_t>(m) && col < c1) {
-          const uint32_t layer = div_small(col, vpr, inv_vpr);
-          const uint32_t unit = col - layer * vpr;
-          unit_t* base = static_cast<unit_t*>(layers.base[layer]);
-          r[k] = base[src_row[row] * vpr + unit];
-          dst_ptr[k] = base + dst_row[row] * vpr + unit;
+        uint32_t row, layer, unit;
+        if (locate(threadIdx.x + k * kThreads, cs, c1, G, inv_g, m, vpr, inv_vpr, row, layer, unit)) {
+          r[k] = static_cast<const unit_t*>(layers.base[layer])[src_row[row] * vpr + unit];
         }
       }
       __syncthreads();  // every read of this round's columns happens before any write to them
+      // The destinations are recomputed rather than kept from the loads: 8 fewer 64-bit registers, so
+      // that 4 blocks fit on an SM and the 8 blocks of every request of a B 64 batch run in one wave.
 #pragma unroll
       for (int k = 0; k < kUnits; ++k) {
-        if (dst_ptr[k] != nullptr) *dst_ptr[k] = r[k];
+        uint32_t row, layer, unit;
+        if (locate(threadIdx.x + k * kThreads, cs, c1, G, inv_g, m, vpr, inv_vpr, row, layer, unit)) {
+          static_cast<unit_t*>(layers.base[layer])[dst_row[row] * vpr + unit] = r[k];
+        }
       }
     }
   }

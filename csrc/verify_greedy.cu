@@ -6,9 +6,11 @@
 // (max, first index). The per-element work is a packed NaN-propagating max (max.NaN.bf16x2 / f16x2 /
 // f32) over the loaded vectors; the index is looked up only when a thread's running maximum improves,
 // which after the first few iterations is rare, so the pass stays bandwidth-bound.
-// Phase 2 (walk_kernel), one block per request: reduces the S partials of each of its N rows, marks for
-// every node the lowest-index child whose token equals the node's argmax, then one thread follows those
-// marks from the root (shared memory only) and all threads write the outputs.
+// Phase 2 (walk_kernel), one block per request, launched as a programmatic dependent of phase 1 (its
+// launch overlaps phase 1; it waits for phase 1's writes before reading them): reduces the S partials of
+// each of its N rows, marks for every node the lowest-index child whose token equals the node's argmax,
+// then one thread follows those marks from the root (shared memory only) and all threads write the
+// outputs.
 //
 // Ties and NaN exactly as torch.argmax: the first maximum wins, any NaN counts as the maximum (the first
 // NaN wins), -0.0 == +0.0.
@@ -194,6 +196,10 @@ __global__ void __launch_bounds__(kThreads) argmax_partial_kernel(const scalar_t
                                                                    Partial<typename Elem<scalar_t>::acc_t>* __restrict__ partial) {
   using E = Elem<scalar_t>;
   using acc_t = typename E::acc_t;
+  // Programmatic dependent launch: the walk kernel may be launched once every block of this grid has
+  // started; it waits (griddepcontrol.wait) for this grid's completion before reading the partials, so
+  // only its launch latency overlaps with this pass.
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
   const int64_t row = blockIdx.x / S;
   const int s = blockIdx.x % S;
   const scalar_t* x = logits + row * stride;
@@ -296,6 +302,7 @@ __global__ void __launch_bounds__(kWalkThreads) walk_kernel(const Partial<acc_t>
   const int64_t b = blockIdx.x;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const Partial<acc_t>* p = partial + b * N * S;
+  asm volatile("griddepcontrol.wait;" ::: "memory");  // phase 1 has finished and its writes are visible
 
   for (int r = warp; r < N; r += kWalkThreads / 32) {
     acc_t best = -INFINITY;
@@ -378,9 +385,20 @@ void launch(const at::Tensor& logits, const at::Tensor& tokens, const at::Tensor
     C10_CUDA_CHECK(cudaFuncSetAttribute(walk_kernel<acc_t>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                         static_cast<int>(smem)));
   }
-  walk_kernel<acc_t><<<static_cast<unsigned>(B), kWalkThreads, smem, stream>>>(
-      part, static_cast<int>(S), tokens.data_ptr<int64_t>(), parents.data_ptr<int32_t>(), static_cast<int>(N),
-      accept_nodes.data_ptr<int32_t>(), accept_len.data_ptr<int32_t>(), emitted.data_ptr<int64_t>());
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(static_cast<unsigned>(B));
+  config.blockDim = dim3(kWalkThreads);
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = attr;
+  config.numAttrs = 1;
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, walk_kernel<acc_t>, static_cast<const Partial<acc_t>*>(part),
+                                    static_cast<int>(S), tokens.data_ptr<int64_t>(), parents.data_ptr<int32_t>(),
+                                    static_cast<int>(N), accept_nodes.data_ptr<int32_t>(),
+                                    accept_len.data_ptr<int32_t>(), emitted.data_ptr<int64_t>()));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
