@@ -58,3 +58,17 @@ def assert_equal(out: torch.Tensor, ref: torch.Tensor, what: str = "output") -> 
         idx = tuple(int(i) for i in (~same).nonzero()[0])
         raise AssertionError(f"{what}: first mismatch at {idx}: got {out[idx].item()}, expected {ref[idx].item()} "
                              f"({int((~same).sum())} of {same.numel()} differ)")
+
+
+def capture_graph(call):
+    """Warm `call` up on a side stream (compilation, allocator), then capture it once into a CUDA graph.
+    Returns (graph, what the captured call returned): replay it after writing new values in place."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        call()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        result = call()
+    return graph, result

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from eagle3_ops import reference
-from tests.conftest import TOLERANCES, assert_equal, poison_, rel_err
+from tests.conftest import TOLERANCES, assert_equal, capture_graph, poison_, rel_err
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 
@@ -252,14 +252,7 @@ def test_cuda_graph_replay_with_new_values(gen):
     x, residual, weight = (t.cuda() for t in _inputs(gen, T, H, torch.bfloat16))
     aux = torch.empty(16, 3 * H, dtype=torch.bfloat16, device="cuda")
     rows = torch.randint(0, T, (16,), generator=gen, dtype=torch.int32).cuda()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        torch.ops.eagle3.add_rmsnorm_capture(x, residual, weight, 1e-6, aux, 2, rows)  # warm up
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        torch.ops.eagle3.add_rmsnorm_capture(x, residual, weight, 1e-6, aux, 2, rows)
+    graph, _ = capture_graph(lambda: torch.ops.eagle3.add_rmsnorm_capture(x, residual, weight, 1e-6, aux, 2, rows))
     for _ in range(3):  # new values at the same addresses
         x.copy_(torch.randn(T, H, generator=gen).bfloat16())
         residual.copy_(torch.randn(T, H, generator=gen).bfloat16())

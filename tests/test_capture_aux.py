@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from eagle3_ops import reference
-from tests.conftest import assert_equal, poison_
+from tests.conftest import assert_equal, capture_graph, poison_
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 KIMI_H = 7168
@@ -108,14 +108,7 @@ def test_cuda_out_of_range_rows_write_nan_and_read_nothing(gen):
 def test_cuda_graph_replay_with_new_values(gen):
     T, H = 64, KIMI_H
     hidden, residual, aux, rows = _inputs(gen, T, H, 3, torch.bfloat16, "cuda", R=16)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        torch.ops.eagle3.capture_aux(hidden, residual, aux, 1, rows)  # warm up off the default stream
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        torch.ops.eagle3.capture_aux(hidden, residual, aux, 1, rows)
+    graph, _ = capture_graph(lambda: torch.ops.eagle3.capture_aux(hidden, residual, aux, 1, rows))
     for _ in range(3):  # new values at the same addresses
         hidden.copy_(torch.randn(T, H, generator=gen).bfloat16())
         residual.copy_(torch.randn(T, H, generator=gen).bfloat16())

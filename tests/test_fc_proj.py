@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.conftest import TOLERANCES, assert_equal, poison_, rel_err
+from tests.conftest import TOLERANCES, assert_equal, capture_graph, poison_, rel_err
 
 FP8 = getattr(torch, "float8_e4m3fn", None)
 
@@ -318,14 +318,7 @@ def test_cuda_graph_replay_with_new_values(gen, T):
     aux, w, scale, nw, rows = _gpu_case(gen, T, T, "fc_norm", "bf16", False)
     out = torch.empty(T, KIMI_HD, dtype=torch.bfloat16, device="cuda")
     call = lambda: torch.ops.eagle3.fc_proj(aux, w, scale, nw, 1e-6, "fc_norm", rows, out)  # noqa: E731
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        call()  # compile and warm up off the default stream
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        call()
+    graph, _ = capture_graph(call)
     for _ in range(2):
         aux.copy_((2 * torch.randn(aux.shape, generator=gen)).bfloat16())  # new values, same addresses
         rows.copy_(torch.randint(0, T, (T,), generator=gen))

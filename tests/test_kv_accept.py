@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from eagle3_ops import tree
-from tests.conftest import assert_equal
+from tests.conftest import assert_equal, capture_graph
 
 PROPERTY = settings(derandomize=True, max_examples=40, deadline=None)
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -502,14 +502,7 @@ def test_cuda_graph_replay_with_new_values():
     dev = [c.cuda() for c in caches]
     pt, pl = page_table.cuda(), i32(prefix).cuda()
     nodes, lens = torch.zeros(B, N, dtype=torch.int32, device="cuda"), torch.zeros(B, dtype=torch.int32, device="cuda")
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        kv_accept(dev, pt, pl, nodes, lens)  # warm up off the default stream
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        kv_accept(dev, pt, pl, nodes, lens)
+    graph, _ = capture_graph(lambda: kv_accept(dev, pt, pl, nodes, lens))
     for step in range(3):
         new_prefix = torch.randint(0, 2 * ps, (B,), generator=g, dtype=torch.int32)
         new_table = torch.randperm(num_pages, generator=g)[:page_table.numel()].view(page_table.shape).int()
@@ -533,7 +526,7 @@ def test_cuda_sanitize_kv_accept_small():
     # Small enough for compute-sanitizer memcheck (gpu_run.sh SANITIZE='cuda_sanitize'): every unit width,
     # overlapping moves, a chain that moves nothing, a request skipped for a page past the pool.
     g = torch.Generator().manual_seed(8)
-    B, N, ps = 4, 6, 4
+    N, ps = 6, 4  # B = 4 requests below
     prefix = [0, 5, 11, 2]
     page_table, num_pages = paged_layout(g, prefix, N, ps)
     caches = gpu_caches(g, num_pages, ps)

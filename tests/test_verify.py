@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from eagle3_ops import _philox, tree
-from tests.conftest import assert_equal
+from tests.conftest import assert_equal, capture_graph
 
 PROPERTY = settings(derandomize=True, max_examples=40, deadline=None)
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float64]
@@ -778,14 +778,7 @@ def test_cuda_greedy_graph_replay_with_new_values():
     B, N, V = 7, 8, 163840
     logits, tokens, parents = planted_cuda(1, B, N, V, "bushy", torch.bfloat16)
     tokens, parents = tokens.cuda(), parents.cuda()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        greedy(logits, tokens, parents)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = greedy(logits, tokens, parents)
+    graph, out = capture_graph(lambda: greedy(logits, tokens, parents))
     for step in range(3):
         new_logits, new_tokens, new_parents = planted_cuda(10 + step, B, N, V, ["bushy", "chain", "wide"][step],
                                                            torch.bfloat16)
@@ -993,14 +986,7 @@ def test_cuda_sampling_graph_replay_with_new_seeds_and_offsets():
     tok_c, par_c = tokens.cuda(), parents.cuda()
     call = lambda: torch.ops.eagle3.verify_sampling(logits, None, None, tok_c, par_c, static["temperature"],  # noqa: E731
                                                     static["seed"], static["offset"])
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        call()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = call()
+    graph, captured = capture_graph(call)
     outcomes = set()
     for step in range(4):
         static["seed"].copy_(torch.arange(B) * 31 + step)
