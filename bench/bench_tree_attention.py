@@ -12,13 +12,22 @@ FLOPs: 2 * rows * L * (Dk + Dv) per request, rows = N * NH, L = prefix + N (the 
 Bytes: the KV rows of every request read once, q read, out written. Printed: us, the vectorised torch us,
 speed-up, TFLOP/s, GB/s, and the fraction of the floor max(bytes / copy_bw, flops / mm_rate) / time.
 
+For MLA, provider eagle3.v_split is the Triton launcher with config {"v_split": 2}: the 512 V dims split
+across two programs per row block (triton_kernels/tree_attention.py, default_config).
 EAGLE3_TREE_SWEEP=1 also times tile configurations of the Triton kernel (provider eagle3:<config>).
+EAGLE3_TREE_SHAPES="mla B1 P32768 N16,mla B1 P32768 N1" keeps only those shapes and
+EAGLE3_TREE_PROVIDERS="eagle3,torch,eagle3:v_split=2*" only those providers (a trailing * matches a prefix):
+a short run on a time budget.
+
+`python bench/bench_tree_attention.py` (no GPU needed) compiles the MLA kernel variants for sm_90a with
+triton's bundled ptxas and prints registers, spills, shared memory and the wgmma count of each.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 
 import pytest
@@ -45,6 +54,18 @@ COMPILED = {("mla", 1, 4096, 16), ("llama-8b", 1, 8192, 16)}
 SWEEP = [dict(BLOCK_N=32, num_warps=8, num_stages=2), dict(BLOCK_N=64, num_warps=8, num_stages=1),
          dict(BLOCK_N=64, num_warps=8, num_stages=2)]
 SWEEP_CHUNKS = [128, 1024]  # min_chunk (split length floor) for the N = 1 shapes
+# The V split with other tiles: 64 rows x 8 warps (no spills, but both warpgroups compute the score tile),
+# 128 rows x 8 warps (one score tile per warpgroup, 188 KB of shared memory: one program per SM).
+SWEEP_V_SPLIT = [dict(v_split=2, BLOCK_M=64, BLOCK_N=32, num_warps=8, num_stages=3, programs_per_sm=1),
+                 dict(v_split=2, BLOCK_M=128, BLOCK_N=16, num_warps=8, num_stages=3, programs_per_sm=1)]
+
+
+def _kept(name, env):
+    """Whether EAGLE3_TREE_SHAPES / EAGLE3_TREE_PROVIDERS (comma lists, a trailing * a prefix) keep name."""
+    want = os.environ.get(env)
+    if not want:
+        return True
+    return any(name.startswith(w[:-1]) if w.endswith("*") else name == w for w in want.split(","))
 
 
 def _sid(s):
@@ -129,21 +150,26 @@ def _providers(model, B, P, N):
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=visible[:, None], scale=scale, enable_gqa=True)
         x["out"].copy_(o.transpose(1, 2).reshape(B * N, NH, Dv))
 
+    def launcher(cfg):
+        from eagle3_ops.triton_kernels import tree_attention as ta
+
+        def call(x):
+            ta.tree_attention_mla(x["q"], x["k"], x["page_table"], x["prefix_lens"], x["tree_mask"], scale,
+                                  x["out"], x["lse"], config=cfg)
+        return call
+
     providers = {"eagle3": eagle3, "torch": plain}
+    if kind == "mla":
+        providers["eagle3.v_split"] = launcher(dict(v_split=2))
     if B * (P + N) * NH * (Dk + Dv) * 2 <= 16e9:  # SDPA's math path repeats the KV heads for every query head
         providers["torch.sdpa"] = sdpa
     if (model, B, P, N) in COMPILED:
         providers["torch.compile"] = torch.compile(plain, dynamic=False)
     if os.environ.get("EAGLE3_TREE_SWEEP") == "1" and kind == "mla" and N in (1, 16):
-        from eagle3_ops.triton_kernels import tree_attention as ta
-
         configs = [dict(min_chunk=c) for c in SWEEP_CHUNKS] if N == 1 else []
-        for cfg in SWEEP + configs:
-            def tuned(x, cfg=cfg):
-                ta.tree_attention_mla(x["q"], x["k"], x["page_table"], x["prefix_lens"], x["tree_mask"], scale,
-                                      x["out"], x["lse"], config=cfg)
-            providers["eagle3:" + ",".join(f"{k}={v}" for k, v in cfg.items())] = tuned
-    return providers
+        for cfg in SWEEP + SWEEP_V_SPLIT + configs:
+            providers["eagle3:" + ",".join(f"{k}={v}" for k, v in cfg.items())] = launcher(cfg)
+    return {k: v for k, v in providers.items() if _kept(k, "EAGLE3_TREE_PROVIDERS")}
 
 
 _ROWS: list = []
@@ -184,6 +210,8 @@ def _table():
 
 def _cases():
     for s in SHAPES:
+        if not _kept(_sid(s), "EAGLE3_TREE_SHAPES"):
+            continue
         for p in _providers(*s):
             yield pytest.param(s, p, id=f"{_sid(s)}-{p}")
 
@@ -208,3 +236,64 @@ def test_tree_attention(recorder, shape, provider):
         with open(os.path.join(out, "tree_attention_rows.jsonl"), "a") as f:
             f.write(json.dumps(dict(shape=_sid(shape), provider=provider, us=us, bytes=nbytes, flops=flops,
                                     fraction=row.fraction)) + "\n")
+
+
+# ---- registers and spills without a GPU ------------------------------------------------------------------
+
+
+def compile_report(variants=None):
+    """Compile the MLA kernel for sm_90a as the JIT would specialise it for mla B1 P32768 N16 (pointers and
+    multiples of 16 marked divisible by 16, ints equal to 1 made constants) and print ptxas's registers and
+    spills, the shared memory and the wgmma count of each variant."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from eagle3_ops.triton_kernels import tree_attention as ta
+
+    fn = ta._tree_attention_kernel
+    ptrs = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "O": "*bf16", "PT": "*i32", "PL": "*i32", "TM": "*i32",
+            "LSE": "*fp32", "PO": "*fp32", "PLSE": "*fp32"}
+    pages = -(-(32768 + 16) // PAGE)
+    ints = dict(N=16, W=1, HKV=1, NUM_PAGES=pages, MAX_PAGES=pages, PAGE_SIZE=PAGE, NUM_SPLITS=9,
+                stride_qt=64 * 576, stride_qh=576, stride_kp=PAGE * 576, stride_ks=576, stride_kh=0,
+                stride_vp=PAGE * 576, stride_vs=576, stride_vh=0, stride_pt=pages, stride_ot=64 * 512, stride_oh=512)
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    for name, cfg in (variants or {"default": {}, "v_split": dict(v_split=2),
+                                   **{",".join(f"{k}={v}" for k, v in c.items()): c for c in SWEEP_V_SPLIT}}).items():
+        vs = cfg.get("v_split", 1)
+        full = ta.default_config(torch.bfloat16, 576, 512, 16 * 64, True, vs)
+        full.update(cfg)
+        const = dict(G=64, D1=512, D2=64, DV=512, BLOCK_D1=512 // vs, BLOCK_D2=64, BLOCK_DV=512 // vs,
+                     SHARED_V=True, BLOCK_M=full["BLOCK_M"], BLOCK_N=full["BLOCK_N"], SPLIT=True, HAS_LSE=True,
+                     V_SPLIT=vs, DOT_PREC="tf32")
+        sig, attrs, consts = {}, {}, dict(const)
+        for i, n in enumerate(fn.arg_names):
+            if n in const:
+                sig[n] = "constexpr"
+            elif n in ptrs or n == "scale_log2":
+                sig[n] = ptrs.get(n, "fp32")
+                if n in ptrs:
+                    attrs[(i,)] = [["tt.divisibility", 16]]
+            elif ints[n] == 1:
+                sig[n], consts[n] = "constexpr", 1
+            else:
+                sig[n] = "i32"
+                if ints[n] % 16 == 0:
+                    attrs[(i,)] = [["tt.divisibility", 16]]
+        k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
+                           target=GPUTarget("cuda", 90, 128),
+                           options=dict(num_warps=full["num_warps"], num_stages=full["num_stages"]))
+        ptx_file = os.path.join(os.environ.get("TMPDIR", "/tmp"), "tree_attention_report.ptx")
+        with open(ptx_file, "w") as f:
+            f.write(k.asm["ptx"])
+        r = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", ptx_file, "-o", ptx_file + ".cubin"],
+                           capture_output=True, text=True)
+        info = "; ".join(line.split(":", 1)[-1].strip() for line in r.stderr.splitlines()
+                         if "registers" in line or "spill" in line)
+        print(f"{name:<72} shared {k.metadata.shared:>6}  wgmma {k.asm['ptx'].count('wgmma.mma_async'):>3}  {info}")
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    compile_report()

@@ -340,9 +340,13 @@ def _check_against(c: Case, out, lse, ref_out, ref_lse, rows=slice(None)):
 def test_kernel_interpreted(gen, mla, N, kind, splits, dtype, page_size):
     kw = dict(NH=4, D=40, Dv=32) if mla else dict(NH=8, HKV=2, D=16, Dv=24)  # odd dims: padded tiles
     c = Case(gen, mla=mla, prefixes=[0, 17, 70], N=N, kind=kind, page_size=page_size, dtype=dtype, **kw)
-    out, lse = _kernel(c, config=dict(splits=splits))
+    _check_with_and_without_lse(c, dict(splits=splits))
+
+
+def _check_with_and_without_lse(c: Case, config: dict):
+    out, lse = _kernel(c, config=config)
     _check_against(c, out, lse, *c.truth())
-    without, none = _kernel(c, config=dict(splits=splits), with_lse=False)
+    without, none = _kernel(c, config=config, with_lse=False)
     assert none is None
     assert_equal(without, out, "out without lse")
 
@@ -354,6 +358,41 @@ def test_kernel_interpreted_kimi_dims(gen):
              dtype=torch.float16, scale=KIMI_SCALE)
     out, lse = _kernel(c, config=dict(splits=2))
     _check_against(c, out, lse, *c.truth())
+
+
+@interpreted
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("N, kind, splits, dtype", [
+    (1, "chain", 3, torch.float16),  # decode: both V halves write partials, one merge reads them all
+    (7, "bushy", 2, torch.float32),  # a tree, split + merge
+    (33, "chain", 1, torch.float32),  # one split (each half stores its out dims, one half the lse); two
+])  # mask words through the recomputed scores
+def test_kernel_interpreted_v_split(gen, N, kind, splits, dtype, page_size):
+    # The 512 V dims split across two programs: Dv = 40 pads to 64, halves of 32 (the high half partly
+    # masked), the score from both halves of the latent dims plus the 24 rope dims.
+    c = Case(gen, mla=True, prefixes=[0, 17, 70], N=N, kind=kind, page_size=page_size, NH=4, D=64, Dv=40,
+             dtype=dtype)
+    _check_with_and_without_lse(c, dict(v_split=2, splits=splits))
+
+
+@interpreted
+def test_kernel_interpreted_v_split_kimi_dims(gen):
+    # Kimi's 576 = 512 + 64 with V split into 256 + 256 (the variant's tiles, 32 of its 64 rows used).
+    c = Case(gen, mla=True, prefixes=[3, 40], N=4, kind="bushy", page_size=16, NH=8, D=576, Dv=512,
+             dtype=torch.float16, scale=KIMI_SCALE)
+    out, lse = _kernel(c, config=dict(v_split=2, splits=2))
+    _check_against(c, out, lse, *c.truth())
+
+
+@interpreted
+def test_kernel_interpreted_v_split_bad_values_poison_only_their_request(gen):
+    c = Case(gen, mla=True, prefixes=[5, 17, 9], N=7, kind="bushy", page_size=4, NH=4, D=40, Dv=32)
+    ref_out, ref_lse = c.truth()
+    good, bad_page, bad_prefix = _bad_values(c)
+    out, lse = _kernel(c, config=dict(v_split=2, splits=2))
+    _check_against(c, out, lse, ref_out, ref_lse, rows=good)
+    for rows in (bad_page, bad_prefix):
+        assert torch.isnan(out[rows]).all() and torch.isnan(lse[rows]).all()
 
 
 def _bad_values(c: Case):
@@ -390,6 +429,11 @@ def test_kernel_refuses_unsupported_shapes(gen):
     with pytest.raises(ValueError, match="k_cache and v_cache must have head dims <= 256"):
         ta.tree_attention(torch.zeros(1, 2, 512), torch.zeros(4, 4, 1, 512), torch.zeros(4, 4, 1, 64), *args,
                           torch.zeros(1, 2, 64), None)
+    with pytest.raises(ValueError, match="config v_split must be 1, or 2 for tree_attention_mla"):  # GQA: no
+        ta.tree_attention(torch.zeros(1, 2, 16), torch.zeros(4, 4, 1, 16), torch.zeros(4, 4, 1, 32), *args,
+                          torch.zeros(1, 2, 32), None, config=dict(v_split=2))
+    with pytest.raises(ValueError, match="config v_split must be 1, or 2"):
+        ta.tree_attention_mla(c.q, c.k_cache, *args, torch.zeros(1, 2, 32), None, config=dict(v_split=4))
     with pytest.raises(TypeError, match="q must have dtype bfloat16 | float16 | float32"):
         ta.tree_attention_mla(c.q.double(), c.k_cache.double(), *args, torch.zeros(1, 2, 32, dtype=torch.float64),
                               None)
@@ -473,6 +517,19 @@ def test_gpu_against_float64(shape, case):
     N, prefix, B, page_size, kind = case
     c = GpuCase(zlib.crc32(repr(case).encode()), B=B, prefix=prefix, N=N, kind=kind, page_size=page_size, **SHAPES[shape])
     out, lse = c.run()  # through torch.ops on CUDA tensors: the registered Triton launcher
+    _check_against(c, out, lse, *c.truth())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", SWEEP["mla"][:1] + SWEEP["mla"][6:8],
+                         ids=lambda c: f"N{c[0]}-prefix{c[1]}-B{c[2]}-ps{c[3]}-{c[4]}")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpu_v_split_against_float64(case, dtype):
+    # The V-split variant at Kimi's shape: decode at 32768 (page size 1), the two 16-node targets.
+    N, prefix, B, page_size, kind = case
+    c = GpuCase(zlib.crc32(repr(case).encode()), B=B, prefix=prefix, N=N, kind=kind, page_size=page_size,
+                dtype=dtype, **KIMI_MLA)
+    out, lse = _kernel(c, config=dict(v_split=2))
     _check_against(c, out, lse, *c.truth())
 
 

@@ -9,6 +9,10 @@ with V = the first 512 dims of the same tile). The last split also covers the N 
 positions prefix_len + node, masked by the ancestor bits. With more than one split, every split writes
 a normalised partial output and its log-sum-exp, and a second small kernel merges them.
 
+Optionally (config v_split=2, MLA), the 512 V dims are split across two programs per row block, as
+FlashMLA splits them across its two warpgroups: each program recomputes the 576-wide score tile (+50%
+score flops) but accumulates a 64 x 256 fp32 output instead of 64 x 512 (see default_config).
+
 The grid and the split count derive from shapes only (page_table.shape[1] * page_size bounds the
 prefix); the split length comes from prefix_lens on the device: no host sync, graph-capturable.
 
@@ -38,15 +42,20 @@ GQA_MAX_DIM = 256  # Dh and Dv of tree_attention
 
 
 @triton.jit
-def _tile(acc, m_i, l_i, q1, q2, K, V, page, slot, stride_kp, stride_ks, stride_vp, stride_vs, ok, visible, d1, d2, dv,
-          D1: tl.constexpr, D2: tl.constexpr, DV: tl.constexpr, SHARED_V: tl.constexpr,
-          DOT_PREC: tl.constexpr, scale_log2):
+def _tile(acc, m_i, l_i, q1, qo, q2, K, V, page, slot, stride_kp, stride_ks, stride_vp, stride_vs, ok, visible,
+          d1, do, d2, dv, D1: tl.constexpr, D2: tl.constexpr, DV: tl.constexpr, SHARED_V: tl.constexpr,
+          V_SPLIT: tl.constexpr, DOT_PREC: tl.constexpr, scale_log2):
     """One KV tile for all rows: online-softmax update of (acc, m_i, l_i).
     page, slot [BLOCK_N] int64 where each key row lives; ok [BLOCK_N] the row may be read (in range, its
-    page real); visible [BLOCK_M, BLOCK_N] or [1, BLOCK_N] row-key visibility (split end, tree bits)."""
+    page real); visible [BLOCK_M, BLOCK_N] or [1, BLOCK_N] row-key visibility (split end, tree bits).
+    d1 are this program's own dims of the first key part (all of D1 without a V split); with V_SPLIT = 2
+    the other half (do, qo) joins the score, and V (MLA: the key rows themselves) is the own half only."""
     kv_row = page * stride_kp + slot * stride_ks
     k1 = tl.load(K + kv_row[:, None] + d1[None, :], mask=ok[:, None] & (d1[None, :] < D1), other=0.0)
     s = tl.dot(q1, tl.trans(k1), input_precision=DOT_PREC)
+    if V_SPLIT > 1:
+        ko = tl.load(K + kv_row[:, None] + do[None, :], mask=ok[:, None] & (do[None, :] < D1), other=0.0)
+        s = tl.dot(qo, tl.trans(ko), s, input_precision=DOT_PREC)
     if D2 > 0:
         k2 = tl.load(K + kv_row[:, None] + D1 + d2[None, :], mask=ok[:, None] & (d2[None, :] < D2), other=0.0)
         s = tl.dot(q2, tl.trans(k2), s, input_precision=DOT_PREC)  # accumulate in place: no second tile
@@ -57,7 +66,7 @@ def _tile(acc, m_i, l_i, q1, q2, K, V, page, slot, stride_kp, stride_ks, stride_
     p = tl.math.exp2(s - m_use[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     if SHARED_V:
-        v = k1  # MLA: V is the first DV (= D1) dims of the same latent rows
+        v = k1  # MLA: V is the first DV (= D1) dims of the same latent rows (this program's share of them)
     else:
         v_row = page * stride_vp + slot * stride_vs
         v = tl.load(V + v_row[:, None] + dv[None, :], mask=ok[:, None] & (dv[None, :] < DV), other=0.0)
@@ -76,7 +85,7 @@ def _tree_attention_kernel(
         G: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, DV: tl.constexpr,
         BLOCK_D1: tl.constexpr, BLOCK_D2: tl.constexpr, BLOCK_DV: tl.constexpr, SHARED_V: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, HAS_LSE: tl.constexpr,
-        DOT_PREC: tl.constexpr):
+        V_SPLIT: tl.constexpr, DOT_PREC: tl.constexpr):
     # Q   [B * N, NH, D1 + D2]               strides (stride_qt, stride_qh, 1)
     # K   [num_pages, page_size, HKV, D1+D2]  strides (stride_kp, stride_ks, stride_kh, 1); MLA: HKV = 1
     # V   [num_pages, page_size, HKV, DV]     strides (stride_vp, stride_vs, stride_vh, 1); MLA: V = K
@@ -87,7 +96,12 @@ def _tree_attention_kernel(
     # PO  [NUM_SPLITS, B * HKV, N * G, DV] fp32 and PLSE [NUM_SPLITS, B * HKV, N * G] fp32 (when SPLIT):
     #     per split, the normalised partial output and its log2-sum-exp2 (in units of scale * log2 e)
     # Query head of row r of KV head h: h * G + r % G, node r // G (node-major rows).
-    pid_m = tl.program_id(0)
+    # V_SPLIT = 2 (MLA): program (m, v) owns output dims [v * BLOCK_DV, (v + 1) * BLOCK_DV) of its rows and
+    # recomputes the full score tile (FlashMLA's split of the 512 V dims, across programs here): half the
+    # fp32 accumulator per program for +50% score flops. Both halves of a row block are neighbours in
+    # axis 0, so they read the same KV tiles at about the same time (the second read hits L2).
+    pid_m = tl.program_id(0) // V_SPLIT
+    pid_v = tl.program_id(0) % V_SPLIT
     pid_bh = tl.program_id(1)
     pid_s = tl.program_id(2)
     b = pid_bh // HKV
@@ -100,11 +114,16 @@ def _tree_attention_kernel(
     node = rows // G
     head = kvh * G + rows % G
     token = (b * N + node).to(tl.int64)
-    d1 = tl.arange(0, BLOCK_D1)
+    d1 = pid_v * BLOCK_D1 + tl.arange(0, BLOCK_D1)  # own dims: all of D1 unless V is split
+    do = (1 - pid_v) * BLOCK_D1 + tl.arange(0, BLOCK_D1)  # the other half (V_SPLIT = 2 only)
     d2 = tl.arange(0, BLOCK_D2)
-    dv = tl.arange(0, BLOCK_DV)
+    dv = pid_v * BLOCK_DV + tl.arange(0, BLOCK_DV)
+    # Q loaded once, before the KV loop (the compiler keeps these dot operands in shared memory)
     q_row = token * stride_qt + head * stride_qh
     q1 = tl.load(Q + q_row[:, None] + d1[None, :], mask=row_ok[:, None] & (d1[None, :] < D1), other=0.0)
+    qo = q1
+    if V_SPLIT > 1:
+        qo = tl.load(Q + q_row[:, None] + do[None, :], mask=row_ok[:, None] & (do[None, :] < D1), other=0.0)
     q2 = q1
     if D2 > 0:
         q2 = tl.load(Q + q_row[:, None] + D1 + d2[None, :], mask=row_ok[:, None] & (d2[None, :] < D2), other=0.0)
@@ -135,10 +154,10 @@ def _tree_attention_kernel(
         real = (page >= 0) & (page < NUM_PAGES)
         unreal |= (in_range & ~real).to(tl.int32)
         # padding rows (row >= N * G) have q = 0: harmless, never stored
-        acc, m_i, l_i = _tile(acc, m_i, l_i, q1, q2, K + k_head, V + v_head, page.to(tl.int64),
+        acc, m_i, l_i = _tile(acc, m_i, l_i, q1, qo, q2, K + k_head, V + v_head, page.to(tl.int64),
                               (pos % PAGE_SIZE).to(tl.int64), stride_kp, stride_ks, stride_vp, stride_vs,
-                              in_range & real,
-                              in_range[None, :], d1, d2, dv, D1, D2, DV, SHARED_V, DOT_PREC, scale_log2)
+                              in_range & real, in_range[None, :], d1, do, d2, dv, D1, D2, DV, SHARED_V, V_SPLIT,
+                              DOT_PREC, scale_log2)
 
     # The tree block, in the last split: node j at position prefix + j, visible to row i when bit j of
     # tree_mask[b, i] is set.
@@ -153,9 +172,10 @@ def _tree_attention_kernel(
             both = row_ok[:, None] & j_ok[None, :]
             word = tl.load(TM + token[:, None] * W + (j // 32)[None, :], mask=both, other=0)
             visible = both & (((word >> (j % 32)[None, :]) & 1) != 0)
-            acc, m_i, l_i = _tile(acc, m_i, l_i, q1, q2, K + k_head, V + v_head, page.to(tl.int64),
+            acc, m_i, l_i = _tile(acc, m_i, l_i, q1, qo, q2, K + k_head, V + v_head, page.to(tl.int64),
                                   (pos % PAGE_SIZE).to(tl.int64), stride_kp, stride_ks, stride_vp, stride_vs,
-                                  j_ok & real, visible, d1, d2, dv, D1, D2, DV, SHARED_V, DOT_PREC, scale_log2)
+                                  j_ok & real, visible, d1, do, d2, dv, D1, D2, DV, SHARED_V, V_SPLIT, DOT_PREC,
+                                  scale_log2)
 
     # NaN for the whole request on bad values (the merge carries it through every split).
     bad |= tl.max(unreal, 0) > 0
@@ -166,13 +186,13 @@ def _tree_attention_kernel(
     if SPLIT:
         prow = (pid_s * tl.num_programs(1) + pid_bh).to(tl.int64) * ROWS + rows
         tl.store(PO + prow[:, None] * DV + dv[None, :], o, mask=row_ok[:, None] & (dv[None, :] < DV))
-        tl.store(PLSE + prow, lse2, mask=row_ok)
+        tl.store(PLSE + prow, lse2, mask=row_ok & (pid_v == 0))  # the halves' lse agree: one writes
     else:
         o_row = token * stride_ot + head * stride_oh
         tl.store(O + o_row[:, None] + dv[None, :], o.to(O.dtype.element_ty),
                  mask=row_ok[:, None] & (dv[None, :] < DV))
         if HAS_LSE:
-            tl.store(LSE + token * NH + head, lse2 * 0.6931471805599453, mask=row_ok)
+            tl.store(LSE + token * NH + head, lse2 * 0.6931471805599453, mask=row_ok & (pid_v == 0))
 
 
 @triton.jit
@@ -252,13 +272,16 @@ def _launch(q, k, v, page_table, prefix_lens, tree_mask, scale, out, lse, *, HKV
     G = NH // HKV
     P, page_size = k.shape[0], k.shape[1]
     rows = N * G
-    cfg = default_config(q.dtype, D1 + D2, DV, rows, shared_v)
+    v_split = (config or {}).get("v_split", 1)
+    if v_split not in (1, 2) or (v_split == 2 and not (shared_v and _pow2(DV) >= 32)):
+        raise ValueError(f"config v_split must be 1, or 2 for tree_attention_mla with Dv > 16, got {v_split}")
+    cfg = default_config(q.dtype, D1 + D2, DV, rows, shared_v, v_split)
     cfg.update(config or {})
     BLOCK_M = min(cfg["BLOCK_M"], _pow2(rows))
     m_blocks = -(-rows // BLOCK_M)
     max_len = page_table.shape[1] * page_size
-    splits = cfg.get("splits") or num_splits_for(m_blocks * B * HKV, max_len, _sm_count(q.device),
-                                                 cfg["min_chunk"])
+    slots = _sm_count(q.device) * cfg.get("programs_per_sm", 1)  # programs that run at once
+    splits = cfg.get("splits") or num_splits_for(m_blocks * v_split * B * HKV, max_len, slots, cfg["min_chunk"])
     split = splits > 1
     if split:
         po = torch.empty((splits, B * HKV, rows, DV), dtype=torch.float32, device=q.device)
@@ -269,13 +292,14 @@ def _launch(q, k, v, page_table, prefix_lens, tree_mask, scale, out, lse, *, HKV
     # k and v as [num_pages, page_size, HKV, dims]; MLA's [num_pages, page_size, D] is HKV = 1
     kst = (k.stride(0), k.stride(1), k.stride(2) if k.dim() == 4 else 0)
     vst = (v.stride(0), v.stride(1), v.stride(2) if v.dim() == 4 else 0)
-    _tree_attention_kernel[(m_blocks, B * HKV, splits)](
+    block_d1 = _pow2(D1) // v_split  # with a V split (MLA: D1 = DV), each half of the latent dims
+    _tree_attention_kernel[(m_blocks * v_split, B * HKV, splits)](
         q, k, v, page_table, prefix_lens, tree_mask, out, lse if lse is not None else out, po, plse,
         scale * _LOG2E, N, W, HKV, P, page_table.shape[1], page_size, splits,
         q.stride(0), q.stride(1), *kst, *vst, page_table.stride(0), out.stride(0), out.stride(1),
-        G=G, D1=D1, D2=D2, DV=DV, BLOCK_D1=_pow2(D1), BLOCK_D2=_pow2(max(D2, 1)), BLOCK_DV=_pow2(DV),
+        G=G, D1=D1, D2=D2, DV=DV, BLOCK_D1=block_d1, BLOCK_D2=_pow2(max(D2, 1)), BLOCK_DV=_pow2(DV) // v_split,
         SHARED_V=shared_v, BLOCK_M=BLOCK_M, BLOCK_N=cfg["BLOCK_N"], SPLIT=split, HAS_LSE=lse is not None,
-        DOT_PREC=dot_prec, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        V_SPLIT=v_split, DOT_PREC=dot_prec, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if split:
         block_v = min(128, _pow2(DV))
         _merge_kernel[(rows, B * HKV, -(-DV // block_v))](
@@ -284,8 +308,21 @@ def _launch(q, k, v, page_table, prefix_lens, tree_mask, scale, out, lse, *, HKV
             num_warps=4)
 
 
-def default_config(dtype: torch.dtype, D: int, DV: int, rows: int, shared_v: bool) -> dict:
-    """Tile sizes by problem: MLA's 512-wide fp32 accumulator needs 8 warps at BLOCK_M = 64."""
+def default_config(dtype: torch.dtype, D: int, DV: int, rows: int, shared_v: bool, v_split: int = 1) -> dict:
+    """Tile sizes by problem: MLA's 512-wide fp32 accumulator needs 8 warps at BLOCK_M = 64.
+
+    v_split = 2 (MLA, selected with config={"v_split": 2}): each program accumulates 256 of the 512 V dims.
+    bf16/fp16: one warpgroup per program holds the 64 x 256 fp32 accumulator (128 registers a thread) and
+    issues the score wgmma once (with 8 warps over 64 rows, the score layout puts both warpgroups on the
+    same 64 rows: each computes the whole score tile); 64 x 576 Q in shared memory plus the 16-key stages
+    take 112 KB, so two programs fit an SM (255 registers x 128 threads each), and one's softmax can run
+    under the other's matrix work. Compiled for sm_90a (triton 3.8, bench's __main__): 255 registers and
+    8 bytes of spills, against 255 registers and 144 bytes for the default. fp32 (ieee dots, no wgmma)
+    keeps the default's 32 rows x 8 warps: 109 registers, no spills."""
+    if shared_v and DV > 128 and v_split == 2:
+        if dtype == torch.float32:
+            return dict(BLOCK_M=32, BLOCK_N=16, num_warps=8, num_stages=2, min_chunk=256)
+        return dict(BLOCK_M=64, BLOCK_N=16, num_warps=4, num_stages=3, min_chunk=256, programs_per_sm=2)
     if shared_v and DV > 128:  # MLA; fp32: half the rows and keys, or Q and two K stages pass 227 KB of smem
         if dtype == torch.float32:
             return dict(BLOCK_M=32, BLOCK_N=16, num_warps=8, num_stages=2, min_chunk=256)
@@ -304,7 +341,8 @@ def _check_float(q: Tensor) -> None:
 def tree_attention_mla(q: Tensor, kv_cache: Tensor, page_table: Tensor, prefix_lens: Tensor, tree_mask: Tensor,
                        scale: float, out: Tensor, lse: Optional[Tensor], *, config: Optional[dict] = None) -> None:
     """Triton tree_attention_mla (arguments as the op; eagle3_ops.reference.tree_attention_mla is the spec).
-    `config` overrides tile sizes and the split count (benchmarks and tests only)."""
+    `config` overrides tile sizes and the split count (benchmarks and tests only); {"v_split": 2} splits
+    the 512 V dims across two programs per row block (see default_config)."""
     _check_float(q)
     D, Dv = q.shape[2], out.shape[2]
     if Dv > MLA_MAX_DV or D - Dv > MLA_MAX_ROPE:
