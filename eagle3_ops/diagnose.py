@@ -1,8 +1,9 @@
 """Wiring diagnosis: which target layers was this drafter trained on, and is the configured capture it?
 
 For a target, a drafter and prompts, greedy speculative decoding runs once per plausible wiring: the
-configured one, the config's ids read in every convention, every id one layer off in each direction,
-and an embedding capture added in front (the seed deployment's miswiring, docs/FIELD.md). The wiring
+configured one, the config's ids read in every convention, the seed deployment's miswiring (the ids read
+in the wrong convention and an embedding captured in front, docs/FIELD.md), and every reading one layer
+off in each direction or with an embedding captured in front. The wiring
 with the highest acceptance length is the one the drafter was trained on. Exposed as
 `eagle3_ops.wiring.diagnose` and `eagle3 diagnose`.
 """
@@ -60,50 +61,73 @@ class Diagnosis:
 
 
 def candidate_wirings(configured: Sequence[int], num_layers: int,
-                      config_ids: Optional[Sequence[int]] = None) -> list[tuple[str, tuple[int, ...]]]:
+                      config_ids: Optional[Sequence[int]] = None,
+                      convention: Optional[str] = None) -> list[tuple[str, tuple[int, ...]]]:
     """(label, ids) for the configured capture and the plausible wirings around it, deduplicated by ids:
-    the config's ids read in every convention, and each of those (and the configured one) one layer
-    off either way or with an embedding captured in front. config_ids: the ids as written in the
-    drafter's config.json (default: the configured ones)."""
+    the config's ids read in every convention; the seed deployment's miswiring (docs/FIELD.md): the ids
+    read in a convention other than the config's own, with an embedding captured in front; and each
+    reading (and the configured capture) one layer off either way or with an embedding captured in
+    front. config_ids: the ids as written in the drafter's config.json (default: the configured ones,
+    in our 'output' convention). convention: the one the config declares (default 'output' when
+    config_ids is None; else the first reading that gives the configured capture, if any)."""
     configured = tuple(configured)
     raw = list(config_ids) if config_ids is not None else list(configured)
+    if convention is None and config_ids is None:
+        convention = "output"
     found: dict[tuple[int, ...], str] = {configured: "configured"}
+    also: list[str] = []  # what the configured capture is besides (e.g. the seed miswiring)
 
     def add(label, ids):
         try:
             ids = tuple(wiring.validate_aux_ids(list(ids), num_layers, allow_embedding=True))
         except (ValueError, TypeError):
             return
+        if ids == configured:
+            also.append(label)
         found.setdefault(ids, label)  # the first (most direct) explanation names it
 
-    readings = []
+    readings: dict[tuple[int, ...], str] = {}  # ids -> the first convention that reads the config so
     for conv in wiring.CONVENTIONS:
         try:
-            ids = wiring.to_output_ids(raw, conv, num_layers, allow_embedding=True)
+            ids = tuple(wiring.to_output_ids(raw, conv, num_layers, allow_embedding=True))
         except (ValueError, TypeError):
             continue
         add(f"config ids read as '{conv}'", ids)
-        readings.append(tuple(ids))
-    for base, name in [(configured, "configured")] + [(r, "config") for r in dict.fromkeys(readings)]:
+        readings.setdefault(ids, conv)
+    if convention is None:
+        convention = next((conv for ids, conv in readings.items() if ids == configured), None)
+    if convention is not None:
+        declared = tuple(wiring.to_output_ids(raw, convention, num_layers, allow_embedding=True))
+        for ids, conv in readings.items():
+            if ids != declared:
+                add(f"seed miswiring: read as '{conv}' + embedding in front", [-1] + list(ids[:-1]))
+    bases = [(configured, "configured")] + [(r, f"config read as '{c}'") for r, c in readings.items()]
+    for base, name in bases:
         add(f"{name}, every layer +1", [k + 1 for k in base])
         add(f"{name}, every layer -1", [k - 1 for k in base])
         add(f"{name}, embedding captured in front", [-1] + list(base[:-1]))
+    if also:
+        found[configured] = f"configured = {also[0]}"
     return [(label, ids) for ids, label in found.items()]
 
 
 @torch.no_grad()
 def diagnose(target, drafter, prompts: torch.Tensor, *, configured: Optional[Sequence[int]] = None,
-             config_ids: Optional[Sequence[int]] = None, max_new: int = 32, spec: SpecConfig = SpecConfig(),
-             progress: bool = False) -> Diagnosis:
+             config_ids: Optional[Sequence[int]] = None, convention: Optional[str] = None, max_new: int = 32,
+             spec: SpecConfig = SpecConfig(), progress: bool = False) -> Diagnosis:
     """Measure acceptance (greedy, chain by default) for the configured capture and each plausible
     wiring; returns a Diagnosis with .table() and .verdict().
 
     configured: what the engine captures (ours: output of layer k); default the drafter's configured
     ids. config_ids: the ids as written in the drafter's config.json, read in every convention;
-    default the drafter's ids in our convention."""
+    default the drafter's ids in our convention ('output'). convention: the one config_ids are written
+    in (names the seed miswiring's row; candidate_wirings)."""
     configured = tuple(drafter.cfg.aux_ids if configured is None else configured)
-    raw = list(drafter.cfg.aux_ids) if config_ids is None else list(config_ids)
-    cands = candidate_wirings(configured, target.cfg.num_layers, raw)
+    if config_ids is None:
+        raw, convention = list(drafter.cfg.aux_ids), "output"
+    else:
+        raw = list(config_ids)
+    cands = candidate_wirings(configured, target.cfg.num_layers, raw, convention)
     if progress:
         from tqdm import tqdm
 
@@ -112,6 +136,6 @@ def diagnose(target, drafter, prompts: torch.Tensor, *, configured: Optional[Seq
     for label, ids in cands:
         _, stats = generate_speculative(target, drafter, prompts, max_new, spec, aux_ids=list(ids))
         results.append(WiringResult(label, ids, stats.acceptance_length, stats.tokens_per_s))
-    mine = next(r for r in results if r.ids == configured)
+    mine = next(r for r in results if r.ids == configured)  # labelled "configured[ = what it also is]"
     results.sort(key=lambda r: -r.acceptance_length)
     return Diagnosis(configured=mine, results=results)

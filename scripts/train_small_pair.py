@@ -29,6 +29,12 @@ weighted 0.8 ** j (EAGLE-3's weights). Half of each batch comes from a pool of w
 wrote itself (greedy continuations of training contexts, EAGLE's self-distillation), the rest is
 real text.
 
+Drafter variants meant to make it lean on the target's features (off by default; the shipped drafter
+uses none): --embed-drop / --embed-noise (EmbeddingDropout), --feature-common-noise (common_mode_noise),
+--fc-norm (EAGLE-3.1 fc_norm). None widened the acceptance gap between the trained capture and the seed
+deployment's miswiring on this target (README, "The reference decode loop"). --reuse-target keeps the
+reused target's training record (its run's training_log.json) in the new TRAINING.md.
+
 Acceptance estimate: the target greedily continues each held-out prompt; on prompt + continuation
 (where every token is the target's greedy choice) each position a is taken as a round's anchor: the
 drafter's three chain drafts (the unrolled steps 0..2, exact under teacher forcing because a draft only
@@ -307,6 +313,49 @@ def mixed_windows(train: Tensor, pool, args):
         yield rows
 
 
+class EmbeddingDropout:
+    """Training only: makes the drafter lean on the target's features rather than on its own token
+    embedding. A forward hook on the drafter's input_layernorm (the embedding half of the 2H attention
+    input) zeroes that half for a random `drop` share of the batch's sequences (every position and
+    every training-time-test step of those rows), and adds N(0, noise^2) to it on the others. The
+    byte-level target is small and its adjacent residual streams are alike, so a drafter trained
+    without this predicts mostly from the token (a byte n-gram through its attention) and barely
+    notices a miswired capture; with it the features carry the prediction. Inactive (the identity)
+    outside `rows()`, so held-out losses and every acceptance figure see the plain drafter."""
+
+    def __init__(self, drafter: Drafter, drop: float, noise: float, seed: int):
+        self.drop, self.noise, self.keep = drop, noise, None
+        self.g = torch.Generator().manual_seed(seed)
+        self.handle = drafter.midlayer.input_layernorm.register_forward_hook(self._hook)
+
+    def rows(self, batch: int) -> None:
+        """Draw the next batch's dropped rows (no-op when both rates are 0)."""
+        if self.drop > 0 or self.noise > 0:
+            self.keep = (torch.rand(batch, generator=self.g) >= self.drop).float()[:, None, None]
+
+    def off(self) -> None:
+        self.keep = None
+
+    def _hook(self, module, inputs, out):
+        if self.keep is None or out.dim() != 3 or out.shape[0] != self.keep.shape[0]:
+            return out
+        if self.noise > 0:
+            out = out + self.noise * torch.randn(out.shape, generator=self.g).to(out)
+        return out * self.keep.to(out)
+
+
+def common_mode_noise(aux: Tensor, n_aux: int, sigma: float, g: torch.Generator) -> Tensor:
+    """aux [B, T, n_aux * H] plus one N(0, sigma^2 I) vector per token added to every slot alike. The
+    residual streams of the captured layers share a large common part (adjacent layers of the small
+    target: cosine 0.93-0.98); noise in that common mode leaves only what distinguishes the captured
+    layers reliable, so the drafter learns to read the target through the differences between its
+    slots (what layers 2-3 and 4 add) instead of through the shared stream, and a capture of other
+    layers no longer looks alike to it."""
+    B, T, _ = aux.shape
+    c = sigma * torch.randn((B, T, 1, aux.shape[-1] // n_aux), generator=g).to(aux)
+    return (aux.unflatten(-1, (n_aux, -1)) + c).flatten(-2)
+
+
 def train_drafter(target: Target, drafter: Drafter, train: Tensor, heldout: Tensor, args) -> dict:
     aux_ids = list(drafter.cfg.aux_ids)
     draft_ids = drafter.to_target_ids(torch.arange(drafter.cfg.draft_vocab_size))
@@ -320,13 +369,21 @@ def train_drafter(target: Target, drafter: Drafter, train: Tensor, heldout: Tens
     history = []
     step = 0
     target.eval()
+    dropout = EmbeddingDropout(drafter, args.embed_drop, args.embed_noise, args.seed + 13)
+    noise_g = torch.Generator().manual_seed(args.seed + 17)
     while not budget.done(step):
         total = budget.total
         lr = lr_at(step, total or 10**9, args.drafter_lr, warmup=50)
         for group in opt.param_groups:
             group["lr"] = lr
-        losses, accs = drafter_losses(drafter, drafter_batch(target, next(batches), aux_ids, draft_ids),
-                                      args.ttt_steps, in_draft)
+        windows = next(batches)
+        dropout.rows(len(windows))
+        batch = drafter_batch(target, windows, aux_ids, draft_ids)
+        if args.feature_common_noise > 0:
+            batch = (batch[0], common_mode_noise(batch[1], len(aux_ids), args.feature_common_noise, noise_g),
+                     *batch[2:])
+        losses, accs = drafter_losses(drafter, batch, args.ttt_steps, in_draft)
+        dropout.off()
         loss = sum(STEP_WEIGHT ** j * l for j, l in enumerate(losses))
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -343,6 +400,7 @@ def train_drafter(target: Target, drafter: Drafter, train: Tensor, heldout: Tens
             log(f"drafter step {step}/{total}: loss/step train " + " ".join(f"{x:.3f}" for x in rec["train"])
                 + " held-out " + " ".join(f"{x:.3f}" for x in rec["heldout"]) + "; held-out top-1 agreement "
                 + " ".join(f"{x:.2f}" for x in h_accs) + f"; lr {lr:.2e}, {time.perf_counter() - t0:.0f} s")
+    dropout.handle.remove()
     return {"steps": step, "seconds": time.perf_counter() - t0, "budget_s_per_step": budget.per_step,
             "history": history}
 
@@ -420,6 +478,20 @@ def engine_acceptance(target, drafter, prompts, new: int) -> dict:
             "lossless": bool((spec == plain).all()), "prompt_bytes": P, "new_tokens": new, "seconds": seconds}
 
 
+def wiring_acceptance(target, drafter, prompts, new: int) -> list[dict]:
+    """eagle3_ops.diagnose over the held-out prompts (last P bytes, as engine_acceptance): greedy
+    speculative acceptance length for the trained capture and every plausible miswiring of it (the
+    config's ids read in the other conventions, the seed deployment's embedding in front, one layer
+    off), best first."""
+    from eagle3_ops.diagnose import diagnose
+
+    P = min(len(p) for p in prompts)
+    x = torch.stack([data.encode(p[-P:]) for p in prompts])
+    report = diagnose(target, drafter, x, max_new=new)
+    return [{"wiring": r.label, "aux_ids": list(r.ids), "acceptance_length": r.acceptance_length}
+            for r in report.results]
+
+
 # ---- main -------------------------------------------------------------------------------------------
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
@@ -440,6 +512,16 @@ def parse_args(argv=None):
     ap.add_argument("--pool-size", type=int, default=128,
                     help="self-distillation: target-written windows generated before drafter training (0: none)")
     ap.add_argument("--pool-fraction", type=float, default=0.5, help="share of each drafter batch from the pool")
+    ap.add_argument("--embed-drop", type=float, default=0.0,
+                    help="share of drafter training sequences whose embedding half of the attention input is "
+                    "zeroed (EmbeddingDropout: the drafter learns to rely on the target's features)")
+    ap.add_argument("--embed-noise", type=float, default=0.0,
+                    help="std of Gaussian noise added to the normed embedding half on the other sequences")
+    ap.add_argument("--feature-common-noise", type=float, default=0.0,
+                    help="std of Gaussian noise added alike to every aux slot of a token during drafter training "
+                    "(common_mode_noise: the drafter learns from the differences between the captured layers)")
+    ap.add_argument("--fc-norm", action="store_true",
+                    help="EAGLE-3.1 fc_norm drafter: an RMSNorm on each captured layer's slot before the fc")
     ap.add_argument("--new-tokens", type=int, default=96, help="greedy continuation per prompt (estimate)")
     ap.add_argument("--log-every", type=int, default=100)
     ap.add_argument("--threads", type=int, default=2)
@@ -494,6 +576,14 @@ def main(argv=None) -> None:
     if args.reuse_target:
         target = load_target(args.reuse_target, dtype=torch.float32)
         t_res = {"steps": 0, "seconds": 0.0, "history": [], "reused": str(args.reuse_target)}
+        prev = Path(args.reuse_target).parent / "training_log.json"
+        if prev.exists():  # the run that trained this target: keep its record (steps, losses, settings)
+            with open(prev, encoding="utf-8") as f:
+                old = json.load(f)
+            t_res = dict(old["target"], reused=str(args.reuse_target))
+            t_res["trained_with"] = {k: old["args"][k] for k in ("seed", "batch", "seq", "target_lr", "threads")
+                                     if k in old["args"]}
+            t_res["trained_with"].update(python=old.get("python"), torch=old.get("torch"))
     else:
         target = init_target(tcfg, args.seed)
     n_target = sum(p.numel() for p in target.parameters())
@@ -507,7 +597,7 @@ def main(argv=None) -> None:
 
     # 2. the drafter
     aux_ids = default_aux_ids(tcfg.num_layers)
-    dcfg = DrafterConfig.for_target(tcfg, aux_ids=aux_ids, draft_vocab_size=args.draft_vocab)
+    dcfg = DrafterConfig.for_target(tcfg, aux_ids=aux_ids, draft_vocab_size=args.draft_vocab, fc_norm=args.fc_norm)
     torch.manual_seed(args.seed + 3)
     drafter = Drafter(dcfg, target.model.embed_tokens)
     drafter.set_vocab_map(draft_vocab(train, args.draft_vocab))
@@ -537,6 +627,13 @@ def main(argv=None) -> None:
     except Exception as e:  # the decode loop is not this script's; keep the trained pair and the report
         est["engine"] = {"error": f"{type(e).__name__}: {e}"}
         log(f"eagle3_ops.engine check failed: {est['engine']['error']}")
+    try:
+        est["wirings"] = wiring_acceptance(target, drafter, prompts, args.new_tokens)
+        for w in est["wirings"]:
+            log(f"wiring {w['aux_ids']} ({w['wiring']}): acceptance length {w['acceptance_length']:.3f}")
+    except Exception as e:
+        est["wirings"] = {"error": f"{type(e).__name__}: {e}"}
+        log(f"wiring diagnosis failed: {est['wirings']['error']}")
     summary = {
         "command": "python scripts/train_small_pair.py " + " ".join(sys.argv[1:] if argv is None else argv),
         "reproduce": (f"python scripts/train_small_pair.py --seed {args.seed} --target-steps {t_res['steps']} "
@@ -597,15 +694,53 @@ def write_training_md(out: Path, s: dict, tcfg: TargetConfig, dcfg: DrafterConfi
     excluded = ", ".join(f"`{x}/`" for x in sorted(data.EXCLUDED_DIRS))
     t_time = f"{t['seconds'] / 60:.1f} min ({t['steps']} steps{_fitted(t, args['minutes_target'])})"
     d_time = f"{dr['seconds'] / 60:.1f} min ({dr['steps']} steps{_fitted(dr, args['minutes_drafter'])})"
-    text = f"""# byte-small: the shipped target and EAGLE-3 drafter
+    if t.get("reused"):
+        tw = t.get("trained_with", {})
+        made = f"""The target was trained by an earlier run of the same script ({t_time}; Python {tw.get('python')}, torch
+{tw.get('torch')}, {tw.get('threads')} threads; its record is kept below), and the drafter by
 
-Made on the CPU ({s['threads']} threads, Python {s['python']}, torch {s['torch']}) by
+    {s['command'].strip()}
+
+(the target reused as it was, `--reuse-target`) on the CPU ({s['threads']} threads, Python {s['python']}, torch
+{s['torch']}) in {s['total_seconds'] / 60:.1f} minutes of wall clock: drafter {d_time}, the rest loading data,
+saving and the estimates. The machine's 2 cores were shared with other jobs, so wall time varies from run to
+run; the step counts do not when given. From scratch, both in one run:"""
+    else:
+        made = f"""Made on the CPU ({s['threads']} threads, Python {s['python']}, torch {s['torch']}) by
 
     {s['command'].strip()}
 
 in {s['total_seconds'] / 60:.1f} minutes of wall clock: target {t_time}, drafter {d_time}, the rest loading
 data, saving and the estimates. The machine's 2 cores were shared with other jobs, so wall time varies from run to
-run; the step counts do not when given:
+run; the step counts do not when given:"""
+    if args.get("embed_drop") or args.get("embed_noise"):
+        dropout = f""" Embedding dropout (`--embed-drop {args['embed_drop']}`{
+            f" `--embed-noise {args['embed_noise']}`" if args.get('embed_noise') else ''}): in
+{args['embed_drop']:.0%} of the training sequences (drawn per batch, seeded) the embedding half of the drafter's
+2H attention input is zeroed at every position and every unrolled step{
+            f", and N(0, {args['embed_noise']}^2) noise is added to it in the others" if args.get('embed_noise')
+            else ''}, so that the drafter predicts from the target's captured features rather than from its own
+token embedding (a byte n-gram through its attention, which a small target's alike adjacent residual
+streams otherwise leave it free to lean on). Held-out losses and every acceptance figure use the plain
+drafter (embedding always present)."""
+    else:
+        dropout = ""
+    if args.get("feature_common_noise"):
+        dropout += (f" Common-mode feature noise (`--feature-common-noise {args['feature_common_noise']}`): one "
+                    f"N(0, {args['feature_common_noise']}^2 I) vector per token added alike to every captured "
+                    "slot, so that the drafter reads what distinguishes the captured layers.")
+    if args.get("fc_norm"):
+        dropout += " The drafter is the EAGLE-3.1 `fc_norm` variant (`--fc-norm`: an RMSNorm per captured slot)."
+    w_rows = [[f"`{w['aux_ids']}`", w["wiring"], f"{w['acceptance_length']:.3f}"]
+              for w in a.get("wirings", [])] if isinstance(a.get("wirings"), list) else []
+    wirings = (f"""- the same decoding with the drafter fed each plausible miswiring of its capture
+  (`eagle3_ops.diagnose`; aux ids as "output of layer k"; the trained capture is {list(dcfg.aux_ids)}):
+
+{_table(w_rows, ['aux ids', 'wiring', 'acceptance length'])}
+""" if w_rows else "")
+    text = f"""# byte-small: the shipped target and EAGLE-3 drafter
+
+{made}
 
     {s['reproduce']}
 
@@ -664,7 +799,7 @@ outside it are masked), step j weighted 0.8^j. AdamW, peak lr {args['drafter_lr'
 {args['drafter_batch']} x {args['seq']}; {args['pool_fraction']:.0%} of each batch comes from a self-distillation
 pool of {args['pool_size']} windows the target wrote itself (a random training context of {(args['seq'] + 1) // 2}
 bytes continued greedily by eagle3_ops.engine, generated first, inside the drafter's time budget), so
-that the drafter also learns the contexts greedy decoding produces. {dr['steps']} steps,
+that the drafter also learns the contexts greedy decoding produces.{dropout} {dr['steps']} steps,
 {dr['seconds'] / 60:.1f} min. Losses per
 unrolled step (they include the teacher's entropy); agreement = drafter top-1 (mapped through d2t) equals
 the target's argmax.
@@ -683,7 +818,7 @@ the target's argmax.
 - the same estimate on the prompts' own text (the drafter fed the real bytes, compared with the target's
   argmax): {a['on_prompt_text']:.3f}.
 - {_engine_line(a.get('engine', {}))}
-
+{wirings}
 Greedy continuations (the target alone; `repr` of the text):
 
 {chr(10).join(f"- `{x['prompt'][-48:]!r}` -> `{x['greedy']!r}`" for x in a['samples'])}
