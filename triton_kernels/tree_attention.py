@@ -318,7 +318,9 @@ def default_config(dtype: torch.dtype, D: int, DV: int, rows: int, shared_v: boo
     take 112 KB, so two programs fit an SM (255 registers x 128 threads each), and one's softmax can run
     under the other's matrix work. Compiled for sm_90a (triton 3.8, bench's __main__): 255 registers and
     8 bytes of spills, against 255 registers and 144 bytes for the default. fp32 (ieee dots, no wgmma)
-    keeps the default's 32 rows x 8 warps: 109 registers, no spills."""
+    keeps the default's 32 rows x 8 warps: 109 registers, no spills. Measured on the H200 at d931bca
+    (bench/results/tree_attention_h200.log): correct, but 5-9% slower than the default (577 vs 546 us at
+    mla B1 P32768 N16, 61.7 vs 58.7 us at N1 B1, 1102 vs 1015 us at N1 B32), so it is not the default."""
     if shared_v and DV > 128 and v_split == 2:
         if dtype == torch.float32:
             return dict(BLOCK_M=32, BLOCK_N=16, num_warps=8, num_stages=2, min_chunk=256)
