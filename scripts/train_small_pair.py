@@ -520,6 +520,8 @@ def parse_args(argv=None):
     ap.add_argument("--feature-common-noise", type=float, default=0.0,
                     help="std of Gaussian noise added alike to every aux slot of a token during drafter training "
                     "(common_mode_noise: the drafter learns from the differences between the captured layers)")
+    ap.add_argument("--aux-ids", type=int, nargs="+", default=None,
+                    help="target layers the drafter reads (output of layer k); default: EAGLE-3's [1, L/2 - 1, L - 4]")
     ap.add_argument("--fc-norm", action="store_true",
                     help="EAGLE-3.1 fc_norm drafter: an RMSNorm on each captured layer's slot before the fc")
     ap.add_argument("--new-tokens", type=int, default=96, help="greedy continuation per prompt (estimate)")
@@ -596,7 +598,7 @@ def main(argv=None) -> None:
     t_res["heldout_final"] = eval_target(target, heldout_windows)
 
     # 2. the drafter
-    aux_ids = default_aux_ids(tcfg.num_layers)
+    aux_ids = args.aux_ids or default_aux_ids(tcfg.num_layers)
     dcfg = DrafterConfig.for_target(tcfg, aux_ids=aux_ids, draft_vocab_size=args.draft_vocab, fc_norm=args.fc_norm)
     torch.manual_seed(args.seed + 3)
     drafter = Drafter(dcfg, target.model.embed_tokens)
