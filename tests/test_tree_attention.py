@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from eagle3_ops import tree
-from tests.conftest import TOLERANCES, assert_equal, poison_, rel_err
+from tests.conftest import TOLERANCES, assert_equal, capture_graph, poison_, rel_err
 
 KIMI_SCALE = 0.130861  # docs/KIMI.md: 192 ** -0.5 * m * m for Kimi-K2, never 576 ** -0.5
 
@@ -557,14 +557,7 @@ def test_gpu_graph_replay_matches_eager(shape):
                                                         c.scale, out, lse)) if c.mla else \
         (lambda: torch.ops.eagle3.tree_attention(c.q, c.k_cache, c.v_cache, c.page_table, c.prefix_lens,
                                                  c.tree_mask, c.scale, out, lse))
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        call()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        call()
+    graph, _ = capture_graph(call)
     g = torch.Generator(device="cuda").manual_seed(12)
     c.q.copy_(torch.randn(c.q.shape, generator=g, device="cuda"))
     for cache in caches:

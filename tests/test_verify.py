@@ -626,18 +626,8 @@ def _bad_greedy_args(case, device):
     return logits, tokens, parents
 
 
-@pytest.mark.parametrize("case, error, match", [
-    ("negative_temperature", ValueError, "temperature"),
-    ("nan_temperature", ValueError, "temperature"),
-    ("temperature_dtype", TypeError, "temperature must have dtype"),
-    ("seed_dtype", TypeError, "seed must have dtype"),
-    ("offset_shape", ValueError, "offset must have shape"),
-    ("d2t_without_draft_probs", ValueError, "d2t"),
-    ("vd_without_d2t", ValueError, "d2t"),
-    ("d2t_out_of_range", IndexError, "d2t"),
-    ("draft_probs_rows", ValueError, "draft_probs must have shape"),
-])
-def test_sampling_bad_input(case, error, match):
+def _bad_sampling_args(case):
+    """verify_sampling's arguments (CPU) with one thing wrong, named by `case`."""
     args = _good_sampling_args()
     B, N, V = 2, 3, 11
     if case == "negative_temperature":
@@ -659,6 +649,24 @@ def test_sampling_bad_input(case, error, match):
         args["d2t"] = i64([0, 0, 0, 0, V - 4])  # draft 4 -> target 4 + 7 = 11 = V
     elif case == "draft_probs_rows":
         args["draft_probs"] = torch.softmax(torch.randn(B * N - 1, V), -1)
+    elif case == "logits_rows":
+        args["target_logits"] = args["target_logits"][:-1]
+    return args
+
+
+@pytest.mark.parametrize("case, error, match", [
+    ("negative_temperature", ValueError, "temperature"),
+    ("nan_temperature", ValueError, "temperature"),
+    ("temperature_dtype", TypeError, "temperature must have dtype"),
+    ("seed_dtype", TypeError, "seed must have dtype"),
+    ("offset_shape", ValueError, "offset must have shape"),
+    ("d2t_without_draft_probs", ValueError, "d2t"),
+    ("vd_without_d2t", ValueError, "d2t"),
+    ("d2t_out_of_range", IndexError, "d2t"),
+    ("draft_probs_rows", ValueError, "draft_probs must have shape"),
+])
+def test_sampling_bad_input(case, error, match):
+    args = _bad_sampling_args(case)
     with pytest.raises(error, match=match):
         torch.ops.eagle3.verify_sampling(*args.values())
 
@@ -1032,22 +1040,7 @@ def test_cuda_sampling_never_materialises_fp32_probabilities():
     ("logits_rows", ValueError, "target_logits must have shape"),
 ])
 def test_cuda_sampling_bad_input(case, error, match):
-    args = _good_sampling_args()
-    B, N, V = 2, 3, 11
-    if case == "temperature_dtype":
-        args["temperature"] = torch.ones(B, dtype=torch.float64)
-    elif case == "seed_dtype":
-        args["seed"] = args["seed"].int()
-    elif case == "offset_shape":
-        args["offset"] = torch.zeros(B + 1, dtype=torch.int64)
-    elif case == "d2t_without_draft_probs":
-        args["d2t"] = torch.zeros(V, dtype=torch.int64)
-    elif case == "vd_without_d2t":
-        args["draft_probs"] = torch.softmax(torch.randn(B * N, 5), -1)
-    elif case == "draft_probs_rows":
-        args["draft_probs"] = torch.softmax(torch.randn(B * N - 1, V), -1)
-    elif case == "logits_rows":
-        args["target_logits"] = args["target_logits"][:-1]
+    args = _bad_sampling_args(case)
     args = {k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in args.items()}
     with pytest.raises(error, match=match):
         torch.ops.eagle3.verify_sampling(**args)
