@@ -254,31 +254,8 @@ void add_rmsnorm_capture_cuda(const at::Tensor& x, const at::Tensor& residual, c
   Rows rws{nullptr, false, 0};
   if (aux) {
     const at::Tensor& a = *aux;
-    TORCH_CHECK_TYPE(a.scalar_type() == residual.scalar_type(), "aux must have dtype ", residual.scalar_type(),
-                     " (residual's), got ", a.scalar_type());
-    TORCH_CHECK_VALUE(a.dim() == 2, "aux must have 2 dimensions, got shape ", a.sizes());
-    TORCH_CHECK_VALUE(a.device() == x.device(), "aux must be on the same device as residual (", x.device(), "), got ",
-                      a.device());
-    TORCH_CHECK_VALUE(a.size(1) == 1 || a.stride(1) == 1, "aux must be contiguous in its last dimension, got strides ",
-                      a.strides());
-    TORCH_CHECK_VALUE(H > 0 && a.size(1) % H == 0, "aux must have shape (R, n_aux * H) with H = ", H, ", got ",
-                      a.sizes());
-    const int64_t n_aux = a.size(1) / H;
-    TORCH_CHECK_VALUE(slot >= 0 && slot < n_aux, "slot must be in [0, n_aux) = [0, ", n_aux, "), got ", slot);
-    int64_t R = T;
-    if (rows) {
-      const at::Tensor& rr = *rows;
-      TORCH_CHECK_TYPE(rr.scalar_type() == at::kInt || rr.scalar_type() == at::kLong,
-                       "rows must have dtype int32 | int64, got ", rr.scalar_type());
-      TORCH_CHECK_VALUE(rr.dim() == 1, "rows must have 1 dimensions, got shape ", rr.sizes());
-      TORCH_CHECK_VALUE(rr.device() == x.device(), "rows must be on the same device as residual (", x.device(),
-                        "), got ", rr.device());
-      TORCH_CHECK_VALUE(rr.is_contiguous(), "rows must be contiguous, got strides ", rr.strides());
-      R = rr.size(0);
-      rws = Rows{rr.data_ptr(), rr.scalar_type() == at::kLong, R};
-    }
-    TORCH_CHECK_VALUE(a.size(0) == R, "aux must have R = ", R, " rows (", rows ? "rows.shape[0]" : "T", "), got ",
-                      a.size(0));
+    const int64_t R = check_aux_slot(a, residual, "residual", slot, rows);
+    if (rows) rws = Rows{rows->data_ptr(), rows->scalar_type() == at::kLong, R};
     aux_slice = a.narrow(1, slot * H, H);
   } else {
     TORCH_CHECK_VALUE(!rows, "rows selects aux rows: pass aux too, or leave rows None");

@@ -95,7 +95,6 @@ void launch(const at::Tensor& hidden, const std::optional<at::Tensor>& residual,
 void capture_aux_cuda(const at::Tensor& hidden, const std::optional<at::Tensor>& residual, const at::Tensor& aux,
                       int64_t slot, const std::optional<at::Tensor>& rows) {
   const at::Tensor* residual_p = residual ? &*residual : nullptr;
-  const at::Tensor* rows_p = rows ? &*rows : nullptr;
   CHECK_CUDA(hidden);
   CHECK_DIM(hidden, 2);
   TORCH_CHECK_TYPE(hidden.scalar_type() == at::kBFloat16 || hidden.scalar_type() == at::kHalf ||
@@ -110,24 +109,7 @@ void capture_aux_cuda(const at::Tensor& hidden, const std::optional<at::Tensor>&
     CHECK_SHAPE(residual, T, H);
     CHECK_LAST_DIM_CONTIGUOUS(residual);
   }
-  CHECK_SAME_DEVICE(aux, hidden);
-  CHECK_DTYPE(aux, hidden.scalar_type());
-  CHECK_DIM(aux, 2);
-  CHECK_LAST_DIM_CONTIGUOUS(aux);
-  TORCH_CHECK_VALUE(H > 0 && aux.size(1) % H == 0, "aux must have shape (R, n_aux * H) with H = ", H, ", got ", aux.sizes());
-  const int64_t n_aux = aux.size(1) / H;
-  TORCH_CHECK_VALUE(slot >= 0 && slot < n_aux, "slot must be in [0, n_aux) = [0, ", n_aux, "), got ", slot);
-  int64_t R = T;
-  if (rows_p) {
-    const at::Tensor& rows = *rows_p;
-    CHECK_SAME_DEVICE(rows, hidden);
-    CHECK_DIM(rows, 1);
-    TORCH_CHECK_TYPE(rows.scalar_type() == at::kInt || rows.scalar_type() == at::kLong,
-                     "rows must have dtype int32 or int64, got ", rows.scalar_type());
-    TORCH_CHECK_VALUE(rows.is_contiguous(), "rows must be contiguous");
-    R = rows.size(0);
-  }
-  TORCH_CHECK_VALUE(aux.size(0) == R, "aux must have R = ", R, rows ? " (rows.size(0))" : " (T)", " rows, got ", aux.size(0));
+  const int64_t R = check_aux_slot(aux, hidden, "hidden", slot, rows);
   TORCH_CHECK_VALUE(R < (int64_t{1} << 31), "aux must have fewer than 2**31 rows, got ", R);
   if (R == 0 || H == 0) return;
 

@@ -78,7 +78,7 @@ def add_rmsnorm_capture(x: Tensor, residual: Tensor, weight: Tensor, eps: float,
     ----------
     x : Tensor [T, H] bf16 | fp16 | fp32, mutated
         Sublayer output in, normed hidden out.
-    residual : Tensor [T, H] bf16 | fp16 | fp32, mutated
+    residual : Tensor [T, H] x's dtype, or fp32 beside bf16/fp16 x, mutated
         Residual stream in, residual stream plus x out.
     weight : Tensor [H]
         RMSNorm weight.

@@ -5,6 +5,7 @@
 
 #include <torch/types.h>
 
+#include <optional>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -52,3 +53,39 @@ inline void check_shape(const at::Tensor& t, const char* name, const char* dims,
 
 #define CHECK_LAST_DIM_CONTIGUOUS(x) \
   TORCH_CHECK_VALUE((x).stride(-1) == 1, #x " must be contiguous in its last dimension, got strides ", (x).strides())
+
+namespace eagle3 {
+// The capture buffer of capture_aux and add_rmsnorm_capture (as eagle3_ops/_validate.py:_aux_slot): aux
+// [R, n_aux * H] in src's dtype, on src's device, last dim contiguous (a strided column view is fine),
+// receives src [T, H] rows into column block `slot`; rows [R] int32 | int64 optional (R = T without it).
+// Returns R.
+inline int64_t check_aux_slot(const at::Tensor& aux, const at::Tensor& src, const char* src_name, int64_t slot,
+                              const std::optional<at::Tensor>& rows) {
+  const int64_t T = src.size(0), H = src.size(1);
+  TORCH_CHECK_TYPE(aux.scalar_type() == src.scalar_type(), "aux must have dtype ", src.scalar_type(), " (", src_name,
+                   "'s), got ", aux.scalar_type());
+  TORCH_CHECK_VALUE(aux.dim() == 2, "aux must have 2 dimensions, got shape ", aux.sizes());
+  TORCH_CHECK_VALUE(aux.device() == src.device(), "aux must be on the same device as ", src_name, " (", src.device(),
+                    "), got ", aux.device());
+  TORCH_CHECK_VALUE(aux.size(1) <= 1 || aux.stride(1) == 1, "aux must be contiguous in its last dimension, got strides ",
+                    aux.strides());
+  TORCH_CHECK_VALUE(H > 0 && aux.size(1) % H == 0, "aux must have shape (R, n_aux * H) with H = ", H, ", got ",
+                    aux.sizes());
+  const int64_t n_aux = aux.size(1) / H;
+  TORCH_CHECK_VALUE(slot >= 0 && slot < n_aux, "slot must be in [0, n_aux) = [0, ", n_aux, "), got ", slot);
+  int64_t R = T;
+  if (rows) {
+    const at::Tensor& r = *rows;
+    TORCH_CHECK_TYPE(r.scalar_type() == at::kInt || r.scalar_type() == at::kLong,
+                     "rows must have dtype int32 | int64, got ", r.scalar_type());
+    TORCH_CHECK_VALUE(r.dim() == 1, "rows must have 1 dimensions, got shape ", r.sizes());
+    TORCH_CHECK_VALUE(r.device() == src.device(), "rows must be on the same device as ", src_name, " (",
+                      src.device(), "), got ", r.device());
+    TORCH_CHECK_VALUE(r.is_contiguous(), "rows must be contiguous, got strides ", r.strides());
+    R = r.size(0);
+  }
+  TORCH_CHECK_VALUE(aux.size(0) == R, "aux must have R = ", R, " rows (", rows ? "rows.shape[0]" : "T", "), got ",
+                    aux.size(0));
+  return R;
+}
+}  // namespace eagle3
