@@ -11,7 +11,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import graph_time_us  # noqa: E402
+from common import Ceilings, graph_time_us  # noqa: E402
 
 import eagle3_ops  # noqa: E402,F401
 from eagle3_ops.ops import prepare_fc_weight  # noqa: E402
@@ -28,11 +28,7 @@ def main(ts):
     weights["fp8"] = (w8, s8)
     weights["fp8-bf16dot"] = (w8, s8)
     del w
-    copy = torch.empty(1 << 29, dtype=torch.bfloat16, device="cuda")
-    dst = torch.empty_like(copy)
-    from common import event_median_us
-    bw = 2 * copy.numel() * 2 / (event_median_us(lambda: dst.copy_(copy), reps=10) * 1e-6)
-    del copy, dst
+    bw = Ceilings.measure().copy_bw
     print(f"copy {bw / 1e12:.2f} TB/s")
     for T in ts:
         aux = torch.randn(T, K, device="cuda", dtype=torch.bfloat16)
@@ -43,7 +39,7 @@ def main(ts):
                      "fp8": [(64, 128), (128, 256, 512), (4, 8), (4, 8), (3,)],
                      "fp8-bf16dot": [(64, 128), (256,), (4, 8), (4,), (3,)]}[name]
             for bn, bk, split, warps, stages in itertools.product(*space):
-                os.environ["EAGLE3_FC_CONFIG"] = f"{bn},{bk},{split},{warps},{stages}"
+                kernels.CONFIG_OVERRIDE = f"{bn},{bk},{split},{warps},{stages}"
                 kernels.FP8_VIA_F16 = name != "fp8-bf16dot"
                 try:
                     us = graph_time_us([lambda: torch.ops.eagle3.fc_proj(aux, wt, sc, None, 1e-6, "none", None, out)],
@@ -56,7 +52,7 @@ def main(ts):
             nbytes = wt.numel() * wt.element_size()
             for us, *cfg in results[:5]:
                 print(f"T={T:<3} {name:<5} cfg={cfg} {us:8.2f} us  {nbytes / (us * 1e-6) / bw * 100:5.1f}% of copy")
-    os.environ.pop("EAGLE3_FC_CONFIG", None)
+    kernels.CONFIG_OVERRIDE = None
 
 
 if __name__ == "__main__":

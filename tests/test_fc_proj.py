@@ -382,3 +382,12 @@ def test_prepare_fc_weight_bad_input(gen):
         prepare_fc_weight(weight, "fc-norm")
     with pytest.raises(TypeError, match="weight"):
         prepare_fc_weight(weight.to(torch.int32))
+
+
+def test_triton_launcher_refuses_float64_before_writing(gen):
+    # float64 is the CPU reference's; the CUDA launcher says so up front (no kernel runs, nothing written).
+    aux, weight = _make(gen, 3, 8, 4, torch.float64)
+    out = poison_(torch.empty(3, 4, dtype=torch.float64))
+    with pytest.raises(TypeError, match="aux must have dtype bfloat16 | float16 | float32 on CUDA"):
+        _triton_fc(aux, weight, None, None, 1e-6, "none", None, out)
+    assert torch.isnan(out).all()

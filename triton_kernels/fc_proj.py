@@ -17,7 +17,7 @@ is on); an fp8 weight there is first dequantised to aux's dtype (cuBLAS has no b
 or mixed dtypes use the Triton kernel as a tiled GEMM.
 
 A row index outside [0, T) cannot be raised without a host sync: its output row is NaN, nothing is
-read out of bounds (the CPU reference raises). float64 inputs run the reference math in torch.
+read out of bounds (the CPU reference raises). float64 is for the CPU reference only: refused on CUDA.
 """
 
 from __future__ import annotations
@@ -31,6 +31,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+# "BN,BK,SPLIT,warps,stages" replaces stream_config's choice (tuning runs: bench/tune_fc.py sets it)
+CONFIG_OVERRIDE = os.environ.get("EAGLE3_FC_CONFIG")
 STREAM_MAX_ROWS = int(os.environ.get("EAGLE3_FC_STREAM_MAX_ROWS", "64"))
 # fp8 weights with bf16 activations: dot in fp16 (native e4m3 -> fp16 conversion) instead of bf16
 FP8_VIA_F16 = os.environ.get("EAGLE3_FC_FP8_F16", "1") == "1"
@@ -167,11 +169,9 @@ _TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl
 
 
 def stream_config(R: int, Hd: int, K: int, n_chunks: int, weight: Tensor) -> dict:
-    """Tile sizes and the K split for the weight-streaming kernel; EAGLE3_FC_CONFIG="BN,BK,SPLIT,warps,stages"
-    overrides (for tuning runs)."""
-    override = os.environ.get("EAGLE3_FC_CONFIG")
-    if override:
-        bn, bk, split, warps, stages = (int(v) for v in override.split(","))
+    """Tile sizes and the K split for the weight-streaming kernel (CONFIG_OVERRIDE replaces them)."""
+    if CONFIG_OVERRIDE:
+        bn, bk, split, warps, stages = (int(v) for v in CONFIG_OVERRIDE.split(","))
     elif weight.element_size() == 1:
         # measured on the H200 (bench/results/fc_sweep_h200.log): 48 us at T = 1, 73 us at T = 64
         bn, bk, split, warps, stages = 128, 128, 4, 4, 3
@@ -215,30 +215,13 @@ def _streamed(aux, weight, weight_scale, nw, rstd, norm, n_chunks, rows, out, T,
             out.stride(0), n_split, HAS_ROWS=rows is not None, HAS_SCALE=weight_scale is not None, BLOCK=block)
 
 
-def _torch_fp64(aux, weight, weight_scale, norm_weight, eps, norm_mode, rows, out, T, K, n_chunks):
-    """The reference math in torch on the device, for float64 inputs (testing): no host sync, NaN rows for
-    out-of-range indices."""
-    if rows is not None:
-        valid = (rows >= 0) & (rows < T)
-        a = aux[rows.long().clamp(0, max(T - 1, 0))].double()
-    else:
-        valid, a = None, aux.double()
-    if norm_mode != "none":
-        c = a.view(a.shape[0], n_chunks, K // n_chunks)
-        c = c * torch.rsqrt(c.pow(2).mean(-1, keepdim=True) + eps)
-        if norm_weight is not None:
-            c = c * norm_weight.double().view(1, n_chunks, K // n_chunks)
-        a = c.reshape(a.shape[0], K)
-    w = weight.double() if weight_scale is None else weight.double() * weight_scale.double()[:, None]
-    res = a @ w.T
-    if valid is not None:
-        res = res.masked_fill(~valid[:, None], float("nan"))
-    out.copy_(res.to(out.dtype))
-
-
 def fc_proj(aux: Tensor, weight: Tensor, weight_scale: Optional[Tensor], norm_weight: Optional[Tensor], eps: float,
             norm_mode: str, rows: Optional[Tensor], out: Tensor) -> None:
     """The CUDA launcher (arguments already checked by eagle3_ops._validate.fc_proj)."""
+    for name, t in (("aux", aux), ("weight", weight), ("norm_weight", norm_weight), ("out", out)):
+        if t is not None and t.dtype == torch.float64:
+            raise TypeError(f"{name} must have dtype bfloat16 | float16 | float32 on CUDA (float64 runs on the CPU "
+                            "reference only), got float64")
     T, K = aux.shape
     Hd = weight.shape[0]
     R = out.shape[0]
@@ -248,8 +231,6 @@ def fc_proj(aux: Tensor, weight: Tensor, weight_scale: Optional[Tensor], norm_we
     if K == 0:
         out.zero_()
         return
-    if torch.float64 in (aux.dtype, weight.dtype, out.dtype):
-        return _torch_fp64(aux, weight, weight_scale, norm_weight, eps, norm_mode, rows, out, T, K, n_chunks)
     norm = _NORM_CODE[norm_mode]
     nw = norm_weight.reshape(-1) if norm_weight is not None else None
     # (CPU tensors only under TRITON_INTERPRET=1, in the tests)
