@@ -76,7 +76,7 @@ def add_rmsnorm_capture(x: Tensor, residual: Tensor, weight: Tensor, eps: float,
 
     Parameters
     ----------
-    x : Tensor [T, H] bf16 | fp16 | fp32, mutated
+    x : Tensor [T, H] bf16 | fp16 | fp32 | fp64, mutated
         Sublayer output in, normed hidden out.
     residual : Tensor [T, H] x's dtype, or fp32 beside bf16/fp16 x, mutated
         Residual stream in, residual stream plus x out.
