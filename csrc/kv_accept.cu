@@ -10,6 +10,14 @@
 // column belong to one round of one block, and only rows of the same column can overlap (accepted
 // [0, 2, 3] moves 2 -> 1 and 3 -> 2), so every read of a position precedes every write to it.
 //
+// Rows of whole 16-byte units on sm_90 (MLA latent rows, K / V rows) take the bulk-copy path instead: a
+// block stages its columns' moving rows in shared memory with cp.async.bulk (TMA) loads that complete on
+// one mbarrier, then writes them back with bulk stores. No registers hold data and no per-unit index
+// arithmetic is done: one thread issues one copy of up to a whole row, so a B 64 batch of 61 MLA layers
+// is ~32 copies in and ~32 out per block. Columns are (layer, chunk of W bytes of the row), W chosen on
+// the host so that every moving row of one column fits the staging buffer; the read-before-write rule
+// is the same as above (a round's loads all land before any of its stores is issued).
+//
 // prefix_lens: every block reads prefix_lens[b] first, then arrives on the cluster barrier; block 0
 // waits on that barrier before it writes prefix_lens[b] = P + a + 1, so no block can read the advanced
 // value. (Blocks of other requests never read it.)
@@ -28,7 +36,9 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
+#include <cstdlib>
 #include <vector>
 
 #include "eagle3/checks.h"
@@ -168,6 +178,120 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) kv_accept_kernel(
   if (advance && rank == 0 && threadIdx.x == 0 && !bad) prefix_lens[b] = static_cast<int32_t>(P + a + 1);
 }
 
+// ---- bulk-copy (TMA) path, sm_90+ ------------------------------------------------------------------------
+
+constexpr int kBulkThreads = 128;
+constexpr int64_t kStageBytes = 48 * 1024;  // staging per block: 4 blocks (512 at B 64) resident per SM
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// Each block: the request's moving rows (as above), then rounds of columns; every column is (layer, chunk
+// of W bytes) and a round holds its columns' rows of every moving row, staged at item * W.
+// dynamic shared memory: [stage_bytes staging][N int64 src rows][N int64 dst rows][8 bytes mbarrier]
+__global__ void __launch_bounds__(kBulkThreads) kv_accept_bulk_kernel(
+    const __grid_constant__ LayerBases layers, int num_layers, uint32_t row_bytes, uint32_t W, uint32_t q, int C,
+    const int32_t* __restrict__ page_table, int64_t pt_stride, int64_t max_pages, int32_t* prefix_lens,
+    const int32_t* __restrict__ accept_nodes, const int32_t* __restrict__ accept_len, int N, int64_t page_size,
+    int64_t num_pages, bool advance, uint32_t stage_bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  extern __shared__ __align__(128) unsigned char bulk_smem[];
+  unsigned char* stage = bulk_smem;
+  int64_t* src_row = reinterpret_cast<int64_t*>(bulk_smem + stage_bytes);
+  int64_t* dst_row = src_row + N;
+  uint64_t* bar = reinterpret_cast<uint64_t*>(dst_row + N);
+  __shared__ int s_m, s_bad;
+  const int64_t b = blockIdx.x / C;
+  const int rank = blockIdx.x % C;
+
+  const int64_t P = prefix_lens[b];
+  const int a = accept_len[b];
+  const bool bad0 = a < 0 || a >= N || P < 0 || P + N > max_pages * page_size;
+  if (threadIdx.x == 0) {
+    s_m = 0;
+    s_bad = bad0;
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(kBulkThreads) : "memory");
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");  // visible to the async proxy
+  }
+  __syncthreads();   // also: every thread of this block has read prefix_lens[b]
+  cluster_arrive();  // release: this block is done reading prefix_lens[b]
+
+  if (!bad0) {
+    const int32_t* pages = page_table + b * pt_stride;
+    for (int i = threadIdx.x; i <= a; i += kBulkThreads) {
+      const int node = accept_nodes[b * N + i];
+      if (node < 0 || node >= N) {
+        s_bad = 1;
+        continue;
+      }
+      const int64_t src = P + node, dst = P + i;  // < P + N <= max_pages * page_size
+      const int64_t sp = pages[src / page_size], dp = pages[dst / page_size];
+      if (sp < 0 || sp >= num_pages || dp < 0 || dp >= num_pages) {
+        s_bad = 1;
+        continue;
+      }
+      if (node != i) {
+        const int k = atomicAdd(&s_m, 1);
+        src_row[k] = sp * page_size + src % page_size;
+        dst_row[k] = dp * page_size + dst % page_size;
+      }
+    }
+  }
+  __syncthreads();
+  const int m = s_m;
+  if (!s_bad && m > 0) {
+    const uint32_t total = static_cast<uint32_t>(num_layers) * q;
+    const uint32_t c0 = static_cast<uint32_t>(static_cast<uint64_t>(total) * rank / C);
+    const uint32_t c1 = static_cast<uint32_t>(static_cast<uint64_t>(total) * (rank + 1) / C);
+    const uint32_t per_round = stage_bytes / (static_cast<uint32_t>(m) * W);  // >= 1: N * W <= stage_bytes
+    const uint32_t bar_addr = smem_addr(bar);
+    uint32_t phase = 0;
+    for (uint32_t cs = c0; cs < c1; cs += per_round) {
+      const uint32_t items = (min(c1, cs + per_round) - cs) * static_cast<uint32_t>(m);
+      // Item j: column cs + j / m, moving row j % m, staged at j * W.
+      uint32_t mine = 0;
+      for (uint32_t j = threadIdx.x; j < items; j += kBulkThreads) {
+        const uint32_t col = cs + j / m, chunk = col % q;
+        mine += min(W, row_bytes - chunk * W);
+      }
+      asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar_addr), "r"(mine) : "memory");
+      for (uint32_t j = threadIdx.x; j < items; j += kBulkThreads) {
+        const uint32_t col = cs + j / m, row = j % m, layer = col / q, off = (col % q) * W;
+        const unsigned char* src = static_cast<const unsigned char*>(layers.base[layer]) + src_row[row] * row_bytes + off;
+        asm volatile(
+            "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                smem_addr(stage + static_cast<size_t>(j) * W)),
+            "l"(src), "r"(min(W, row_bytes - off)), "r"(bar_addr)
+            : "memory");
+      }
+      // Every load of this round has landed (all threads arrived, all bytes counted) before any store.
+      asm volatile(
+          "{\n.reg .pred done;\nLAB_WAIT:\n"
+          "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+          "@!done bra LAB_WAIT;\n}" ::"r"(bar_addr),
+          "r"(phase)
+          : "memory");
+      phase ^= 1;
+      for (uint32_t j = threadIdx.x; j < items; j += kBulkThreads) {
+        const uint32_t col = cs + j / m, row = j % m, layer = col / q, off = (col % q) * W;
+        unsigned char* dst = static_cast<unsigned char*>(layers.base[layer]) + dst_row[row] * row_bytes + off;
+        asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst),
+                     "r"(smem_addr(stage + static_cast<size_t>(j) * W)), "r"(min(W, row_bytes - off))
+                     : "memory");
+      }
+      asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+      asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");  // the staging buffer is free again
+      __syncthreads();
+    }
+    asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+  }
+
+  cluster_wait();  // acquire: every block of this request has read prefix_lens[b]
+  if (advance && rank == 0 && threadIdx.x == 0 && !s_bad) prefix_lens[b] = static_cast<int32_t>(P + a + 1);
+#endif
+}
+
 struct Group {
   int width;      // bytes per unit: 16, 8, 4, 2 or 1
   int64_t vpr;    // units per row
@@ -197,6 +321,59 @@ void launch(const Group& g, size_t first, size_t count, int C, int64_t B, const 
                                     page_table.stride(0), page_table.size(1), prefix_lens.data_ptr<int32_t>(),
                                     accept_nodes.data_ptr<int32_t>(), accept_len.data_ptr<int32_t>(), N, page_size,
                                     num_pages, advance));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// cp.async.bulk and mbarrier transaction counts need sm_90, in the device and in the binary the runtime
+// picked for it (a build for older architectures only has an empty bulk kernel).
+// EAGLE3_KV_ACCEPT_BULK=0 forces the register path (tests use it to cover that path on an H200).
+bool bulk_path_available(int device) {
+  if (sm_major(device) < 9) return false;
+  if (const char* env = std::getenv("EAGLE3_KV_ACCEPT_BULK"); env != nullptr && env[0] == '0') return false;
+  static std::atomic<int> binary{0};
+  if (binary.load(std::memory_order_relaxed) == 0) {
+    cudaFuncAttributes attrs{};
+    C10_CUDA_CHECK(cudaFuncGetAttributes(&attrs, kv_accept_bulk_kernel));
+    binary.store(attrs.binaryVersion, std::memory_order_relaxed);
+  }
+  return binary.load(std::memory_order_relaxed) >= 90;
+}
+
+// The bulk path for a group of 16-byte rows: W (bytes per column chunk) so that a column's N rows fit the
+// staging buffer, the buffer sized to a block's share of the columns (no larger than kStageBytes).
+void launch_bulk(const Group& g, size_t first, size_t count, int C, int64_t B, const at::Tensor& page_table,
+                 const at::Tensor& prefix_lens, const at::Tensor& accept_nodes, const at::Tensor& accept_len, int N,
+                 int64_t page_size, int64_t num_pages, bool advance, cudaStream_t stream) {
+  LayerBases bases{};
+  for (size_t i = 0; i < count; ++i) bases.base[i] = g.bases[first + i];
+  const int64_t row_bytes = g.vpr * 16;
+  const int64_t W = std::min<int64_t>(row_bytes, kStageBytes / (16 * N) * 16);  // >= 16: N <= kMaxNodes
+  const int64_t q = (row_bytes + W - 1) / W;
+  const int64_t cols = (static_cast<int64_t>(count) * q + C - 1) / C;  // a block's columns, at most
+  const int64_t stage = std::min<int64_t>(kStageBytes, std::max<int64_t>(1, cols) * N * W);
+  const size_t smem = static_cast<size_t>(stage + 2 * N * sizeof(int64_t) + sizeof(uint64_t));
+  if (smem > 48 * 1024) {  // a host-side attribute of the current device: no sync, graph-capture safe
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kv_accept_bulk_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        static_cast<int>(smem)));
+  }
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(static_cast<unsigned>(B * C));
+  config.blockDim = dim3(kBulkThreads);
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = C;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  config.attrs = attr;
+  config.numAttrs = 1;
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kv_accept_bulk_kernel, bases, static_cast<int>(count),
+                                    static_cast<uint32_t>(row_bytes), static_cast<uint32_t>(W),
+                                    static_cast<uint32_t>(q), C, page_table.data_ptr<int32_t>(), page_table.stride(0),
+                                    page_table.size(1), prefix_lens.data_ptr<int32_t>(),
+                                    accept_nodes.data_ptr<int32_t>(), accept_len.data_ptr<int32_t>(), N, page_size,
+                                    num_pages, advance, static_cast<uint32_t>(stage)));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -281,6 +458,7 @@ void kv_accept_cuda(const at::TensorList caches, const at::Tensor& page_table, c
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const int64_t want = (4 * num_sms(first.get_device()) + B - 1) / B;
   const int C = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(kMaxCluster, want)));
+  const bool bulk = bulk_path_available(first.get_device());
   size_t launches = 0;
   for (const Group& g : groups) launches += std::max<size_t>(1, (g.bases.size() + kMaxLayers - 1) / kMaxLayers);
   size_t done = 0;
@@ -292,6 +470,11 @@ void kv_accept_cuda(const at::TensorList caches, const at::Tensor& page_table, c
         launch<decltype(unit_tag)>(g, firstl, count, C, B, page_table, prefix_lens, accept_nodes, accept_len,
                                    static_cast<int>(N), page_size, num_pages, advance, stream);
       };
+      if (g.width == 16 && bulk) {
+        launch_bulk(g, firstl, count, C, B, page_table, prefix_lens, accept_nodes, accept_len, static_cast<int>(N),
+                    page_size, num_pages, advance, stream);
+        continue;
+      }
       switch (g.width) {
         case 16: go(uint4{}); break;
         case 8: go(uint2{}); break;

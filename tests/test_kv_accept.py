@@ -434,6 +434,30 @@ def test_cuda_large_tree_moves_every_row():
     check_cuda_against_reference(caches, page_table, i32(prefix), accept_nodes, accept_len)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("path", ["bulk", "registers"])
+@pytest.mark.parametrize("N", [8, 64, 512])  # whole rows staged; rows cut into chunks (N x 1152 > 48 KB)
+def test_cuda_both_copy_paths(path, N, monkeypatch):
+    # 16-byte rows take the bulk-copy (TMA) path on sm_90; EAGLE3_KV_ACCEPT_BULK=0 sends them through the
+    # register path instead, so both are checked on the same H200. Large N makes the bulk path split each
+    # row into column chunks (a column's N rows must fit the 48 KB staging buffer).
+    if path == "registers":
+        monkeypatch.setenv("EAGLE3_KV_ACCEPT_BULK", "0")
+    g = torch.Generator().manual_seed(N)
+    B, ps = 5, 16
+    prefix = [0, 1, 17, 33, 250]
+    page_table, num_pages = paged_layout(g, prefix, N, ps)
+    caches = gpu_caches(g, num_pages, ps, mla_layers=3)
+    accept_nodes = torch.full((B, N), -1, dtype=torch.int32)
+    accept_len = torch.empty(B, dtype=torch.int32)
+    for b in range(B):  # every request accepts a random subset in order: most rows move, sources overlap
+        keep = torch.randperm(N - 1, generator=g)[:int(torch.randint(0, N, (1,), generator=g))] + 1
+        path_b = [0] + sorted(keep.tolist())
+        accept_nodes[b, :len(path_b)] = i32(path_b)
+        accept_len[b] = len(path_b) - 1
+    check_cuda_against_reference(caches, page_table, i32(prefix), accept_nodes, accept_len)
+
+
 def _skip_expected(caches, page_table, prefix_lens, accept_nodes, accept_len, bad):
     """What the CUDA op gives when request `bad` is skipped: the reference on the other requests (pages
     are disjoint), request `bad`'s rows and prefix_len untouched."""

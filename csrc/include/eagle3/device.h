@@ -19,4 +19,14 @@ inline int num_sms(int device) {
   return n;
 }
 
+inline int sm_major(int device) {
+  static std::atomic<int> cached[64] = {};
+  const bool cacheable = device >= 0 && device < 64;
+  if (cacheable && cached[device].load(std::memory_order_relaxed) > 0) return cached[device].load(std::memory_order_relaxed);
+  int n = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrComputeCapabilityMajor, device));
+  if (cacheable) cached[device].store(n, std::memory_order_relaxed);
+  return n;
+}
+
 }  // namespace eagle3
