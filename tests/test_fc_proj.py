@@ -225,17 +225,23 @@ def _triton_fc(*args):
     kernels.fc_proj(*args)
 
 
+# The stream-K kernel through CONFIG_OVERRIDE: tiles small enough (2 programs per "SM", 2 interpreter SMs)
+# that program ranges start and end inside n-blocks and chunks; TMA only where K's rows are 16-byte aligned.
+PERSISTENT = {"persistent": "16,16,0,4,2,2", "persistent-tma": "32,32,0,4,2,3,1"}
+
+
 @pytest.mark.skipif(not INTERPRET, reason="the Triton interpreter runs the kernels on CPU tensors")
 @pytest.mark.parametrize("T,R,H,Hd,norm_mode", CASES)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
-@pytest.mark.parametrize("path", ["stream", "tiled", "cublas"])
+@pytest.mark.parametrize("path", ["stream", "tiled", "cublas", *PERSISTENT])
 def test_triton_interpreted(gen, monkeypatch, T, R, H, Hd, norm_mode, dtype, path):
     from eagle3_ops.triton_kernels import fc_proj as kernels
 
-    if path != "stream":
+    if path in ("tiled", "cublas"):
         monkeypatch.setattr(kernels, "STREAM_MAX_ROWS", 0)  # the prefill paths at small sizes
+    monkeypatch.setattr(kernels, "CONFIG_OVERRIDE", PERSISTENT.get(path))
     aux, weight = _make(gen, T, H, Hd, dtype)
-    scale = (0.5 + torch.rand(Hd, generator=gen)) if path == "tiled" else None
+    scale = (0.5 + torch.rand(Hd, generator=gen)) if path in ("tiled", "persistent-tma") else None
     nw = _norm_weight(gen, norm_mode, 3, H, dtype)
     rows = None if R is None else torch.randint(0, T, (R,), generator=gen, dtype=torch.int32)
     out = poison_(torch.empty(R or T, Hd, dtype=dtype))
@@ -244,11 +250,13 @@ def test_triton_interpreted(gen, monkeypatch, T, R, H, Hd, norm_mode, dtype, pat
 
 
 @pytest.mark.skipif(not INTERPRET, reason="the Triton interpreter runs the kernels on CPU tensors")
-def test_triton_interpreted_out_of_range_rows_give_nan_rows(gen):
+@pytest.mark.parametrize("path", ["stream", "persistent"])
+def test_triton_interpreted_out_of_range_rows_give_nan_rows(gen, monkeypatch, path):
     aux, weight = _make(gen, 4, 16, 8, torch.float32)
     rows = torch.tensor([3, 4, -1, 0])
     out = poison_(torch.empty(4, 8))
     from eagle3_ops.triton_kernels import fc_proj as kernels
+    monkeypatch.setattr(kernels, "CONFIG_OVERRIDE", PERSISTENT.get(path))
     kernels.fc_proj(aux, weight, None, torch.ones(3, 16), 1e-6, "fc_norm", rows, out)
     assert torch.isnan(out[1:3]).all()
     good = torch.tensor([0, 3])

@@ -5,7 +5,10 @@ bf16) is read once, in tiles of BLOCK_N output channels x BLOCK_K, split along K
 programs per SM keep many 16-byte loads in flight; the R rows of aux (gathered through `rows` by
 pointer, never copied) are the small operand of a tensor-core dot computed as W_tile @ aux_tile^T
 (swap-AB: the weight tile fills the MMA's M side). Each split's fp32 partial is written once and a second
-small kernel sums the splits, applies the per-channel scale and rounds once to out's dtype.
+small kernel sums the splits, applies the per-channel scale and rounds once to out's dtype. A persistent
+stream-K variant (selected through CONFIG_OVERRIDE while it is measured) gives every program the same number
+of BLOCK_K steps over the (n-block, chunk, step) space, so no partial last wave of programs is left on a
+few SMs; its partial sums per (program, n-block) are added in a fixed order (deterministic, no atomics).
 
 The norms cost no pass over the weight: the per-row (norm_before_fc) or per-row-and-chunk (fc_norm)
 rsqrt is computed first by a small kernel over aux [R, K]; a K split never straddles a chunk, so each
@@ -30,8 +33,11 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from triton.tools.tensor_descriptor import TensorDescriptor
 
-# "BN,BK,SPLIT,warps,stages" replaces stream_config's choice (tuning runs: bench/tune_fc.py sets it)
+# "BN,BK,SPLIT,warps,stages[,PER_SM[,TMA]]" replaces stream_config's choice (tuning runs: bench/sweep_fc.py
+# sets it). PER_SM > 0 selects the persistent stream-K kernel with PER_SM programs per SM (SPLIT is then
+# unused); TMA=1 loads its weight tiles through a host-side tensor descriptor.
 CONFIG_OVERRIDE = os.environ.get("EAGLE3_FC_CONFIG")
 STREAM_MAX_ROWS = int(os.environ.get("EAGLE3_FC_STREAM_MAX_ROWS", "64"))
 # fp8 weights with bf16 activations: dot in fp16 (native e4m3 -> fp16 conversion) instead of bf16
@@ -62,6 +68,17 @@ def _row_rstd_kernel(aux, stride_a, rows, T, K, CHUNK, n_chunks, rstd, eps,
 
 
 @triton.jit
+def _source_rows(rows, T, offs_t, t_ok, HAS_ROWS: tl.constexpr):
+    """(aux row of each output row, clamped to 0 where out of range; whether it was in range)."""
+    if HAS_ROWS:
+        src = tl.load(rows + offs_t, mask=t_ok, other=0).to(tl.int64)
+    else:
+        src = offs_t.to(tl.int64)
+    valid = t_ok & (src >= 0) & (src < T)
+    return tl.where(valid, src, 0), valid
+
+
+@triton.jit
 def _fc_stream_kernel(aux, stride_a, rows, T, R, w, K, Hd, rstd, n_chunks, CHUNK, SPLITS_PER_CHUNK, K_PER_SPLIT,
                       nw, scale, out, stride_o, part,
                       HAS_ROWS: tl.constexpr, NORM: tl.constexpr, HAS_NW: tl.constexpr, HAS_SCALE: tl.constexpr,
@@ -75,12 +92,7 @@ def _fc_stream_kernel(aux, stride_a, rows, T, R, w, K, Hd, rstd, n_chunks, CHUNK
     offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     n_ok = offs_n < Hd
     t_ok = offs_t < R
-    if HAS_ROWS:
-        src = tl.load(rows + offs_t, mask=t_ok, other=0).to(tl.int64)
-    else:
-        src = offs_t.to(tl.int64)
-    valid = t_ok & (src >= 0) & (src < T)
-    src = tl.where(valid, src, 0)
+    src, valid = _source_rows(rows, T, offs_t, t_ok, HAS_ROWS)
 
     chunk = pid_k // SPLITS_PER_CHUNK
     k_lo = chunk * CHUNK + (pid_k % SPLITS_PER_CHUNK) * K_PER_SPLIT
@@ -130,12 +142,99 @@ def _fc_reduce_kernel(part, rows, T, R, Hd, scale, out, stride_o, n_split,
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for s in range(0, n_split):
         acc += tl.load(part + (s * R + r).to(tl.int64) * Hd + offs, mask=ok, other=0.0)
+    _store_row(acc, r, offs, ok, rows, T, scale, out, stride_o, HAS_ROWS, HAS_SCALE)
+
+
+@triton.jit
+def _store_row(acc, r, offs, ok, rows, T, scale, out, stride_o, HAS_ROWS: tl.constexpr, HAS_SCALE: tl.constexpr):
+    """out[r, offs] = scale[offs] * acc rounded once; NaN where rows[r] is out of range."""
     if HAS_SCALE:
         acc *= tl.load(scale + offs, mask=ok, other=0.0)
     if HAS_ROWS:
         src = tl.load(rows + r).to(tl.int64)
         acc = tl.where((src >= 0) & (src < T), acc, float("nan"))
     tl.store(out + r.to(tl.int64) * stride_o + offs, acc.to(out.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _fc_persistent_kernel(aux, stride_a, rows, T, R, w, w_desc, K, Hd, rstd, n_chunks, CHUNK, IPC, ITERS, nw, part,
+                          HAS_ROWS: tl.constexpr, NORM: tl.constexpr, HAS_NW: tl.constexpr, F16: tl.constexpr,
+                          TMA: tl.constexpr, COMPUTE: tl.constexpr, IEEE: tl.constexpr, BLOCK_N: tl.constexpr,
+                          BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, S_MAX: tl.constexpr):
+    """Stream-K: program p owns steps [p * ITERS, (p + 1) * ITERS) of the (n-block, chunk, BLOCK_K step) space
+    (n-block-major), so every program streams the same number of weight bytes whatever the SM count.
+
+    aux [T, K] (row stride stride_a); rows [R]; w [Hd, K] (w_desc: the same, [BLOCK_N, BLOCK_K] boxes);
+    rstd [R, n_chunks] fp32; nw [K]; part [programs, S_MAX, R, BLOCK_N] fp32: program p's sum over the
+    n-block nb is written to part[p, nb - first n-block of p] (deterministic; _fc_fixup_kernel adds them).
+    """
+    pid = tl.program_id(0)
+    pid_t = tl.program_id(1)
+    ipn = n_chunks * IPC
+    start = pid * ITERS
+    end = tl.minimum(start + ITERS, tl.cdiv(Hd, BLOCK_N) * ipn)
+    nb_first = start // ipn
+    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_ok = offs_t < R
+    src, valid = _source_rows(rows, T, offs_t, t_ok, HAS_ROWS)
+    w_tile = (tl.arange(0, BLOCK_N) * K)[:, None] + tl.arange(0, BLOCK_K)[None, :]
+    a_tile = (src * stride_a)[None, :] + tl.arange(0, BLOCK_K)[:, None]
+    acc = tl.zeros([BLOCK_N, BLOCK_T], dtype=tl.float32)  # NORM: the n-block's sum of rstd-scaled chunks
+    acc_c = tl.zeros([BLOCK_N, BLOCK_T], dtype=tl.float32)  # the current chunk's (NORM == 0: n-block's) sum
+    for it in range(start, end):
+        nb = it // ipn
+        step = it - nb * ipn
+        chunk = step // IPC
+        kk = step - chunk * IPC
+        k0 = chunk * CHUNK + kk * BLOCK_K
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < (chunk + 1) * CHUNK
+        if TMA:  # past Hd / K: zeros; past the chunk: the masked activations contribute zero
+            wt = w_desc.load([nb * BLOCK_N, k0])
+        else:  # the tile's offsets are loop-invariant: one 64-bit base per step
+            n_ok = nb * BLOCK_N + tl.arange(0, BLOCK_N) < Hd
+            wt = tl.load(w + ((nb * BLOCK_N).to(tl.int64) * K + k0) + w_tile, mask=n_ok[:, None] & k_ok[None, :],
+                         other=0.0, eviction_policy="evict_first")
+        at = tl.load(aux + k0 + a_tile, mask=k_ok[:, None] & valid[None, :], other=0.0)
+        if HAS_NW:
+            at = at.to(tl.float32) * tl.load(nw + offs_k, mask=k_ok, other=0.0).to(tl.float32)[:, None]
+        if F16:  # as in _fc_stream_kernel: activations scaled by 2^-8 into fp16, undone at the flush
+            acc_c = tl.dot(wt.to(tl.float16), (at.to(tl.float32) * 0.00390625).to(tl.float16), acc_c)
+        elif IEEE:
+            acc_c = tl.dot(wt.to(COMPUTE), at.to(COMPUTE), acc_c, input_precision="ieee")
+        else:
+            acc_c = tl.dot(wt.to(COMPUTE), at.to(COMPUTE), acc_c)
+        if NORM != 0:
+            if (kk == IPC - 1) | (it == end - 1):
+                acc += acc_c * tl.load(rstd + offs_t * n_chunks + chunk, mask=t_ok, other=0.0)[None, :]
+                acc_c = tl.zeros([BLOCK_N, BLOCK_T], dtype=tl.float32)
+        if (step == ipn - 1) | (it == end - 1):
+            slot = (pid * S_MAX + nb - nb_first).to(tl.int64)
+            p_ptrs = part + (slot * R + offs_t)[None, :] * BLOCK_N + tl.arange(0, BLOCK_N)[:, None]
+            if NORM != 0:
+                res = acc
+                acc = tl.zeros([BLOCK_N, BLOCK_T], dtype=tl.float32)
+            else:
+                res = acc_c
+                acc_c = tl.zeros([BLOCK_N, BLOCK_T], dtype=tl.float32)
+            if F16:
+                res *= 256.0
+            tl.store(p_ptrs, res, mask=t_ok[None, :])
+
+
+@triton.jit
+def _fc_fixup_kernel(part, rows, T, R, Hd, ipn, ITERS, scale, out, stride_o,
+                     HAS_ROWS: tl.constexpr, HAS_SCALE: tl.constexpr, BLOCK_N: tl.constexpr, S_MAX: tl.constexpr):
+    """out[r, n-block nb] = scale * (sum of the partials of the programs whose steps cover nb), in order."""
+    r = tl.program_id(0)
+    nb = tl.program_id(1)
+    offs = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+    ok = offs < Hd
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for p in range(nb * ipn // ITERS, ((nb + 1) * ipn - 1) // ITERS + 1):
+        slot = (p * S_MAX + nb - p * ITERS // ipn).to(tl.int64)
+        acc += tl.load(part + (slot * R + r) * BLOCK_N + tl.arange(0, BLOCK_N))
+    _store_row(acc, r, offs, ok, rows, T, scale, out, stride_o, HAS_ROWS, HAS_SCALE)
 
 
 @triton.jit
@@ -170,8 +269,9 @@ _TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl
 
 def stream_config(R: int, Hd: int, K: int, n_chunks: int, weight: Tensor) -> dict:
     """Tile sizes and the K split for the weight-streaming kernel (CONFIG_OVERRIDE replaces them)."""
+    per_sm, tma = 0, 0
     if CONFIG_OVERRIDE:
-        bn, bk, split, warps, stages = (int(v) for v in CONFIG_OVERRIDE.split(","))
+        bn, bk, split, warps, stages, per_sm, tma = ([int(v) for v in CONFIG_OVERRIDE.split(",")] + [0, 0])[:7]
     elif weight.element_size() == 1:
         # measured on the H200 (bench/results/fc_sweep_h200.log): 48 us at T = 1, 73 us at T = 64
         bn, bk, split, warps, stages = 128, 128, 4, 4, 3
@@ -179,7 +279,8 @@ def stream_config(R: int, Hd: int, K: int, n_chunks: int, weight: Tensor) -> dic
         # measured: 77 us at T = 1 (64-row tiles), 87 us at T = 64 (128-row tiles: half the aux re-reads)
         bn, bk, split, warps, stages = (64 if R <= 16 else 128), 128, 4, 4, 4
     spc = max(1, split // n_chunks)  # splits per chunk: a split never straddles a chunk
-    return dict(BLOCK_N=bn, BLOCK_K=bk, splits_per_chunk=spc, num_warps=warps, num_stages=stages)
+    return dict(BLOCK_N=bn, BLOCK_K=bk, splits_per_chunk=spc, num_warps=warps, num_stages=stages, per_sm=per_sm,
+                tma=tma)
 
 
 def _norm_rstd(aux, rows, T, R, K, n_chunks, eps):
@@ -215,6 +316,44 @@ def _streamed(aux, weight, weight_scale, nw, rstd, norm, n_chunks, rows, out, T,
             out.stride(0), n_split, HAS_ROWS=rows is not None, HAS_SCALE=weight_scale is not None, BLOCK=block)
 
 
+_SM_COUNT: dict = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 2  # the interpreter: few programs, so that ranges straddle n-blocks and chunks
+    if device.index not in _SM_COUNT:
+        _SM_COUNT[device.index] = torch.cuda.get_device_properties(device).multi_processor_count
+    return _SM_COUNT[device.index]
+
+
+def _persistent(aux, weight, weight_scale, nw, rstd, norm, n_chunks, rows, out, T, R, K, Hd, block_t, cfg):
+    """Stream-K over (n-block, chunk, BLOCK_K step): cfg["per_sm"] programs per SM, equal step counts."""
+    bn, bk = cfg["BLOCK_N"], cfg["BLOCK_K"]
+    chunk = K // n_chunks
+    ipc = triton.cdiv(chunk, bk)
+    ipn = n_chunks * ipc
+    total = triton.cdiv(Hd, bn) * ipn
+    iters = triton.cdiv(total, cfg["per_sm"] * _sm_count(aux.device))
+    programs = triton.cdiv(total, iters)
+    s_max = triton.cdiv(iters, ipn) + 1  # n-blocks one program's steps can touch
+    part = torch.empty(programs, s_max, R, bn, dtype=torch.float32, device=aux.device)
+    compute = _compute_dtype(aux, weight)
+    tma = bool(cfg["tma"]) and K * weight.element_size() % 16 == 0 and weight.data_ptr() % 16 == 0
+    desc = TensorDescriptor.from_tensor(weight, [bn, bk]) if tma else weight
+    _fc_persistent_kernel[(programs, triton.cdiv(R, block_t))](
+        aux, aux.stride(0), rows if rows is not None else aux, T, R, weight, desc, K, Hd,
+        rstd if rstd is not None else aux, n_chunks, chunk, ipc, iters, nw if nw is not None else aux, part,
+        HAS_ROWS=rows is not None, NORM=norm, HAS_NW=nw is not None,
+        F16=weight.element_size() == 1 and compute == torch.bfloat16 and FP8_VIA_F16, TMA=tma,
+        COMPUTE=_TL[compute], IEEE=compute == torch.float32, BLOCK_N=bn, BLOCK_K=bk, BLOCK_T=block_t, S_MAX=s_max,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    _fc_fixup_kernel[(R, triton.cdiv(Hd, bn))](
+        part, rows if rows is not None else aux, T, R, Hd, ipn, iters,
+        weight_scale if weight_scale is not None else aux, out, out.stride(0), HAS_ROWS=rows is not None,
+        HAS_SCALE=weight_scale is not None, BLOCK_N=bn, S_MAX=s_max)
+
+
 def fc_proj(aux: Tensor, weight: Tensor, weight_scale: Optional[Tensor], norm_weight: Optional[Tensor], eps: float,
             norm_mode: str, rows: Optional[Tensor], out: Tensor) -> None:
     """The CUDA launcher (arguments already checked by eagle3_ops._validate.fc_proj)."""
@@ -240,7 +379,8 @@ def fc_proj(aux: Tensor, weight: Tensor, weight_scale: Optional[Tensor], norm_we
         if R <= STREAM_MAX_ROWS:
             block_t = max(16, triton.next_power_of_2(R))
             cfg = stream_config(R, Hd, K, n_chunks, weight)
-            _streamed(aux, weight, weight_scale, nw, rstd, norm, n_chunks, rows, out, T, R, K, Hd, block_t, cfg)
+            launch = _persistent if cfg["per_sm"] > 0 else _streamed
+            launch(aux, weight, weight_scale, nw, rstd, norm, n_chunks, rows, out, T, R, K, Hd, block_t, cfg)
         elif aux.dtype in (torch.bfloat16, torch.float16) and out.dtype == aux.dtype and (
                 weight.dtype == aux.dtype or weight.element_size() == 1):
             # prefill: cuBLAS on aux itself, or on the normalised / gathered rows written once; an fp8 (or
