@@ -182,23 +182,28 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) kv_accept_kernel(
 
 constexpr int kBulkThreads = 128;
 constexpr int64_t kStageBytes = 48 * 1024;  // staging per block: 4 blocks (512 at B 64) resident per SM
+constexpr int64_t kStages = 4;             // pipeline slots: stores of one round overlap later rounds' loads
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
 // Each block: the request's moving rows (as above), then rounds of columns; every column is (layer, chunk
-// of W bytes) and a round holds its columns' rows of every moving row, staged at item * W.
-// dynamic shared memory: [stage_bytes staging][N int64 src rows][N int64 dst rows][8 bytes mbarrier]
+// of W bytes) and a round holds its columns' chunks of every moving row, staged at item * W in one of
+// `stages` slots of slot_bytes. Rounds are pipelined: the first `stages` rounds' loads are issued at once;
+// round r's stores go out as soon as its loads land (mbarrier of its slot), and the slot of round r - 1
+// is refilled with round r - 1 + stages once round r - 1's stores have read it. Rounds hold disjoint
+// columns, so only a round's own loads must precede its stores.
+// dynamic shared memory: [stages x slot_bytes][N int64 src rows][N int64 dst rows][stages mbarriers]
 __global__ void __launch_bounds__(kBulkThreads) kv_accept_bulk_kernel(
     const __grid_constant__ LayerBases layers, int num_layers, uint32_t row_bytes, uint32_t W, uint32_t q, int C,
     const int32_t* __restrict__ page_table, int64_t pt_stride, int64_t max_pages, int32_t* prefix_lens,
     const int32_t* __restrict__ accept_nodes, const int32_t* __restrict__ accept_len, int N, int64_t page_size,
-    int64_t num_pages, bool advance, uint32_t stage_bytes) {
+    int64_t num_pages, bool advance, uint32_t slot_bytes, uint32_t stages) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   extern __shared__ __align__(128) unsigned char bulk_smem[];
   unsigned char* stage = bulk_smem;
-  int64_t* src_row = reinterpret_cast<int64_t*>(bulk_smem + stage_bytes);
+  int64_t* src_row = reinterpret_cast<int64_t*>(bulk_smem + static_cast<size_t>(stages) * slot_bytes);
   int64_t* dst_row = src_row + N;
   uint64_t* bar = reinterpret_cast<uint64_t*>(dst_row + N);
   __shared__ int s_m, s_bad;
@@ -211,7 +216,9 @@ __global__ void __launch_bounds__(kBulkThreads) kv_accept_bulk_kernel(
   if (threadIdx.x == 0) {
     s_m = 0;
     s_bad = bad0;
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(kBulkThreads) : "memory");
+    for (uint32_t k = 0; k < stages; ++k) {
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar + k)), "r"(kBulkThreads) : "memory");
+    }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");  // visible to the async proxy
   }
   __syncthreads();   // also: every thread of this block has read prefix_lens[b]
@@ -239,50 +246,63 @@ __global__ void __launch_bounds__(kBulkThreads) kv_accept_bulk_kernel(
     }
   }
   __syncthreads();
-  const int m = s_m;
+  const uint32_t m = static_cast<uint32_t>(s_m);
   if (!s_bad && m > 0) {
     const uint32_t total = static_cast<uint32_t>(num_layers) * q;
     const uint32_t c0 = static_cast<uint32_t>(static_cast<uint64_t>(total) * rank / C);
     const uint32_t c1 = static_cast<uint32_t>(static_cast<uint64_t>(total) * (rank + 1) / C);
-    const uint32_t per_round = stage_bytes / (static_cast<uint32_t>(m) * W);  // >= 1: N * W <= stage_bytes
-    const uint32_t bar_addr = smem_addr(bar);
-    uint32_t phase = 0;
-    for (uint32_t cs = c0; cs < c1; cs += per_round) {
-      const uint32_t items = (min(c1, cs + per_round) - cs) * static_cast<uint32_t>(m);
-      // Item j: column cs + j / m, moving row j % m, staged at j * W.
+    const uint32_t per_round = slot_bytes / (m * W);  // >= 1: N * W <= slot_bytes
+    const uint32_t rounds = (c1 - c0 + per_round - 1) / per_round;
+    // Item j of round r: column c0 + r * per_round + j / m, moving row j % m, at j * W in slot r % stages.
+    auto items_of = [&](uint32_t r) { return (min(c1, c0 + (r + 1) * per_round) - (c0 + r * per_round)) * m; };
+    auto load_round = [&](uint32_t r) {
+      const uint32_t cs = c0 + r * per_round, items = items_of(r);
+      const uint32_t bar_addr = smem_addr(bar + r % stages);
+      unsigned char* slot = stage + static_cast<size_t>(r % stages) * slot_bytes;
       uint32_t mine = 0;
-      for (uint32_t j = threadIdx.x; j < items; j += kBulkThreads) {
-        const uint32_t col = cs + j / m, chunk = col % q;
-        mine += min(W, row_bytes - chunk * W);
-      }
+      for (uint32_t j = threadIdx.x; j < items; j += kBulkThreads) mine += min(W, row_bytes - ((cs + j / m) % q) * W);
       asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar_addr), "r"(mine) : "memory");
       for (uint32_t j = threadIdx.x; j < items; j += kBulkThreads) {
-        const uint32_t col = cs + j / m, row = j % m, layer = col / q, off = (col % q) * W;
-        const unsigned char* src = static_cast<const unsigned char*>(layers.base[layer]) + src_row[row] * row_bytes + off;
+        const uint32_t col = cs + j / m, layer = col / q, off = (col % q) * W;
+        const unsigned char* src =
+            static_cast<const unsigned char*>(layers.base[layer]) + src_row[j % m] * row_bytes + off;
         asm volatile(
             "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
-                smem_addr(stage + static_cast<size_t>(j) * W)),
+                smem_addr(slot + static_cast<size_t>(j) * W)),
             "l"(src), "r"(min(W, row_bytes - off)), "r"(bar_addr)
             : "memory");
       }
-      // Every load of this round has landed (all threads arrived, all bytes counted) before any store.
+    };
+    for (uint32_t r = 0; r < min(stages, rounds); ++r) load_round(r);
+    for (uint32_t r = 0; r < rounds; ++r) {
+      // Every load of round r has landed (all threads arrived, all bytes counted) before its stores.
       asm volatile(
           "{\n.reg .pred done;\nLAB_WAIT:\n"
           "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-          "@!done bra LAB_WAIT;\n}" ::"r"(bar_addr),
-          "r"(phase)
+          "@!done bra LAB_WAIT;\n}" ::"r"(smem_addr(bar + r % stages)),
+          "r"((r / stages) & 1)
           : "memory");
-      phase ^= 1;
+      const uint32_t cs = c0 + r * per_round, items = items_of(r);
+      const unsigned char* slot = stage + static_cast<size_t>(r % stages) * slot_bytes;
       for (uint32_t j = threadIdx.x; j < items; j += kBulkThreads) {
-        const uint32_t col = cs + j / m, row = j % m, layer = col / q, off = (col % q) * W;
-        unsigned char* dst = static_cast<unsigned char*>(layers.base[layer]) + dst_row[row] * row_bytes + off;
+        const uint32_t col = cs + j / m, layer = col / q, off = (col % q) * W;
+        unsigned char* dst = static_cast<unsigned char*>(layers.base[layer]) + dst_row[j % m] * row_bytes + off;
         asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst),
-                     "r"(smem_addr(stage + static_cast<size_t>(j) * W)), "r"(min(W, row_bytes - off))
+                     "r"(smem_addr(slot + static_cast<size_t>(j) * W)), "r"(min(W, row_bytes - off))
                      : "memory");
       }
-      asm volatile("cp.async.bulk.commit_group;" ::: "memory");
-      asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");  // the staging buffer is free again
-      __syncthreads();
+      asm volatile("cp.async.bulk.commit_group;" ::: "memory");  // one group per thread per round
+      if (stages > 1) {
+        if (r >= 1 && r - 1 + stages < rounds) {
+          asm volatile("cp.async.bulk.wait_group.read 1;" ::: "memory");  // round r - 1's stores have read it
+          __syncthreads();                                                 // ... in every thread
+          load_round(r - 1 + stages);
+        }
+      } else if (r + 1 < rounds) {
+        asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");  // one slot: round r frees it
+        __syncthreads();
+        load_round(r + 1);
+      }
     }
     asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
   }
@@ -347,11 +367,14 @@ void launch_bulk(const Group& g, size_t first, size_t count, int C, int64_t B, c
   LayerBases bases{};
   for (size_t i = 0; i < count; ++i) bases.base[i] = g.bases[first + i];
   const int64_t row_bytes = g.vpr * 16;
-  const int64_t W = std::min<int64_t>(row_bytes, kStageBytes / (16 * N) * 16);  // >= 16: N <= kMaxNodes
+  // Up to kStages slots, each holding one column's chunks of all N rows (the most that can move).
+  const int64_t stages = std::max<int64_t>(1, std::min<int64_t>(kStages, kStageBytes / (16 * N)));
+  const int64_t W = std::min<int64_t>(row_bytes, kStageBytes / stages / (16 * N) * 16);  // >= 16
   const int64_t q = (row_bytes + W - 1) / W;
   const int64_t cols = (static_cast<int64_t>(count) * q + C - 1) / C;  // a block's columns, at most
-  const int64_t stage = std::min<int64_t>(kStageBytes, std::max<int64_t>(1, cols) * N * W);
-  const size_t smem = static_cast<size_t>(stage + 2 * N * sizeof(int64_t) + sizeof(uint64_t));
+  const int64_t per_slot = std::max<int64_t>(1, (cols + stages - 1) / stages);
+  const int64_t slot = std::min<int64_t>(kStageBytes / stages / 16 * 16, per_slot * N * W);
+  const size_t smem = static_cast<size_t>(stages * slot + 2 * N * sizeof(int64_t) + stages * sizeof(uint64_t));
   if (smem > 48 * 1024) {  // a host-side attribute of the current device: no sync, graph-capture safe
     C10_CUDA_CHECK(cudaFuncSetAttribute(kv_accept_bulk_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                         static_cast<int>(smem)));
@@ -373,7 +396,7 @@ void launch_bulk(const Group& g, size_t first, size_t count, int C, int64_t B, c
                                     static_cast<uint32_t>(q), C, page_table.data_ptr<int32_t>(), page_table.stride(0),
                                     page_table.size(1), prefix_lens.data_ptr<int32_t>(),
                                     accept_nodes.data_ptr<int32_t>(), accept_len.data_ptr<int32_t>(), N, page_size,
-                                    num_pages, advance, static_cast<uint32_t>(stage)));
+                                    num_pages, advance, static_cast<uint32_t>(slot), static_cast<uint32_t>(stages)));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
