@@ -395,6 +395,67 @@ def test_kernel_interpreted_v_split_bad_values_poison_only_their_request(gen):
         assert torch.isnan(out[rows]).all() and torch.isnan(lse[rows]).all()
 
 
+# The second MLA kernel (triton_kernels/mla_decode.py, config "tma"): whole tiles unmasked, read with TMA
+# descriptors where page_size % BLOCK_N == 0 (the interpreter runs host-side descriptors), gathered where not
+# (page size 1); the split's partial tile and the tree block masked; rescale_tau > 0 rescales lazily.
+TMA_CONFIGS = {"tma16.lazy": dict(tma=True, BLOCK_N=16, rescale_tau=8.0),  # TMA at page sizes 16 and 64
+               "tma16.eager": dict(tma=True, BLOCK_N=16, rescale_tau=0.0),
+               "gather32.lazy": dict(tma=False, BLOCK_N=32, rescale_tau=8.0)}  # two mask words per tree tile
+
+
+@interpreted
+@pytest.mark.parametrize("config", list(TMA_CONFIGS))
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+@pytest.mark.parametrize("N, kind, splits, dtype", [
+    (1, "chain", 3, torch.float16),  # decode, split three ways + the merge kernel
+    (7, "bushy", 3, torch.float32),  # a tree, split + merge: partial last tiles in every split
+    (33, "chain", 1, torch.float32),  # one split: the kernel writes out and lse; two mask words, bit 31
+])
+def test_kernel_interpreted_tma(gen, config, page_size, N, kind, splits, dtype):
+    # Dv = 40: the second latent half [32, 64) is partly past Dv (zero-filled by the descriptor's shape);
+    # rope 24 dims of a 32-wide box.
+    c = Case(gen, mla=True, prefixes=[0, 17, 70], N=N, kind=kind, page_size=page_size, NH=4, D=64, Dv=40,
+             dtype=dtype)
+    _check_with_and_without_lse(c, dict(TMA_CONFIGS[config], splits=splits))
+
+
+@interpreted
+@pytest.mark.parametrize("config", list(TMA_CONFIGS))
+def test_kernel_interpreted_tma_kimi_dims(gen, config):
+    # Kimi's 576 = 512 + 64: two 256-wide latent boxes and one 64-wide rope box per tile.
+    c = Case(gen, mla=True, prefixes=[3, 40], N=4, kind="bushy", page_size=16, NH=8, D=576, Dv=512,
+             dtype=torch.float16, scale=KIMI_SCALE)
+    out, lse = _kernel(c, config=dict(TMA_CONFIGS[config], splits=2))
+    _check_against(c, out, lse, *c.truth())
+
+
+@interpreted
+@pytest.mark.parametrize("config", list(TMA_CONFIGS))
+def test_kernel_interpreted_tma_bad_values_poison_only_their_request(gen, config):
+    # page size 16 with prefixes past one tile: request 1's bad page id is met by a whole (TMA) tile
+    c = Case(gen, mla=True, prefixes=[5, 40, 9], N=7, kind="bushy", page_size=16, NH=4, D=40, Dv=32)
+    ref_out, ref_lse = c.truth()
+    good, bad_page, bad_prefix = _bad_values(c)
+    out, lse = _kernel(c, config=dict(TMA_CONFIGS[config], splits=2))
+    _check_against(c, out, lse, ref_out, ref_lse, rows=good)
+    for rows in (bad_page, bad_prefix):
+        assert torch.isnan(out[rows]).all() and torch.isnan(lse[rows]).all()
+
+
+@interpreted
+@pytest.mark.parametrize("page_size", [16, 64])
+def test_kernel_interpreted_tma_never_visible_rows_do_not_matter(gen, page_size):
+    # NaN in rows nobody may see (past prefix + N on the last page, spare pages) leaves results bit-identical,
+    # though a TMA box reads whole pages' rows: the partial tiles are masked gathers.
+    c = Case(gen, mla=True, prefixes=[0, 17, 37], N=7, kind="bushy", page_size=page_size, NH=4, D=40, Dv=32)
+    cfg = dict(tma=True, BLOCK_N=16, splits=2)
+    out, lse = _kernel(c, config=cfg)
+    c.k_cache[~c.used] = float("nan")
+    out2, lse2 = _kernel(c, config=cfg)
+    assert_equal(out2, out, "out after poisoning never-visible rows")
+    assert_equal(lse2, lse, "lse after poisoning never-visible rows")
+
+
 def _bad_values(c: Case):
     """Request 1 reaches a page id past the cache, request 2's prefix leaves no room for its tree:
     the kernel must not read out of bounds, and poisons exactly those requests with NaN."""
@@ -434,6 +495,10 @@ def test_kernel_refuses_unsupported_shapes(gen):
                           torch.zeros(1, 2, 32), None, config=dict(v_split=2))
     with pytest.raises(ValueError, match="config v_split must be 1, or 2"):
         ta.tree_attention_mla(c.q, c.k_cache, *args, torch.zeros(1, 2, 32), None, config=dict(v_split=4))
+    with pytest.raises(ValueError, match="config tma and v_split exclude each other"):
+        ta.tree_attention_mla(c.q, c.k_cache, *args, torch.zeros(1, 2, 32), None, config=dict(tma=True, v_split=2))
+    with pytest.raises(ValueError, match="config BLOCK_N must be 16, 32 or 64"):
+        ta.tree_attention_mla(c.q, c.k_cache, *args, torch.zeros(1, 2, 32), None, config=dict(tma=True, BLOCK_N=128))
     with pytest.raises(TypeError, match="q must have dtype bfloat16 | float16 | float32"):
         ta.tree_attention_mla(c.q.double(), c.k_cache.double(), *args, torch.zeros(1, 2, 32, dtype=torch.float64),
                               None)
@@ -544,12 +609,21 @@ def test_gpu_dtypes(shape, dtype):
     assert_equal(without, out, "out without lse")
 
 
+# The second MLA kernel at Kimi's shape: TMA at page size 64 (BLOCK_N 32 and 64), gathered at page sizes 1
+# and 16 (BLOCK_N 64) - decode at 32768 (page size 1), the two 16-node targets, a 64-node tree at 32768.
+GPU_TMA = {"tma64": dict(tma=True), "tma32.eager": dict(tma=True, BLOCK_N=32, rescale_tau=0.0),
+           "gather64": dict(tma=False)}
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("shape", ["mla", "llama_8b"])
-def test_gpu_graph_replay_matches_eager(shape):
+@pytest.mark.parametrize("shape, config", [("mla", None), ("llama_8b", None)] + [("mla", k) for k in GPU_TMA])
+def test_gpu_graph_replay_matches_eager(shape, config):
     # Capture once, then write new q, cache rows, prefix lengths and trees into the same tensors: replay
     # must equal an eager call on the new values (the split count comes from shapes, never from values).
-    c = GpuCase(11, B=4, prefix=5000, N=16, kind="bushy", page_size=16, **SHAPES[shape])
+    # With a "tma" config (page size 64: TMA tiles) the descriptors are kernel parameters captured by value.
+    from eagle3_ops.triton_kernels import tree_attention as ta
+
+    c = GpuCase(11, B=4, prefix=5000, N=16, kind="bushy", page_size=64 if config else 16, **SHAPES[shape])
     out = torch.empty(c.q.shape[0], c.NH, c.Dv, dtype=c.dtype, device="cuda")
     lse = torch.empty(c.q.shape[0], c.NH, device="cuda")
     caches = [c.k_cache] if c.mla else [c.k_cache, c.v_cache]
@@ -557,6 +631,9 @@ def test_gpu_graph_replay_matches_eager(shape):
                                                         c.scale, out, lse)) if c.mla else \
         (lambda: torch.ops.eagle3.tree_attention(c.q, c.k_cache, c.v_cache, c.page_table, c.prefix_lens,
                                                  c.tree_mask, c.scale, out, lse))
+    if config:
+        call = lambda: ta.tree_attention_mla(c.q, c.k_cache, c.page_table, c.prefix_lens, c.tree_mask,  # noqa: E731
+                                             c.scale, out, lse, config=GPU_TMA[config])
     graph, _ = capture_graph(call)
     g = torch.Generator(device="cuda").manual_seed(12)
     c.q.copy_(torch.randn(c.q.shape, generator=g, device="cuda"))
@@ -570,7 +647,7 @@ def test_gpu_graph_replay_matches_eager(shape):
     graph.replay()
     torch.cuda.synchronize()
     replayed = out.clone(), lse.clone()
-    eager = c.run()
+    eager = _kernel(c, config=GPU_TMA[config]) if config else c.run()
     assert_equal(replayed[0], eager[0], "out replayed vs eager")
     assert_equal(replayed[1], eager[1], "lse replayed vs eager")
     _check_against(c, *eager, *c.truth())
@@ -587,3 +664,33 @@ def test_gpu_bad_values_poison_only_their_request(shape):
     _check_against(c, out, lse, ref_out, ref_lse, rows=good)
     for rows in (bad_page, bad_prefix):
         assert torch.isnan(out[rows]).all() and torch.isnan(lse[rows]).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", list(GPU_TMA))
+@pytest.mark.parametrize("case", SWEEP["mla"][:1] + SWEEP["mla"][6:8] + SWEEP["mla"][-1:],
+                         ids=lambda c: f"N{c[0]}-prefix{c[1]}-B{c[2]}-ps{c[3]}-{c[4]}")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpu_tma_against_float64(case, dtype, config):
+    N, prefix, B, page_size, kind = case
+    c = GpuCase(zlib.crc32(repr(case).encode()), B=B, prefix=prefix, N=N, kind=kind, page_size=page_size,
+                dtype=dtype, **KIMI_MLA)
+    cfg = {k: v for k, v in GPU_TMA[config].items() if dtype != torch.float32 or k != "BLOCK_N"}  # fp32: its tiles
+    out, lse = _kernel(c, config=cfg)
+    _check_against(c, out, lse, *c.truth())
+    without, _ = _kernel(c, config=cfg, with_lse=False)
+    assert_equal(without, out, "out without lse")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", list(GPU_TMA))
+def test_gpu_tma_bad_values_poison_only_their_request(config):
+    c = GpuCase(21, B=3, prefix=300, N=7, kind="bushy", page_size=64, **KIMI_MLA)
+    ref_out, ref_lse = c.truth()
+    good, bad_page, bad_prefix = _bad_values(c)
+    out, lse = _kernel(c, config=GPU_TMA[config])
+    torch.cuda.synchronize()
+    _check_against(c, out, lse, ref_out, ref_lse, rows=good)
+    for rows in (bad_page, bad_prefix):
+        assert torch.isnan(out[rows]).all() and torch.isnan(lse[rows]).all()
+

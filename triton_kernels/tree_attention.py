@@ -344,12 +344,20 @@ def tree_attention_mla(q: Tensor, kv_cache: Tensor, page_table: Tensor, prefix_l
                        scale: float, out: Tensor, lse: Optional[Tensor], *, config: Optional[dict] = None) -> None:
     """Triton tree_attention_mla (arguments as the op; eagle3_ops.reference.tree_attention_mla is the spec).
     `config` overrides tile sizes and the split count (benchmarks and tests only); {"v_split": 2} splits
-    the 512 V dims across two programs per row block (see default_config)."""
+    the 512 V dims across two programs per row block (see default_config); a config with "tma" (True or
+    False) runs triton_kernels/mla_decode.py's kernel instead (whole tiles unmasked, TMA where it can)."""
     _check_float(q)
     D, Dv = q.shape[2], out.shape[2]
     if Dv > MLA_MAX_DV or D - Dv > MLA_MAX_ROPE:
         raise ValueError(f"out must have Dv <= {MLA_MAX_DV} and q's D - Dv <= {MLA_MAX_ROPE} for the Triton "
                          f"kernel (Kimi: 512 and 64), got Dv = {Dv}, D = {D}")
+    if config is not None and "tma" in config:
+        if config.get("v_split", 1) != 1:
+            raise ValueError("config tma and v_split exclude each other")
+        from .mla_decode import tree_attention_mla as launch
+
+        launch(q, kv_cache, page_table, prefix_lens, tree_mask, scale, out, lse, config)
+        return
     _launch(q, kv_cache, kv_cache, page_table, prefix_lens, tree_mask, scale, out, lse, HKV=1, D1=Dv,
             D2=D - Dv, DV=Dv, shared_v=True, config=config)
 

@@ -1,0 +1,204 @@
+"""Sweep of tree_attention_mla kernel configurations on the H200 (issue 5): each candidate is first checked
+against the float64 truth (tests/test_tree_attention.py's GpuCase) on a small and a real shape, then timed
+(CUDA-graph replays over inputs rotated past L2, bench/common.py) at the issue's shapes. Prints a plain
+table: us, TFLOP/s, % of the bf16 matmul rate and % of copy bandwidth (over the KV, q and out bytes), both
+ceilings measured in this run. A candidate that fails to compile or launch is reported and skipped.
+
+    python3 bench/sweep_mla.py              # on the GPU, from the repo root (built in place)
+    python3 bench/sweep_mla.py --compile    # no GPU needed: registers, spills, shared memory per candidate
+                                            # (sm_90a, triton's bundled ptxas), specialised as for N16 P32768
+
+EAGLE3_SWEEP_BUDGET_S (default 140) stops timing new cases past that many seconds.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+
+KIMI_SCALE = 0.130861
+NH, D, DV = 64, 576, 512
+# name -> config of triton_kernels.tree_attention.tree_attention_mla ({} = the current default kernel)
+CANDIDATES = {
+    "default": {},
+    "tma64": dict(tma=True, BLOCK_N=64, num_stages=2, rescale_tau=8.0),
+    "tma64.eager": dict(tma=True, BLOCK_N=64, num_stages=2, rescale_tau=0.0),
+    "tma32": dict(tma=True, BLOCK_N=32, num_stages=2, rescale_tau=8.0),
+    "gather64": dict(tma=False, BLOCK_N=64, num_stages=2, rescale_tau=8.0),
+}
+# (B, prefix, N, page_size)
+SHAPES = [(1, 32768, 16, 64), (8, 8192, 16, 64), (1, 4096, 16, 64), (1, 32768, 1, 64), (32, 32768, 1, 64),
+          (1, 32768, 16, 16)]
+
+
+def _inputs(B, P, N, ps, g):
+    from eagle3_ops import tree
+
+    L = P + N
+    pages = -(-L // ps)
+    page_table = torch.randperm(B * pages, generator=g, device="cuda").int().view(B, pages).contiguous()
+    parents = tree.random_parents(B, N, torch.Generator().manual_seed(B * 1000 + N), "bushy")
+    return dict(q=torch.randn(B * N, NH, D, generator=g, device="cuda", dtype=torch.bfloat16),
+                k=torch.randn(B * pages, ps, D, generator=g, device="cuda", dtype=torch.bfloat16),
+                page_table=page_table, prefix_lens=torch.full((B,), P, dtype=torch.int32, device="cuda"),
+                tree_mask=tree.tree_mask(parents).cuda(),
+                out=torch.empty(B * N, NH, DV, device="cuda", dtype=torch.bfloat16),
+                lse=torch.empty(B * N, NH, device="cuda"))
+
+
+def _counts(B, P, N):
+    L = P + N
+    return B * L * D * 2 + B * N * NH * (D + DV) * 2, 2 * B * N * NH * L * (D + DV)
+
+
+def _check(cfg):
+    """Max abs error and rel error against float64 on a small (ragged, page 64) and a real shape."""
+    from tests.conftest import TOLERANCES, rel_err
+    from tests.test_tree_attention import GpuCase, _kernel
+
+    res = []
+    for kw in (dict(B=3, prefix=300, N=16, page_size=64), dict(B=1, prefix=32768, N=16, page_size=64)):
+        c = GpuCase(5, mla=True, NH=NH, D=D, Dv=DV, kind="bushy", **kw)
+        out, lse = _kernel(c, config=cfg or None)
+        ref_out, ref_lse = c.truth()
+        err = rel_err(out, ref_out)
+        mx = float((out.double() - ref_out).abs().max())
+        ok = err <= TOLERANCES[torch.bfloat16] and rel_err(lse, ref_lse) <= TOLERANCES[torch.float32]
+        res.append(f"P{kw['prefix']}: max {mx:.2e} rel {err:.2e}{'' if ok else ' FAIL'}")
+    return res
+
+
+def main():
+    from common import Ceilings, graph_time_us, rotation
+
+    from eagle3_ops.triton_kernels import tree_attention as ta
+
+    t0 = time.time()
+    budget = float(os.environ.get("EAGLE3_SWEEP_BUDGET_S", "140"))
+    ceil = Ceilings.measure()
+    print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  ceilings: copy {ceil.copy_bw / 1e12:.2f} TB/s, "
+          f"bf16 matmul {ceil.mm_rate / 1e12:.0f} TFLOP/s", flush=True)
+    good = {}
+    for name, cfg in CANDIDATES.items():
+        try:
+            res = _check(cfg)
+            print(f"check {name:<12} {cfg}: {'; '.join(res)}  ({time.time() - t0:.0f}s)", flush=True)
+            good[name] = cfg
+        except Exception as e:  # compile error, out of shared memory
+            print(f"check {name:<12} {cfg}: ERROR {type(e).__name__}: {str(e)[:200]}", flush=True)
+    print(f"\n{'shape':<22} {'candidate':<12} {'us':>9} {'TFLOP/s':>8} {'%mm':>6} {'%copy':>6}")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for B, P, N, ps in SHAPES:
+        nbytes, flops = _counts(B, P, N)
+        sets = [_inputs(B, P, N, ps, g) for _ in range(min(rotation(nbytes), 8))]
+        shape = f"N{N} B{B} P{P} ps{ps}"
+        for name, cfg in good.items():
+            if time.time() - t0 > budget:
+                print(f"{shape:<22} {name:<12} skipped (past the {budget:.0f} s budget)", flush=True)
+                continue
+
+            def call(x, cfg=cfg):
+                ta.tree_attention_mla(x["q"], x["k"], x["page_table"], x["prefix_lens"], x["tree_mask"], KIMI_SCALE,
+                                      x["out"], x["lse"], config=cfg or None)
+            try:
+                us = graph_time_us([lambda x=x: call(x) for x in sets], reps=10)
+            except Exception as e:
+                print(f"{shape:<22} {name:<12} ERROR {type(e).__name__}: {str(e)[:160]}", flush=True)
+                continue
+            tf = flops / us * 1e-6
+            print(f"{shape:<22} {name:<12} {us:>9.1f} {tf:>8.1f} {100 * flops / us * 1e6 / ceil.mm_rate:>5.1f}% "
+                  f"{100 * nbytes / us * 1e6 / ceil.copy_bw:>5.1f}%", flush=True)
+        del sets
+    print(f"total {time.time() - t0:.0f} s")
+
+
+# ---- registers and spills without a GPU ------------------------------------------------------------------
+
+
+def compile_report():
+    """Compile each mla_decode candidate for sm_90a as specialised for N16 B1 P32768 page 64 (split) and print
+    shared memory, ptxas registers / spills, and the main (whole-tile) loop's spill instructions."""
+    import re
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from eagle3_ops.triton_kernels import mla_decode as md
+
+    fn = md._mla_kernel
+    bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    ptrs = {"Q": "*bf16", "K": "*bf16", "O": "*bf16", "PT": "*i32", "PL": "*i32", "TM": "*i32", "LSE": "*fp32",
+            "PO": "*fp32", "PLSE": "*fp32"}
+    pages = -(-(32768 + 16) // 64)
+    ints = dict(N=16, W=1, NUM_PAGES=pages, MAX_PAGES=pages, PAGE_SIZE=64, NUM_SPLITS=9, stride_qt=NH * D,
+                stride_qh=D, stride_kp=64 * D, stride_ks=D, stride_pt=pages, stride_ot=NH * DV, stride_oh=DV)
+    for name, cfg in CANDIDATES.items():
+        if "tma" not in cfg:
+            continue
+        full = md.default_config(torch.bfloat16)
+        full.update(cfg)
+        bn, tma = full["BLOCK_N"], full["tma"]
+        const = dict(G=NH, DV=DV, DR=D - DV, BLOCK_H=DV // 2, BLOCK_R=D - DV, BLOCK_M=full["BLOCK_M"], BLOCK_N=bn,
+                     SPLIT=True, HAS_LSE=True, TMA=tma, TAU=float(full["rescale_tau"]), DOT_PREC="tf32")
+        sig, attrs, consts = {}, {}, dict(const)
+        for i, n in enumerate(fn.arg_names):
+            if n in const:
+                sig[n] = "constexpr"
+            elif n in ("KA", "KR"):
+                if tma:
+                    sig[n] = f"tensordesc<bf16[{bn}, {DV // 2 if n == 'KA' else D - DV}]>"
+                else:
+                    sig[n], consts[n] = "constexpr", None
+            elif n in ptrs or n == "scale_log2":
+                sig[n] = ptrs.get(n, "fp32")
+                if n in ptrs:
+                    attrs[(i,)] = [["tt.divisibility", 16]]
+            elif ints[n] == 1:
+                sig[n], consts[n] = "constexpr", 1
+            else:
+                sig[n] = "i32"
+                if ints[n] % 16 == 0:
+                    attrs[(i,)] = [["tt.divisibility", 16]]
+        try:
+            k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
+                               target=GPUTarget("cuda", 90, 128),
+                               options=dict(num_warps=full["num_warps"], num_stages=full["num_stages"]))
+        except Exception as e:
+            print(f"{name:<12} compile error {type(e).__name__}: {str(e)[:200]}")
+            continue
+        ptx = os.path.join(os.environ.get("TMPDIR", "/tmp"), "sweep_mla.ptx")
+        with open(ptx, "w") as f:
+            f.write(k.asm["ptx"])
+        r = subprocess.run([os.path.join(bindir, "ptxas"), "-v", "--gpu-name", "sm_90a", ptx, "-o", ptx + ".cubin"],
+                           capture_output=True, text=True)
+        info = "; ".join(line.split(":", 1)[-1].strip() for line in r.stderr.splitlines()
+                         if "registers" in line or "spill" in line)
+        sass = subprocess.run([os.path.join(bindir, "cuobjdump"), "-sass", ptx + ".cubin"], capture_output=True,
+                              text=True).stdout
+        ins = [(int(m.group(1), 16), m.group(2)) for m in
+               (re.match(r"\s*/\*([0-9a-f]{4,})\*/\s*(.*?);", line) for line in sass.splitlines()) if m]
+        main_loop = ""
+        for addr, txt in ins:  # the first backward branch closes the whole-tile loop
+            m = re.search(r"BRA (0x[0-9a-f]+)", txt)
+            if m and int(m.group(1), 16) < addr:
+                body = [x for a, x in ins if int(m.group(1), 16) <= a <= addr]
+                main_loop = (f"main loop: {len(body)} instr, {sum('HGMMA' in x for x in body)} HGMMA, "
+                             f"{sum('STL' in x or 'LDL' in x for x in body)} spill ld/st")
+                break
+        print(f"{name:<12} {cfg}\n    shared {k.metadata.shared}; {info}; {main_loop}")
+
+
+if __name__ == "__main__":
+    if "--compile" in sys.argv:
+        compile_report()
+    else:
+        main()

@@ -1,0 +1,296 @@
+"""A second Triton kernel for tree_attention_mla (absorbed MLA: every query head over one latent KV head,
+V = the first Dv dims of the key rows), selected with config={"tma": True | False, ...} of
+triton_kernels.tree_attention.tree_attention_mla; same arguments, results and bad-value rules as
+tree_attention's kernel (whose merge kernel and split rule it reuses).
+
+What differs from tree_attention's kernel (FlashMLA's shape as far as Triton reaches):
+- The prefix loop runs over *whole* BLOCK_N-key tiles with no masks at all (no tl.where on the score,
+  no masked loads); the split's last, partial tile and the tree block go through a masked gathered
+  tile after it. Split starts are multiples of BLOCK_N, so with page_size % BLOCK_N == 0 a whole tile
+  lies on one page.
+- tma=True: those whole tiles are read with TMA (host-side tensor descriptors over the cache viewed as
+  [num_pages * page_size, D]): two [BLOCK_N, Dv/2] boxes for the latent dims (a box is at most 256
+  wide) and one [BLOCK_N, rope] box. No per-element address registers, and the tiles land in shared
+  memory where both dots read them. Where TMA cannot serve (page_size % BLOCK_N != 0, a cache whose
+  rows are not one [rows, D] matrix, misaligned widths) the whole tiles are gathered with unmasked
+  loads instead (tma=False does that everywhere).
+- The output accumulator is two [BLOCK_M, Dv/2] halves (one per latent box), the score three
+  chained dots (half, half, rope).
+- rescale_tau > 0 (FA4's lazy rescale): a row's running max moves only when a tile's max passes it by
+  more than tau (log2 units, so p <= 2^tau before normalisation), and the accumulator is rescaled only
+  when some row of the block moved; otherwise the [BLOCK_M, Dv] multiply is skipped. Exact in exact
+  arithmetic: out and lse use the same (stale) max for l and acc.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from .tree_attention import _LOG2E, _merge_kernel, _pow2, _sm_count, num_splits_for
+
+try:  # triton >= 3.3 (host-side descriptors; the H200's triton 3.6 and this machine's 3.8 have it)
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover
+    TensorDescriptor = None
+
+
+@triton.jit
+def _attend(acc_a, acc_b, m_i, l_i, s, va, vb, TAU: tl.constexpr):
+    """Online-softmax update with the score tile s [BLOCK_M, BLOCK_N] (scaled to log2 units, masked
+    positions -inf) and V's two halves va, vb [BLOCK_N, BLOCK_H]."""
+    m_tile = tl.max(s, 1)
+    if TAU > 0:
+        m_new = tl.where(m_tile > m_i + TAU, m_tile, m_i)  # m_i = -inf: any finite tile max moves it
+    else:
+        m_new = tl.maximum(m_i, m_tile)
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen nothing yet stays at 0
+    alpha = tl.math.exp2(m_i - m_use)
+    p = tl.math.exp2(s - m_use[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if TAU > 0:
+        # alpha is exactly 1 for rows whose max stayed (and acc is 0 for rows that saw nothing)
+        if tl.max((m_new != m_i).to(tl.int32), 0) > 0:
+            acc_a = acc_a * alpha[:, None]
+            acc_b = acc_b * alpha[:, None]
+    else:
+        acc_a = acc_a * alpha[:, None]
+        acc_b = acc_b * alpha[:, None]
+    p = p.to(va.dtype)
+    acc_a = tl.dot(p, va, acc_a)
+    acc_b = tl.dot(p, vb, acc_b)
+    return acc_a, acc_b, m_new, l_i
+
+
+@triton.jit
+def _gathered_tile(acc_a, acc_b, m_i, l_i, qa, qb, qr, K, page, slot, stride_kp, stride_ks, ok, visible,
+                   dh, dr, DV: tl.constexpr, DR: tl.constexpr, BLOCK_H: tl.constexpr, TAU: tl.constexpr,
+                   DOT_PREC: tl.constexpr, scale_log2):
+    """A masked tile (the split's partial last tile, the tree block): rows at (page, slot) [BLOCK_N] read
+    where ok [BLOCK_N], row-key visibility visible [BLOCK_M or 1, BLOCK_N]."""
+    kv_row = page * stride_kp + slot * stride_ks
+    ka = tl.load(K + kv_row[:, None] + dh[None, :], mask=ok[:, None] & (dh[None, :] < DV), other=0.0)
+    kb = tl.load(K + kv_row[:, None] + BLOCK_H + dh[None, :], mask=ok[:, None] & (BLOCK_H + dh[None, :] < DV),
+                 other=0.0)
+    s = tl.dot(qa, tl.trans(ka), input_precision=DOT_PREC)
+    s = tl.dot(qb, tl.trans(kb), s, input_precision=DOT_PREC)
+    if DR > 0:
+        kr = tl.load(K + kv_row[:, None] + DV + dr[None, :], mask=ok[:, None] & (dr[None, :] < DR), other=0.0)
+        s = tl.dot(qr, tl.trans(kr), s, input_precision=DOT_PREC)
+    s = tl.where(visible, s * scale_log2, float("-inf"))
+    return _attend(acc_a, acc_b, m_i, l_i, s, ka, kb, TAU)
+
+
+@triton.jit
+def _mla_kernel(
+        Q, K, KA, KR, PT, PL, TM, O, LSE, PO, PLSE,
+        scale_log2, N, W, NUM_PAGES, MAX_PAGES, PAGE_SIZE, NUM_SPLITS,
+        stride_qt, stride_qh, stride_kp, stride_ks, stride_pt, stride_ot, stride_oh,
+        G: tl.constexpr, DV: tl.constexpr, DR: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, HAS_LSE: tl.constexpr,
+        TMA: tl.constexpr, TAU: tl.constexpr, DOT_PREC: tl.constexpr):
+    # Q   [B * N, NH, DV + DR]           strides (stride_qt, stride_qh, 1); NH = G (one latent KV head)
+    # K   [num_pages, page_size, DV + DR] strides (stride_kp, stride_ks, 1)
+    # KA  (TMA) descriptor of K as [num_pages * page_size, DV], row stride stride_ks, box [BLOCK_N, BLOCK_H]
+    # KR  (TMA) descriptor of K[..., DV:] as [num_pages * page_size, DR], box [BLOCK_N, BLOCK_R]
+    # PT  [B, MAX_PAGES] int32 strides (stride_pt, 1);  PL [B] int32;  TM [B, N, W] int32 contiguous
+    # O   [B * N, NH, DV] strides (stride_ot, stride_oh, 1);  LSE [B * N, NH] fp32 contiguous (HAS_LSE)
+    # PO  [NUM_SPLITS, B, N * G, DV] fp32, PLSE [NUM_SPLITS, B, N * G] fp32 (SPLIT): tree_attention's
+    #     partial layout with HKV = 1 (its merge kernel combines them)
+    # Row r of the block: node r // G, head r % G. Latent dims in two halves [0, BLOCK_H), [BLOCK_H, 2 BLOCK_H).
+    pid_m = tl.program_id(0)
+    b = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    ROWS = N * G
+
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < ROWS
+    node = rows // G
+    head = rows % G
+    token = (b * N + node).to(tl.int64)
+    dh = tl.arange(0, BLOCK_H)
+    dr = tl.arange(0, BLOCK_R)
+    q_row = token * stride_qt + head * stride_qh
+    qa = tl.load(Q + q_row[:, None] + dh[None, :], mask=row_ok[:, None] & (dh[None, :] < DV), other=0.0)
+    qb = tl.load(Q + q_row[:, None] + BLOCK_H + dh[None, :], mask=row_ok[:, None] & (BLOCK_H + dh[None, :] < DV),
+                 other=0.0)
+    qr = qa
+    if DR > 0:
+        qr = tl.load(Q + q_row[:, None] + DV + dr[None, :], mask=row_ok[:, None] & (dr[None, :] < DR), other=0.0)
+
+    capacity = MAX_PAGES * PAGE_SIZE
+    prefix_raw = tl.load(PL + b)
+    bad = (prefix_raw < 0) | (prefix_raw > capacity - N)
+    prefix = tl.maximum(tl.minimum(prefix_raw, capacity - N), 0)
+    pt_row = PT + b.to(tl.int64) * stride_pt
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc_a = tl.zeros([BLOCK_M, BLOCK_H], tl.float32)
+    acc_b = tl.zeros([BLOCK_M, BLOCK_H], tl.float32)
+
+    chunk = tl.cdiv(tl.cdiv(prefix, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = pid_s * chunk
+    end = tl.minimum(start + chunk, prefix)
+    whole_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N
+    unreal = tl.zeros([BLOCK_N], tl.int32)  # positions whose page id is out of range (reduced after)
+    # Whole tiles: every row sees every key, no masks.
+    for n0 in range(start, whole_end, BLOCK_N):
+        if TMA:  # the tile lies on one page (page_size % BLOCK_N == 0, n0 % BLOCK_N == 0)
+            page = tl.load(pt_row + n0 // PAGE_SIZE)
+            real = (page >= 0) & (page < NUM_PAGES)
+            unreal |= tl.where(real, 0, 1)
+            row0 = tl.where(real, page, 0) * PAGE_SIZE + n0 % PAGE_SIZE  # an unreal page: read page 0, poison
+            ka = KA.load([row0, 0])
+            kb = KA.load([row0, BLOCK_H])
+            s = tl.dot(qa, tl.trans(ka), input_precision=DOT_PREC)
+            s = tl.dot(qb, tl.trans(kb), s, input_precision=DOT_PREC)
+            if DR > 0:
+                kr = KR.load([row0, 0])
+                s = tl.dot(qr, tl.trans(kr), s, input_precision=DOT_PREC)
+        else:
+            pos = n0 + tl.arange(0, BLOCK_N)
+            page = tl.load(pt_row + pos // PAGE_SIZE)
+            real = (page >= 0) & (page < NUM_PAGES)
+            unreal |= (~real).to(tl.int32)
+            kv_row = tl.where(real, page, 0).to(tl.int64) * stride_kp + (pos % PAGE_SIZE).to(tl.int64) * stride_ks
+            ka = tl.load(K + kv_row[:, None] + dh[None, :], mask=dh[None, :] < DV, other=0.0)
+            kb = tl.load(K + kv_row[:, None] + BLOCK_H + dh[None, :], mask=BLOCK_H + dh[None, :] < DV, other=0.0)
+            s = tl.dot(qa, tl.trans(ka), input_precision=DOT_PREC)
+            s = tl.dot(qb, tl.trans(kb), s, input_precision=DOT_PREC)
+            if DR > 0:
+                kr = tl.load(K + kv_row[:, None] + DV + dr[None, :], mask=dr[None, :] < DR, other=0.0)
+                s = tl.dot(qr, tl.trans(kr), s, input_precision=DOT_PREC)
+        acc_a, acc_b, m_i, l_i = _attend(acc_a, acc_b, m_i, l_i, s * scale_log2, ka, kb, TAU)
+
+    # The split's partial last tile (at most one).
+    for n0 in range(whole_end, end, BLOCK_N):
+        pos = n0 + tl.arange(0, BLOCK_N)
+        in_range = pos < end
+        page = tl.load(pt_row + pos // PAGE_SIZE, mask=in_range, other=0)
+        real = (page >= 0) & (page < NUM_PAGES)
+        unreal |= (in_range & ~real).to(tl.int32)
+        acc_a, acc_b, m_i, l_i = _gathered_tile(
+            acc_a, acc_b, m_i, l_i, qa, qb, qr, K, page.to(tl.int64), (pos % PAGE_SIZE).to(tl.int64), stride_kp,
+            stride_ks, in_range & real, in_range[None, :], dh, dr, DV, DR, BLOCK_H, TAU, DOT_PREC, scale_log2)
+
+    # The tree block, in the last split: node j at position prefix + j, visible to row i when bit j of
+    # tree_mask[b, i] is set.
+    if pid_s == NUM_SPLITS - 1:
+        for j0 in range(0, N, BLOCK_N):
+            j = j0 + tl.arange(0, BLOCK_N)
+            pos = prefix + j
+            j_ok = (j < N) & (pos < capacity)
+            page = tl.load(pt_row + pos // PAGE_SIZE, mask=j_ok, other=0)
+            real = (page >= 0) & (page < NUM_PAGES)
+            unreal |= (j_ok & ~real).to(tl.int32)
+            both = row_ok[:, None] & j_ok[None, :]
+            # the (at most two, BLOCK_N <= 64) mask words of this tile per row, not a [BLOCK_M, BLOCK_N]
+            # gather (whose pipelined buffer would take 16 KB of shared memory at 64 x 64)
+            w_lo = tl.load(TM + token * W + j0 // 32, mask=row_ok, other=0)
+            w_hi = tl.load(TM + token * W + j0 // 32 + 1, mask=row_ok & (j0 // 32 + 1 < W), other=0)
+            word = tl.where((j // 32 > j0 // 32)[None, :], w_hi[:, None], w_lo[:, None])
+            visible = both & (((word >> (j % 32)[None, :]) & 1) != 0)
+            acc_a, acc_b, m_i, l_i = _gathered_tile(
+                acc_a, acc_b, m_i, l_i, qa, qb, qr, K, page.to(tl.int64), (pos % PAGE_SIZE).to(tl.int64),
+                stride_kp, stride_ks, j_ok & real, visible, dh, dr, DV, DR, BLOCK_H, TAU, DOT_PREC, scale_log2)
+
+    # NaN for the whole request on bad values (the merge carries it through every split).
+    bad |= tl.max(unreal, 0) > 0
+    poison = tl.where(bad, float("nan"), 0.0)
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+    inv = 1.0 / l_safe
+    oa = acc_a * inv[:, None] + poison
+    ob = acc_b * inv[:, None] + poison
+    lse2 = tl.where(l_i > 0.0, m_i + tl.math.log2(l_safe), float("-inf")) + poison
+    ma = row_ok[:, None] & (dh[None, :] < DV)
+    mb = row_ok[:, None] & (BLOCK_H + dh[None, :] < DV)
+    if SPLIT:
+        prow = (pid_s * tl.num_programs(1) + b).to(tl.int64) * ROWS + rows
+        tl.store(PO + prow[:, None] * DV + dh[None, :], oa, mask=ma)
+        tl.store(PO + prow[:, None] * DV + BLOCK_H + dh[None, :], ob, mask=mb)
+        tl.store(PLSE + prow, lse2, mask=row_ok)
+    else:
+        o_row = token * stride_ot + head * stride_oh
+        tl.store(O + o_row[:, None] + dh[None, :], oa.to(O.dtype.element_ty), mask=ma)
+        tl.store(O + o_row[:, None] + BLOCK_H + dh[None, :], ob.to(O.dtype.element_ty), mask=mb)
+        if HAS_LSE:
+            tl.store(LSE + token * G + head, lse2 * 0.6931471805599453, mask=row_ok)
+
+
+def default_config(dtype: torch.dtype) -> dict:
+    """Tiles of this kernel: 64 rows x 64 keys x 8 warps for bf16/fp16 (two warpgroups over the 64 x 512 fp32
+    accumulator, 128 registers a thread; Q 72 KB + one 72 KB KV stage per num_stages in shared memory);
+    fp32 (ieee dots, no wgmma, twice the bytes): 32 rows x 16 keys."""
+    if dtype == torch.float32:
+        return dict(BLOCK_M=32, BLOCK_N=16, num_warps=8, num_stages=2, min_chunk=256, rescale_tau=0.0)
+    return dict(BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=2, min_chunk=256, rescale_tau=8.0)
+
+
+def _descriptors(kv_cache: Tensor, DV: int, BLOCK_N: int, BLOCK_H: int, BLOCK_R: int):
+    """TMA descriptors of the cache's latent and rope columns as [num_pages * page_size, .] matrices, or
+    None where TMA cannot read whole tiles: a tile must lie on one page and the rows must form one matrix
+    with 16-byte aligned base, row stride and rope offset."""
+    P, ps, D = kv_cache.shape
+    es = kv_cache.element_size()
+    ok = (TensorDescriptor is not None and ps % BLOCK_N == 0 and kv_cache.stride(2) == 1
+          and kv_cache.stride(0) == ps * kv_cache.stride(1) and (kv_cache.stride(1) * es) % 16 == 0
+          and kv_cache.data_ptr() % 16 == 0 and (DV * es) % 16 == 0 and BLOCK_H * es >= 16
+          and (D == DV or BLOCK_R * es >= 16))
+    if not ok:
+        return None
+    rows, rs = P * ps, kv_cache.stride(1)
+    flat = kv_cache.as_strided((rows, D), (rs, 1))
+    ka = TensorDescriptor(flat, [rows, DV], [rs, 1], [BLOCK_N, BLOCK_H])
+    kr = TensorDescriptor(flat[:, DV:], [rows, D - DV], [rs, 1], [BLOCK_N, BLOCK_R]) if D > DV else ka
+    return ka, kr
+
+
+def tree_attention_mla(q: Tensor, kv_cache: Tensor, page_table: Tensor, prefix_lens: Tensor, tree_mask: Tensor,
+                       scale: float, out: Tensor, lse: Optional[Tensor], config: dict) -> None:
+    """This kernel's launcher (checks done by tree_attention.tree_attention_mla, which calls it when
+    config has "tma"). config: tma (bool), rescale_tau (float, 0 = rescale every tile), BLOCK_M, BLOCK_N,
+    num_warps, num_stages, min_chunk, programs_per_sm, splits."""
+    B, N, W = tree_mask.shape
+    G, D = q.shape[1], q.shape[2]
+    DV = out.shape[2]
+    DR = D - DV
+    P, page_size = kv_cache.shape[0], kv_cache.shape[1]
+    rows = N * G
+    cfg = default_config(q.dtype)
+    cfg.update(config)
+    BLOCK_M = min(cfg["BLOCK_M"], _pow2(rows))
+    BLOCK_N = cfg["BLOCK_N"]
+    if BLOCK_N not in (16, 32, 64):
+        raise ValueError(f"config BLOCK_N must be 16, 32 or 64 (a tile spans at most two tree-mask words), got {BLOCK_N}")
+    BLOCK_H = _pow2(DV, 32) // 2
+    BLOCK_R = _pow2(max(DR, 1))
+    m_blocks = -(-rows // BLOCK_M)
+    max_len = page_table.shape[1] * page_size
+    slots = _sm_count(q.device) * cfg.get("programs_per_sm", 1)
+    splits = cfg.get("splits") or num_splits_for(m_blocks * B, max_len, slots, cfg["min_chunk"])
+    split = splits > 1
+    if split:
+        po = torch.empty((splits, B, rows, DV), dtype=torch.float32, device=q.device)
+        plse = torch.empty((splits, B, rows), dtype=torch.float32, device=q.device)
+    else:
+        po = plse = out  # unused
+    desc = _descriptors(kv_cache, DV, BLOCK_N, BLOCK_H, BLOCK_R) if cfg["tma"] else None
+    ka, kr = desc if desc is not None else (None, None)
+    _mla_kernel[(m_blocks, B, splits)](
+        q, kv_cache, ka, kr, page_table, prefix_lens, tree_mask, out, lse if lse is not None else out, po, plse,
+        scale * _LOG2E, N, W, P, page_table.shape[1], page_size, splits,
+        q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), page_table.stride(0), out.stride(0),
+        out.stride(1), G=G, DV=DV, DR=DR, BLOCK_H=BLOCK_H, BLOCK_R=BLOCK_R, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+        SPLIT=split, HAS_LSE=lse is not None, TMA=desc is not None, TAU=float(cfg["rescale_tau"]),
+        DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"])
+    if split:
+        block_v = min(128, _pow2(DV))
+        _merge_kernel[(rows, B, -(-DV // block_v))](
+            po, plse, out, lse if lse is not None else out, N, 1, splits, out.stride(0), out.stride(1),
+            G=G, DV=DV, BLOCK_S=min(16, _pow2(splits, 2)), BLOCK_V=block_v, HAS_LSE=lse is not None, num_warps=4)
