@@ -4,6 +4,9 @@
   vs torch.compile of the same. Bytes: x and residual read and written, the weight read.
 - "add_rmsnorm_capture": the same with the capture of every row into an aux slot (25% more bytes) vs the
   PyTorch way (`aux[:, slot] = residual` after the add) and its torch.compile.
+- "copy(same bytes)" in both: a plain `dst.copy_(src)` moving the op's bytes, the weight aside (capture off:
+  2 x T x H bf16 copied, 4 x T x H x 2 bytes of traffic), so the table shows what a copy of this size
+  reaches in the same run.
 - "capture_3_layers": what capturing three layers costs on top of the norms. torch: SGLang/vLLM's path,
   `h + r` per captured layer then `torch.cat` into [T, 3H]; eagle3: three times (capture on - capture
   off) from the rows above (the extra cost of the fused capture), shown against the torch path.
@@ -34,10 +37,12 @@ def _plain(x, r, w, aux):
 
 
 _compiled = torch.compile(_plain, dynamic=False)
+COPY = "copy(same bytes)"
 PROVIDERS = {
     "eagle3": lambda x, r, w, aux: torch.ops.eagle3.add_rmsnorm_capture(x, r, w, EPS, aux, SLOT, None),
     "torch": _plain,
     "torch.compile": _compiled,
+    COPY: lambda dst, src: dst.copy_(src),
 }
 
 
@@ -53,15 +58,23 @@ def _sets(T, capture):
     return sets, nbytes + H * 2
 
 
+def _copy_sets(T, capture):
+    """(dst, src) pairs whose copy reads and writes the op's bytes (the weight aside)."""
+    nbytes = 4 * T * H * 2 + (T * H * 2 if capture else 0)
+    n = nbytes // 4  # bf16 elements copied: half the traffic is read, half written
+    sets = [(torch.empty(n, device="cuda", dtype=torch.bfloat16), torch.randn(n, device="cuda", dtype=torch.bfloat16))
+            for _ in range(rotation(nbytes))]
+    return sets, nbytes
+
+
 @pytest.mark.parametrize("provider", list(PROVIDERS))
 @pytest.mark.parametrize("capture", [False, True], ids=["off", "capture"])
 @pytest.mark.parametrize("T", TS)
 def test_add_rmsnorm(benchmark, recorder, provider, capture, T):
     fn = PROVIDERS[provider]
-    sets, nbytes = _sets(T, capture)
+    sets, nbytes = (_copy_sets if provider == COPY else _sets)(T, capture)
     us = graph_time_us([lambda s=s: fn(*s) for s in sets])
-    x, r, w, aux = sets[0]
-    benchmark.pedantic(lambda: fn(x, r, w, aux), rounds=100, warmup_rounds=10)
+    benchmark.pedantic(lambda: fn(*sets[0]), rounds=100, warmup_rounds=10)
     _times[(provider, capture, T)] = us
     recorder.add("add_rmsnorm_capture" if capture else "add_rmsnorm", f"T={T} H={H}", provider, us, nbytes,
                  host_us=benchmark.stats.stats.median * 1e6)

@@ -4,7 +4,8 @@
 // residual is the output of layer k, so the capture costs only its writes, never another launch.
 // Memory-bound: one block per token row, every 16-byte load of the row issued before the first store,
 // the row held in registers between the add and the normalisation (a second pass over global memory
-// only for widths beyond the register budget).
+// only for widths beyond the register budget). On sm_90+ it is launched with programmatic dependent launch,
+// so under a CUDA graph the next call's launch overlaps this one's tail (a call cost ~3 us even at T = 1).
 //
 // Rounding, exactly as the reference (eagle3_ops/reference.py): the add in acc_t (fp32, or fp64 when any
 // operand is fp64), rounded once to residual's dtype; then (r * rsqrt(mean(r^2) + eps)) * weight in
@@ -17,12 +18,15 @@
 // (by block 0) and nothing is read or written out of bounds (the CPU reference raises).
 
 #include <ATen/Dispatch.h>
+#include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include <cstdlib>
 #include <limits>
+#include <string>
 #include <type_traits>
 
 #include "eagle3/checks.h"
@@ -30,8 +34,6 @@
 
 namespace eagle3 {
 namespace {
-
-constexpr int kMaxThreads = 1024;
 
 template <typename T>
 __device__ __forceinline__ T nan_of() {
@@ -60,26 +62,54 @@ struct Rows {
   }
 };
 
+// One launch shape: VEC elements per access, up to MAXV accesses per thread held in registers (the
+// cached row), at most THREADS threads, and the launch bound's MIN_BLOCKS resident blocks per SM (which
+// caps the registers at 65536 / (THREADS * MIN_BLOCKS)). Memory-bound at T >= 512, so what counts is
+// rows in flight per SM: at H = 7168 bf16 (224 threads a row), 80 registers fitted 3 rows per SM (396 on
+// the chip: T = 512 ran as a full wave plus a 116-row tail); <8, 4, 224, 4> caps them at 72 and fits 4
+// (528: one wave; the 64 of <8, 4, 256, 4> spilled, as did fp16 under 72). Seven vectors a thread (128
+// threads a row) spilled even at 96 registers: the 16-bit halves of the cached row sit in separate registers.
+template <int VEC_, int MAXV_, int THREADS_, int MIN_BLOCKS_>
+struct Shape {
+  static constexpr int VEC = VEC_, MAXV = MAXV_, THREADS = THREADS_, MIN_BLOCKS = MIN_BLOCKS_;
+};
+
+// Programmatic dependent launch (sm_90+; no-ops when launched without the attribute). The wait comes
+// before the first read of any input and the first write of any output: it returns once the previous
+// grid in the stream has completed and its writes are visible. The trigger lets the next PDL launch
+// (the next layer's call, under a CUDA graph) place its blocks in slots this grid frees, so its launch
+// latency overlaps this grid's tail; it is given once every block of this grid is resident, so it never
+// takes a slot this grid still needs.
+__device__ __forceinline__ void wait_previous_grid() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void allow_next_grid() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 // x        [T, H] row stride xs          (normed hidden out)
 // res      [T, H] row stride rs          (residual stream, += x)
 // w        [H]                           contiguous
 // aux      [R, H] row stride as          already offset to column slot * H; nullptr: no capture
-// grid: T blocks; blockDim.x * MAXV * VEC >= H selects the register-cached path. The launch bound leaves
-// room for the cached row: 1024 threads allow only 64 registers each (seen: MAXV 8 spilled, 6x slower).
-template <int VEC, int MAXV>
-constexpr int kThreadsFor = VEC * MAXV > 16 ? 256 : kMaxThreads;
-
-template <typename x_t, typename r_t, typename w_t, typename acc_t, int VEC, int MAXV>
-__global__ void __launch_bounds__(kThreadsFor<VEC, MAXV>) add_rmsnorm_capture_kernel(
+// grid: T blocks of at most S::THREADS; blockDim.x * MAXV * VEC >= H selects the register-cached path.
+template <typename x_t, typename r_t, typename w_t, typename acc_t, typename S>
+__global__ void __launch_bounds__(S::THREADS, S::MIN_BLOCKS) add_rmsnorm_capture_kernel(
     x_t* __restrict__ x, int64_t xs, r_t* __restrict__ res, int64_t rs, const w_t* __restrict__ w,
     r_t* __restrict__ aux, int64_t as, Rows rows, int64_t T, int64_t H, acc_t eps) {
+  constexpr int VEC = S::VEC, MAXV = S::MAXV;
   using xv_t = Vec<x_t, VEC>;
   using rv_t = Vec<r_t, VEC>;
   using wv_t = Vec<w_t, VEC>;
-  __shared__ acc_t red[kMaxThreads / 32];
-  __shared__ int64_t matched[kMaxThreads];
+  __shared__ acc_t red[S::THREADS / 32];
+  __shared__ int64_t matched[S::THREADS];
   __shared__ int n_matched;
 
+  wait_previous_grid();
+  allow_next_grid();
   const int64_t t = blockIdx.x;
   const int64_t nvec = H / VEC;
   const int tid = threadIdx.x, nt = blockDim.x;
@@ -92,27 +122,37 @@ __global__ void __launch_bounds__(kThreadsFor<VEC, MAXV>) add_rmsnorm_capture_ke
   rv_t nr[MAXV];  // the new residual, kept for the normalisation and the captures
   acc_t ss = 0;
   if (cached) {
+    // In-row indices fit an int here (nvec <= THREADS * MAXV).
+    const int n = static_cast<int>(nvec);
+    xv_t* xme = xrow + tid;  // this thread's vectors: xme[u * nt]
+    rv_t* rme = rrow + tid;
     xv_t xv[MAXV];
 #pragma unroll
     for (int u = 0; u < MAXV; ++u) {
-      const int64_t v = tid + static_cast<int64_t>(u) * nt;
-      if (v < nvec) {
-        xv[u] = xrow[v];
-        nr[u] = rrow[v];
+      if (tid + u * nt < n) {
+        xv[u] = xme[u * nt];
+        nr[u] = rme[u * nt];
       }
     }
 #pragma unroll
     for (int u = 0; u < MAXV; ++u) {
-      const int64_t v = tid + static_cast<int64_t>(u) * nt;
-      if (v >= nvec) continue;
+      if (tid + u * nt >= n) continue;
 #pragma unroll
       for (int i = 0; i < VEC; ++i) {
         nr[u].v[i] = static_cast<r_t>(static_cast<acc_t>(xv[u].v[i]) + static_cast<acc_t>(nr[u].v[i]));
         const acc_t a = static_cast<acc_t>(nr[u].v[i]);
         ss += a * a;
       }
-      rrow[v] = nr[u];
-      if (capture_all) reinterpret_cast<rv_t*>(aux + t * as)[v] = nr[u];
+      rme[u * nt] = nr[u];
+    }
+    // The capture in its own loop: interleaved with the residual stores above it cost 20 registers (seen:
+    // 100 instead of 80 at <8, 4, 256, 1>, and spills under the 4-blocks bound).
+    if (capture_all) {
+      rv_t* ame = reinterpret_cast<rv_t*>(aux + t * as) + tid;
+#pragma unroll
+      for (int u = 0; u < MAXV; ++u) {
+        if (tid + u * nt < n) ame[u * nt] = nr[u];
+      }
     }
   } else {
     for (int64_t v = tid; v < nvec; v += nt) {
@@ -142,10 +182,11 @@ __global__ void __launch_bounds__(kThreadsFor<VEC, MAXV>) add_rmsnorm_capture_ke
     xrow[v] = o;
   };
   if (cached) {
+    const int n = static_cast<int>(nvec);
 #pragma unroll
     for (int u = 0; u < MAXV; ++u) {
-      const int64_t v = tid + static_cast<int64_t>(u) * nt;
-      if (v < nvec) normed(nr[u], v);
+      const int v = tid + u * nt;
+      if (v < n) normed(nr[u], v);
     }
   } else {
     for (int64_t v = tid; v < nvec; v += nt) normed(rrow[v], v);  // this thread's own writes of pass one
@@ -189,9 +230,43 @@ __global__ void __launch_bounds__(kThreadsFor<VEC, MAXV>) add_rmsnorm_capture_ke
 template <typename T>
 constexpr bool kIsDouble = std::is_same_v<T, double>;
 
+// Launch options, for benchmarking only: EAGLE3_ADD_RMSNORM_VARIANT="pdl=0|1,shape=lean|wide".
+// Unset at the first call: never read again (the defaults, no per-call cost). Set at the first call: read
+// at every call, so a sweep (bench/sweep_rmsnorm.py) can capture one graph per variant in one process.
+struct Variant {
+  int pdl = -1;      // -1: on for sm_90+ (the launch attribute and griddepcontrol need Hopper)
+  char shape = 'l';  // T >= 264 with bf16 x and residual: 'l'ean <8, 4, 224, 4> (4 rows per SM; rows
+                     // up to 7168 bf16) or 'w'ide <8, 4, 256, 1> (no minimum: 80 registers, 3 rows; before PDL)
+};
+
+Variant variant() {
+  static const bool sweeping = std::getenv("EAGLE3_ADD_RMSNORM_VARIANT") != nullptr;
+  Variant out;
+  if (!sweeping) return out;
+  const char* env = std::getenv("EAGLE3_ADD_RMSNORM_VARIANT");
+  const std::string s = env ? env : "";
+  size_t pos = 0;
+  while (pos < s.size()) {
+    size_t end = s.find(',', pos);
+    if (end == std::string::npos) end = s.size();
+    const std::string kv = s.substr(pos, end - pos);
+    pos = end + 1;
+    if (kv.empty()) continue;
+    if (kv == "pdl=0" || kv == "pdl=1") {
+      out.pdl = kv.back() - '0';
+    } else if (kv == "shape=lean" || kv == "shape=wide") {
+      out.shape = kv[6];
+    } else {
+      TORCH_CHECK_VALUE(false, "EAGLE3_ADD_RMSNORM_VARIANT: expected pdl=0|1,shape=lean|wide, got '", kv, "'");
+    }
+  }
+  return out;
+}
+
 template <typename x_t, typename r_t, typename w_t>
 void launch(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight,
-            const std::optional<at::Tensor>& aux_slice, Rows rows, double eps, cudaStream_t stream) {
+            const std::optional<at::Tensor>& aux_slice, Rows rows, double eps, bool pdl, char shape,
+            cudaStream_t stream) {
   using acc_t = std::conditional_t<kIsDouble<x_t> || kIsDouble<r_t> || kIsDouble<w_t>, double, float>;
   const int64_t T = x.size(0), H = x.size(1);
   constexpr int V = kVec16<x_t>;
@@ -203,24 +278,40 @@ void launch(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& w
   const bool vec_ok = H % V == 0 && ok(x.data_ptr(), x.stride(0), sizeof(x_t) * V) &&
                       ok(residual.data_ptr(), residual.stride(0), sizeof(r_t) * V) &&
                       ok(weight.data_ptr(), 0, sizeof(w_t) * V) && (!aux_ptr || ok(aux_ptr, as, sizeof(r_t) * V));
-  auto go = [&](auto vec_tag, auto maxv_tag) {
-    constexpr int VEC = decltype(vec_tag)::value, MAXV = decltype(maxv_tag)::value;
-    const int64_t nvec = H / VEC;
-    int64_t threads = (nvec + MAXV - 1) / MAXV;
-    threads = std::min<int64_t>(kThreadsFor<VEC, MAXV>, std::max<int64_t>(32, (threads + 31) / 32 * 32));
-    add_rmsnorm_capture_kernel<x_t, r_t, w_t, acc_t, VEC, MAXV><<<static_cast<unsigned>(T), static_cast<unsigned>(threads), 0, stream>>>(
-        x.data_ptr<x_t>(), x.stride(0), residual.data_ptr<r_t>(), residual.stride(0), weight.data_ptr<w_t>(),
-        aux_ptr, as, rows, T, H, static_cast<acc_t>(eps));
+  auto go = [&](auto shape_tag) {
+    using S = decltype(shape_tag);
+    const int64_t nvec = H / S::VEC;
+    int64_t threads = (nvec + S::MAXV - 1) / S::MAXV;
+    threads = std::min<int64_t>(S::THREADS, std::max<int64_t>(32, (threads + 31) / 32 * 32));
+    cudaLaunchConfig_t config = {};
+    config.gridDim = dim3(static_cast<unsigned>(T));
+    config.blockDim = dim3(static_cast<unsigned>(threads));
+    config.stream = stream;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    config.attrs = attr;
+    config.numAttrs = pdl ? 1 : 0;
+    C10_CUDA_CHECK(cudaLaunchKernelEx(&config, add_rmsnorm_capture_kernel<x_t, r_t, w_t, acc_t, S>, x.data_ptr<x_t>(),
+                                      x.stride(0), residual.data_ptr<r_t>(), residual.stride(0), weight.data_ptr<w_t>(),
+                                      aux_ptr, as, rows, T, H, static_cast<acc_t>(eps)));
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   };
-  using one = std::integral_constant<int, 1>;
   if (!vec_ok) {
-    go(one{}, std::integral_constant<int, 8>{});
+    go(Shape<1, 8, kIsDouble<acc_t> ? 512 : 1024, 1>{});  // fp64 sums spilled under 64 registers
   } else if (T < 2 * 132) {
     // Few rows (decode, verify): more threads per row, so more loads are in flight across the chip.
-    go(std::integral_constant<int, V>{}, std::integral_constant<int, 2>{});
+    go(Shape<V, 2, 1024, 1>{});
+  } else if constexpr (std::is_same_v<x_t, at::BFloat16> && std::is_same_v<r_t, at::BFloat16>) {
+    // Many rows: as many rows per SM as the registers allow (see Shape). fp16 spilled under 72 registers.
+    if (shape == 'w' || H / V > 224 * 4) {
+      go(Shape<V, 4, 256, 1>{});
+    } else {
+      go(Shape<V, 4, 224, 4>{});
+    }
   } else {
-    go(std::integral_constant<int, V>{}, std::integral_constant<int, 4>{});
+    // fp16, an fp32 residual, fp32 / fp64 x: the bound without a minimum (at most 82 registers, spill-free).
+    go(Shape<V, 4, 256, 1>{});
   }
 }
 
@@ -270,15 +361,17 @@ void add_rmsnorm_capture_cuda(const at::Tensor& x, const at::Tensor& residual, c
   at::Tensor w = weight;
   if (weight.scalar_type() != xt && weight.scalar_type() != at::kFloat) w = weight.to(xt == at::kDouble ? at::kDouble : at::kFloat);
   const bool w_is_x = w.scalar_type() == xt;
+  const Variant opt = variant();
+  const bool pdl = opt.pdl < 0 ? at::cuda::getDeviceProperties(x.get_device())->major >= 9 : opt.pdl == 1;
 
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, xt, "add_rmsnorm_capture", [&] {
     using x_t = scalar_t;
     auto with_w = [&](auto r_tag) {
       using r_t = decltype(r_tag);
       if (w_is_x) {
-        launch<x_t, r_t, x_t>(x, residual, w, aux_slice, rws, eps, stream);
+        launch<x_t, r_t, x_t>(x, residual, w, aux_slice, rws, eps, pdl, opt.shape, stream);
       } else {
-        launch<x_t, r_t, float>(x, residual, w, aux_slice, rws, eps, stream);
+        launch<x_t, r_t, float>(x, residual, w, aux_slice, rws, eps, pdl, opt.shape, stream);
       }
     };
     if (rt == xt) {
