@@ -38,6 +38,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <vector>
 
@@ -183,6 +184,26 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) kv_accept_kernel(
 constexpr int kBulkThreads = 128;
 constexpr int64_t kStageBytes = 48 * 1024;  // staging per block: 4 blocks (512 at B 64) resident per SM
 constexpr int64_t kStages = 4;             // pipeline slots: stores of one round overlap later rounds' loads
+
+// Benchmark-only tuning, read per call: EAGLE3_KV_ACCEPT_TUNE="staging_kb,stages,max_cluster" (bench sweeps).
+struct BulkTuning {
+  int64_t stage_bytes = kStageBytes;
+  int64_t stages = kStages;
+  int64_t max_cluster = 8;
+};
+
+BulkTuning bulk_tuning() {
+  BulkTuning t;
+  if (const char* env = std::getenv("EAGLE3_KV_ACCEPT_TUNE"); env != nullptr && env[0] != '\0') {
+    long kb = 0, stages = 0, cluster = 0;
+    if (std::sscanf(env, "%ld,%ld,%ld", &kb, &stages, &cluster) == 3 && kb > 0 && stages > 0 && cluster > 0) {
+      t.stage_bytes = std::min<int64_t>(kb, 160) * 1024;
+      t.stages = stages;
+      t.max_cluster = std::min<long>(cluster, 8);
+    }
+  }
+  return t;
+}
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -367,13 +388,15 @@ void launch_bulk(const Group& g, size_t first, size_t count, int C, int64_t B, c
   LayerBases bases{};
   for (size_t i = 0; i < count; ++i) bases.base[i] = g.bases[first + i];
   const int64_t row_bytes = g.vpr * 16;
-  // Up to kStages slots, each holding one column's chunks of all N rows (the most that can move).
-  const int64_t stages = std::max<int64_t>(1, std::min<int64_t>(kStages, kStageBytes / (16 * N)));
-  const int64_t W = std::min<int64_t>(row_bytes, kStageBytes / stages / (16 * N) * 16);  // >= 16
+  // Up to `stages` slots, each holding one column's chunks of all N rows (the most that can move).
+  const BulkTuning tune = bulk_tuning();
+  const int64_t budget = std::max<int64_t>(tune.stage_bytes, 16 * N);
+  const int64_t stages = std::max<int64_t>(1, std::min<int64_t>(tune.stages, budget / (16 * N)));
+  const int64_t W = std::min<int64_t>(row_bytes, budget / stages / (16 * N) * 16);  // >= 16
   const int64_t q = (row_bytes + W - 1) / W;
   const int64_t cols = (static_cast<int64_t>(count) * q + C - 1) / C;  // a block's columns, at most
   const int64_t per_slot = std::max<int64_t>(1, (cols + stages - 1) / stages);
-  const int64_t slot = std::min<int64_t>(kStageBytes / stages / 16 * 16, per_slot * N * W);
+  const int64_t slot = std::min<int64_t>(budget / stages / 16 * 16, per_slot * N * W);
   const size_t smem = static_cast<size_t>(stages * slot + 2 * N * sizeof(int64_t) + stages * sizeof(uint64_t));
   if (smem > 48 * 1024) {  // a host-side attribute of the current device: no sync, graph-capture safe
     C10_CUDA_CHECK(cudaFuncSetAttribute(kv_accept_bulk_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -480,8 +503,9 @@ void kv_accept_cuda(const at::TensorList caches, const at::Tensor& page_table, c
   const c10::cuda::OptionalCUDAGuard guard(first.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const int64_t want = (4 * num_sms(first.get_device()) + B - 1) / B;
-  const int C = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(kMaxCluster, want)));
   const bool bulk = bulk_path_available(first.get_device());
+  const int64_t max_cluster = bulk ? bulk_tuning().max_cluster : kMaxCluster;
+  const int C = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(max_cluster, want)));
   size_t launches = 0;
   for (const Group& g : groups) launches += std::max<size_t>(1, (g.bases.size() + kMaxLayers - 1) / kMaxLayers);
   size_t done = 0;

@@ -1,0 +1,60 @@
+"""kv_accept's bulk-copy path under different staging / pipeline / cluster settings (a tuning aid, not a
+benchmark): python bench/sweep_kv_accept.py [--ncu]. Same caches and patterns as bench_kv_accept.py;
+prints us per (setting, shape) and, for reference, a plain device copy of the same bytes in the same run.
+Settings are EAGLE3_KV_ACCEPT_TUNE="staging_kb,stages,max_cluster" (csrc/kv_accept.cu: bulk_tuning).
+--ncu: a few calls of the default setting at B 64, for `ncu -k regex:kv_accept`."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+import bench_kv_accept as bk  # noqa: E402
+from common import Ceilings, graph_time_us, rotation  # noqa: E402
+
+SETTINGS = ["", "48,1,8", "48,2,8", "24,1,8", "24,2,8", "16,1,8", "96,1,8", "24,1,4", "12,1,8"]
+SHAPES = [(64, "all_move"), (1, "all_move"), (64, "chain")]
+
+
+def time_setting(setting, B, pattern):
+    os.environ["EAGLE3_KV_ACCEPT_TUNE"] = setting
+    caches, page_table, starts, nodes, lens, nbytes, region = bk._setup(B, pattern)
+    prefixes = [s.clone() for s in starts]
+    calls = [lambda p=p: bk.eagle3_accept(caches, page_table, p, nodes, lens) for p in prefixes]
+    return graph_time_us(calls, reps=20), nbytes
+
+
+def copy_same_bytes(nbytes):
+    sets = rotation(nbytes)
+    pairs = [(torch.empty(nbytes // 4, dtype=torch.int16, device="cuda"),
+              torch.empty(nbytes // 4, dtype=torch.int16, device="cuda")) for _ in range(sets)]
+    return graph_time_us([lambda s=s, d=d: d.copy_(s) for s, d in pairs], reps=20)
+
+
+def main():
+    if "--ncu" in sys.argv:
+        caches, page_table, starts, nodes, lens, _, _ = bk._setup(64, "all_move")
+        for k in range(4):
+            bk.eagle3_accept(caches, page_table, starts[k % len(starts)], nodes, lens)
+        torch.cuda.synchronize()
+        return
+    c = Ceilings.measure()
+    print(f"copy {c.copy_bw / 1e12:.2f} TB/s")
+    for B, pattern in SHAPES:
+        for setting in SETTINGS:
+            us, nbytes = time_setting(setting, B, pattern)
+            floor = nbytes / c.copy_bw * 1e6
+            print(f"B{B:<3} {pattern:<9} tune {setting or 'default':<8} {us:8.2f} us  floor {floor:6.2f} us "
+                  f"({100 * floor / us:5.1f}%)", flush=True)
+        if nbytes:
+            us = copy_same_bytes(nbytes)
+            print(f"B{B:<3} {pattern:<9} copy of the same bytes {us:8.2f} us ({100 * floor / us:5.1f}% of copy rate)",
+                  flush=True)
+    os.environ.pop("EAGLE3_KV_ACCEPT_TUNE", None)
+
+
+if __name__ == "__main__":
+    main()
