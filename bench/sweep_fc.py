@@ -16,11 +16,13 @@ PER_SM > 0 is the persistent stream-K kernel (PER_SM programs per SM, equal weig
 from __future__ import annotations
 
 import concurrent.futures as cf
+import hashlib
 import multiprocessing as mp
 import os
 import subprocess
 import sys
 import time
+import traceback
 
 import torch
 
@@ -49,8 +51,32 @@ CANDIDATES = {
 
 
 def _cfg(c):
-    v = [int(x) for x in c.split(",")] + [0, 0]
+    from eagle3_ops.triton_kernels.fc_proj import parse_override
+
+    v = parse_override(c)
     return dict(BLOCK_N=v[0], BLOCK_K=v[1], split=v[2], num_warps=v[3], num_stages=v[4], per_sm=v[5], tma=v[6])
+
+
+def _where(e):
+    """An exception as "Type at file:line: message" (its innermost frame), so a log shows where it came from."""
+    tb = traceback.extract_tb(e.__traceback__)
+    at = f" at {os.path.basename(tb[-1].filename)}:{tb[-1].lineno}" if tb else ""
+    return f"{type(e).__name__}{at}: {e}"
+
+
+def _kernels_module():
+    """eagle3_ops.triton_kernels.fc_proj, refused when it predates this script's config fields: a stale copy
+    (an old eagle3_ops/triton_kernels or install on the machine) failed every stream-K candidate on the
+    H200 with the old 5-field parser's "too many values to unpack (expected 5)"."""
+    from eagle3_ops.triton_kernels import fc_proj as kernels  # (importing eagle3_ops registers its ops)
+
+    with open(kernels.__file__, "rb") as f:
+        src = f.read()
+    blob = hashlib.sha1(b"blob %d\0" % len(src) + src).hexdigest()[:10]  # = git hash-object / rev-parse HEAD:path
+    print(f"kernels {os.path.realpath(kernels.__file__)} (blob {blob})", flush=True)
+    if not hasattr(kernels, "parse_override") or not hasattr(kernels, "_persistent"):
+        sys.exit(f"{kernels.__file__} has no stream-K path (PER_SM/TMA fields): stale copy of fc_proj.py")
+    return kernels
 
 
 # ---- the GPU run --------------------------------------------------------------------------------------
@@ -89,7 +115,7 @@ def _precompile(task):
         torch.cuda.synchronize()
         return f"{time.time() - t0:.1f} s"
     except Exception as e:  # out of shared memory etc.: reported again by the timed loop
-        return f"{type(e).__name__}"
+        return _where(e)[:100]
 
 
 def _scaled_mm_call(aux, w8, scale):
@@ -106,6 +132,7 @@ def _scaled_mm_call(aux, w8, scale):
 
 def main(ts):
     t_start = time.time()
+    kernels = _kernels_module()
     tasks = [(name, c, ts) for name, cs in CANDIDATES.items() for c in [None] + cs]
     workers = min(len(tasks), max(1, (os.cpu_count() or 2) - 2), 14)
     with cf.ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as pool:
@@ -116,7 +143,6 @@ def main(ts):
     import torch.nn.functional as F
 
     from common import Ceilings, graph_time_us
-    from eagle3_ops.triton_kernels import fc_proj as kernels
 
     bw = Ceilings.measure().copy_bw
     print(f"copy {bw / 1e12:.2f} TB/s (read + write)")
@@ -144,7 +170,7 @@ def main(ts):
                     err = float((out.float() - truth).norm() / truth.norm())
                     us = graph_time_us([_call(name, aux, out)], reps=10)
                 except Exception as e:
-                    print(f"T={T:<3} {name:<4} {c or 'default':<20} {type(e).__name__}: {str(e)[:80]}")
+                    print(f"T={T:<3} {name:<4} {c or 'default':<20} {_where(e)[:120]}")
                     continue
                 ok = err <= 1e-2  # tests/conftest.TOLERANCES[bf16]; NaN (rows not written) fails too
                 rows.append((us if ok else float("inf"), c or "default", err, ok))
@@ -172,8 +198,7 @@ def compile_report():
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from eagle3_ops.triton_kernels import fc_proj as kernels
-
+    kernels = _kernels_module()
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
     ptx_file = os.path.join(os.environ.get("TMPDIR", "/tmp"), "fc_proj_report.ptx")
     for name, cs in CANDIDATES.items():

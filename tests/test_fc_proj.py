@@ -249,6 +249,25 @@ def test_triton_interpreted(gen, monkeypatch, T, R, H, Hd, norm_mode, dtype, pat
     _check(out, _truth64(aux, weight, scale, nw, 1e-6, norm_mode, rows), f"{path} {norm_mode}")
 
 
+@pytest.mark.parametrize("config, fields", [("64,128,4,4,4", (64, 128, 4, 4, 4, 0, 0)),
+                                            ("64,128,0,4,3,3", (64, 128, 0, 4, 3, 3, 0)),
+                                            ("64,128,0,4,3,3,1", (64, 128, 0, 4, 3, 3, 1))])
+def test_config_override_fields(monkeypatch, config, fields):
+    """5, 6 and 7 fields parse (the H200 sweep's stream-K candidates failed with a bare "too many values to
+    unpack (expected 5)" where an fc_proj.py older than the PER_SM/TMA fields was imported); 6+ selects
+    the persistent kernel."""
+    pytest.importorskip("triton")
+    from eagle3_ops.triton_kernels import fc_proj as kernels
+
+    assert kernels.parse_override(config) == fields
+    monkeypatch.setattr(kernels, "CONFIG_OVERRIDE", config)
+    cfg = kernels.stream_config(1, 7168, 21504, 1, torch.empty(0, dtype=torch.bfloat16))
+    assert (cfg["BLOCK_N"], cfg["num_stages"], cfg["per_sm"], cfg["tma"]) == (fields[0], fields[4], *fields[5:])
+    for bad in ("64,128,4,4", "64,128,0,4,3,3,1,9"):
+        with pytest.raises(ValueError, match="expected 5 to 7"):
+            kernels.parse_override(bad)
+
+
 @pytest.mark.skipif(not INTERPRET, reason="the Triton interpreter runs the kernels on CPU tensors")
 @pytest.mark.parametrize("path", ["stream", "persistent"])
 def test_triton_interpreted_out_of_range_rows_give_nan_rows(gen, monkeypatch, path):

@@ -267,11 +267,20 @@ def _compute_dtype(aux: Tensor, weight: Tensor) -> torch.dtype:
 _TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
+def parse_override(config: str) -> tuple:
+    """CONFIG_OVERRIDE's "BN,BK,SPLIT,warps,stages[,PER_SM[,TMA]]" as 7 ints (PER_SM, TMA default to 0)."""
+    v = [int(x) for x in config.split(",")]
+    if not 5 <= len(v) <= 7:
+        raise ValueError(f"fc_proj config {config!r}: expected 5 to 7 comma-separated ints "
+                         "BN,BK,SPLIT,warps,stages[,PER_SM[,TMA]]")
+    return tuple(v + [0] * (7 - len(v)))
+
+
 def stream_config(R: int, Hd: int, K: int, n_chunks: int, weight: Tensor) -> dict:
     """Tile sizes and the K split for the weight-streaming kernel (CONFIG_OVERRIDE replaces them)."""
     per_sm, tma = 0, 0
     if CONFIG_OVERRIDE:
-        bn, bk, split, warps, stages, per_sm, tma = ([int(v) for v in CONFIG_OVERRIDE.split(",")] + [0, 0])[:7]
+        bn, bk, split, warps, stages, per_sm, tma = parse_override(CONFIG_OVERRIDE)
     elif weight.element_size() == 1:
         # measured on the H200 (bench/results/fc_sweep_h200.log): 48 us at T = 1, 73 us at T = 64
         bn, bk, split, warps, stages = 128, 128, 4, 4, 3
