@@ -25,6 +25,9 @@ BENCHES=("$@")
   start=$(date +%s)
   # pip there cannot build without a network, so build in place and make the checkout look
   # installed: eagle3_ops.triton_kernels is the top-level triton_kernels/ folder (as setup.py maps it).
+  # A warm machine keeps the last call's build/ folder, whose objects can be newer than the sources copied in
+  # now (ninja then says "no work to do" and the old kernels run): always build from scratch.
+  rm -rf build
   python3 setup.py build_ext --inplace || exit 1
   [ -e eagle3_ops/triton_kernels ] || ln -s ../triton_kernels eagle3_ops/triton_kernels
   echo "build took $(( $(date +%s) - start )) s"

@@ -282,10 +282,14 @@ def stream_config(R: int, Hd: int, K: int, n_chunks: int, weight: Tensor) -> dic
     if CONFIG_OVERRIDE:
         bn, bk, split, warps, stages, per_sm, tma = parse_override(CONFIG_OVERRIDE)
     elif weight.element_size() == 1:
-        # measured on the H200 (bench/results/fc_sweep_h200.log): 48 us at T = 1, 73 us at T = 64
-        bn, bk, split, warps, stages = 128, 128, 4, 4, 3
+        # stream-K, TMA weight tiles, 2 programs per SM; measured on the H200 at 5180f72
+        # (bench/results/fc_sweep_streamk_h200.log): 42.1 / 44.8 / 65.1 us at T = 1 / 16 / 64
+        bn, bk, split, warps, stages, per_sm, tma = 128, 128, 0, 4, 4, 2, 1
+    elif weight.element_size() == 2:
+        # stream-K, TMA weight tiles, one 8-warp program per SM: 72.8 / 75.8 / 84.0 us at T = 1 / 16 / 64
+        bn, bk, split, warps, stages, per_sm, tma = 128, 128, 0, 8, 4, 1, 1
     else:
-        # measured: 77 us at T = 1 (64-row tiles), 87 us at T = 64 (128-row tiles: half the aux re-reads)
+        # fp32 weights: split-K (the stream-K tiles above would not fit shared memory in fp32)
         bn, bk, split, warps, stages = (64 if R <= 16 else 128), 128, 4, 4, 4
     spc = max(1, split // n_chunks)  # splits per chunk: a split never straddles a chunk
     return dict(BLOCK_N=bn, BLOCK_K=bk, splits_per_chunk=spc, num_warps=warps, num_stages=stages, per_sm=per_sm,

@@ -228,7 +228,8 @@ def default_config(dtype: torch.dtype) -> dict:
     fp32 (ieee dots, no wgmma, twice the bytes): 32 rows x 16 keys."""
     if dtype == torch.float32:
         return dict(BLOCK_M=32, BLOCK_N=16, num_warps=8, num_stages=2, min_chunk=256, rescale_tau=0.0)
-    return dict(BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=2, min_chunk=256, rescale_tau=8.0)
+    # rescale_tau 0: on the H200 the lazy rescale (tau 8) was 11% slower (329 vs 293 us, N16 B1 P32768)
+    return dict(BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=2, min_chunk=256, rescale_tau=0.0)
 
 
 def _descriptors(kv_cache: Tensor, DV: int, BLOCK_N: int, BLOCK_H: int, BLOCK_R: int):
@@ -252,8 +253,8 @@ def _descriptors(kv_cache: Tensor, DV: int, BLOCK_N: int, BLOCK_H: int, BLOCK_R:
 
 def tree_attention_mla(q: Tensor, kv_cache: Tensor, page_table: Tensor, prefix_lens: Tensor, tree_mask: Tensor,
                        scale: float, out: Tensor, lse: Optional[Tensor], config: dict) -> None:
-    """This kernel's launcher (checks done by tree_attention.tree_attention_mla, which calls it when
-    config has "tma"). config: tma (bool), rescale_tau (float, 0 = rescale every tile), BLOCK_M, BLOCK_N,
+    """This kernel's launcher (checks done by tree_attention.tree_attention_mla, which calls it by
+    default). config: tma (bool), rescale_tau (float, 0 = rescale every tile), BLOCK_M, BLOCK_N,
     num_warps, num_stages, min_chunk, programs_per_sm, splits."""
     B, N, W = tree_mask.shape
     G, D = q.shape[1], q.shape[2]

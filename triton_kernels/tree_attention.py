@@ -343,23 +343,26 @@ def _check_float(q: Tensor) -> None:
 def tree_attention_mla(q: Tensor, kv_cache: Tensor, page_table: Tensor, prefix_lens: Tensor, tree_mask: Tensor,
                        scale: float, out: Tensor, lse: Optional[Tensor], *, config: Optional[dict] = None) -> None:
     """Triton tree_attention_mla (arguments as the op; eagle3_ops.reference.tree_attention_mla is the spec).
-    `config` overrides tile sizes and the split count (benchmarks and tests only); {"v_split": 2} splits
-    the 512 V dims across two programs per row block (see default_config); a config with "tma" (True or
-    False) runs triton_kernels/mla_decode.py's kernel instead (whole tiles unmasked, TMA where it can)."""
+    `config` overrides tile sizes and the split count (benchmarks and tests only). The kernel is
+    triton_kernels/mla_decode.py's (whole prefix tiles unmasked, read with TMA where page_size allows;
+    config "tma": False forces gathered tiles): 1.7-1.9x this file's kernel on the H200 at 5180f72
+    (bench/results/tree_attention_tma_h200.log). {"kernel": "v1"} runs this file's kernel instead, and
+    {"v_split": 2} its variant splitting the 512 V dims across two programs per row block."""
     _check_float(q)
     D, Dv = q.shape[2], out.shape[2]
     if Dv > MLA_MAX_DV or D - Dv > MLA_MAX_ROPE:
         raise ValueError(f"out must have Dv <= {MLA_MAX_DV} and q's D - Dv <= {MLA_MAX_ROPE} for the Triton "
                          f"kernel (Kimi: 512 and 64), got Dv = {Dv}, D = {D}")
-    if config is not None and "tma" in config:
-        if config.get("v_split", 1) != 1:
-            raise ValueError("config tma and v_split exclude each other")
-        from .mla_decode import tree_attention_mla as launch
-
-        launch(q, kv_cache, page_table, prefix_lens, tree_mask, scale, out, lse, config)
+    config = dict(config or {})
+    if config.pop("kernel", None) == "v1" or config.get("v_split", 1) != 1:
+        if "tma" in config:
+            raise ValueError("config tma needs the default kernel, not kernel v1 / v_split")
+        _launch(q, kv_cache, kv_cache, page_table, prefix_lens, tree_mask, scale, out, lse, HKV=1, D1=Dv,
+                D2=D - Dv, DV=Dv, shared_v=True, config=config)
         return
-    _launch(q, kv_cache, kv_cache, page_table, prefix_lens, tree_mask, scale, out, lse, HKV=1, D1=Dv,
-            D2=D - Dv, DV=Dv, shared_v=True, config=config)
+    from .mla_decode import tree_attention_mla as launch
+
+    launch(q, kv_cache, page_table, prefix_lens, tree_mask, scale, out, lse, {"tma": True, **config})
 
 
 def tree_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, page_table: Tensor, prefix_lens: Tensor,
