@@ -15,7 +15,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import bench_kv_accept as bk  # noqa: E402
 from common import Ceilings, graph_time_us, rotation  # noqa: E402
 
-SETTINGS = ["", "48,1,8", "24,1,8", "24,1,4"]
+SETTINGS = ["", "36,1,8", "24,1,8", "48,1,8", "64,1,8", "36,2,8"]
 SHAPES = [(64, "all_move"), (1, "all_move"), (64, "chain")]
 
 

@@ -235,8 +235,9 @@ constexpr bool kIsDouble = std::is_same_v<T, double>;
 // at every call, so a sweep (bench/sweep_rmsnorm.py) can capture one graph per variant in one process.
 struct Variant {
   int pdl = -1;      // -1: on for sm_90+ (the launch attribute and griddepcontrol need Hopper)
-  char shape = 'l';  // T >= 264 with bf16 x and residual: 'l'ean <8, 4, 224, 4> (4 rows per SM; rows
-                     // up to 7168 bf16) or 'w'ide <8, 4, 256, 1> (no minimum: 80 registers, 3 rows; before PDL)
+  char shape = 'a';  // T >= 264 with bf16 x and residual: 'l'ean <8, 4, 224, 4> (4 rows per SM; rows
+                     // up to 7168 bf16), 'w'ide <8, 4, 256, 1> (no minimum: 80 registers, 3 rows), or
+                     // 'a'uto: lean below T = 2048, wide from there
 };
 
 Variant variant() {
@@ -304,7 +305,11 @@ void launch(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& w
     go(Shape<V, 2, 1024, 1>{});
   } else if constexpr (std::is_same_v<x_t, at::BFloat16> && std::is_same_v<r_t, at::BFloat16>) {
     // Many rows: as many rows per SM as the registers allow (see Shape). fp16 spilled under 72 registers.
-    if (shape == 'w' || H / V > 224 * 4) {
+    // Measured on the H200 (bench/results/add_rmsnorm_sweep_h200.log, capture off, PDL on): lean 9.1 vs
+    // wide 11.7 us at T = 512, 17.2 vs 18.3 at T = 1024; wide 59.6 vs lean 61.9 at T = 4096 (one wave of
+    // 4 rows per SM matters while T is a few waves; beyond that the wider loads win).
+    const bool wide = shape == 'w' || (shape == 'a' && T >= 2048);
+    if (wide || H / V > 224 * 4) {
       go(Shape<V, 4, 256, 1>{});
     } else {
       go(Shape<V, 4, 224, 4>{});

@@ -54,7 +54,7 @@ constexpr int kRoundUnits = kThreads * kUnits;  // 2048: a round holds every mov
 constexpr int kMaxNodes = kRoundUnits;          // N <= 2048 keeps one column's rows in one round
 constexpr int kMaxLayers = 128;                 // per launch (kernel parameter space); more layers: more launches
 constexpr int kMaxCluster = 8;
-constexpr int kMinBlocksPerSm = 4;             // <= 64 registers: 1024 threads and 128 KB of loads in flight per SM
+constexpr int kMinBlocksPerSm = 3;             // <= 85 registers: no spills in the 16-byte instance (64 spilled 40 B)
 
 struct LayerBases {
   void* base[kMaxLayers];
@@ -164,7 +164,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) kv_accept_kernel(
       }
       __syncthreads();  // every read of this round's columns happens before any write to them
       // The destinations are recomputed rather than kept from the loads: 8 fewer 64-bit registers, so
-      // that 4 blocks fit on an SM and the 8 blocks of every request of a B 64 batch run in one wave.
+      // that the kernel stays within 85 registers without spilling.
 #pragma unroll
       for (int k = 0; k < kUnits; ++k) {
         uint32_t row, layer, unit;
@@ -182,13 +182,16 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) kv_accept_kernel(
 // ---- bulk-copy (TMA) path, sm_90+ ------------------------------------------------------------------------
 
 constexpr int kBulkThreads = 128;
-constexpr int64_t kStageBytes = 48 * 1024;  // staging per block: 4 blocks (512 at B 64) resident per SM
-constexpr int64_t kStages = 4;             // pipeline slots: stores of one round overlap later rounds' loads
+constexpr int64_t kMaxStageBytes = 96 * 1024;  // staging per block, at most
+// Measured on the H200 (bench/results/kv_accept_h200.log, L 61 B 64 N 8, 4 rows moving): staging sized so
+// that every cluster of the grid is resident at once (36 KB at B 64: one round, 6 blocks an SM) and one
+// slot. 48 KB left 2 of the 64 clusters for a second wave (ncu: 62 active clusters), and pipelining the
+// rounds through 4 slots cost more in barriers than it overlapped (20.4 vs 18.6 us at 48 KB).
 
 // Benchmark-only tuning, read per call: EAGLE3_KV_ACCEPT_TUNE="staging_kb,stages,max_cluster" (bench sweeps).
 struct BulkTuning {
-  int64_t stage_bytes = kStageBytes;
-  int64_t stages = kStages;
+  int64_t stage_bytes = 0;  // 0: sized by the grid (launch_bulk)
+  int64_t stages = 1;
   int64_t max_cluster = 8;
 };
 
@@ -197,7 +200,7 @@ BulkTuning bulk_tuning() {
   if (const char* env = std::getenv("EAGLE3_KV_ACCEPT_TUNE"); env != nullptr && env[0] != '\0') {
     long kb = 0, stages = 0, cluster = 0;
     if (std::sscanf(env, "%ld,%ld,%ld", &kb, &stages, &cluster) == 3 && kb > 0 && stages > 0 && cluster > 0) {
-      t.stage_bytes = std::min<int64_t>(kb, 160) * 1024;
+      t.stage_bytes = std::min<int64_t>(kb, 160) * 1024;  // (the default sizes it by the grid)
       t.stages = stages;
       t.max_cluster = std::min<long>(cluster, 8);
     }
@@ -381,7 +384,7 @@ bool bulk_path_available(int device) {
 }
 
 // The bulk path for a group of 16-byte rows: W (bytes per column chunk) so that a column's N rows fit the
-// staging buffer, the buffer sized to a block's share of the columns (no larger than kStageBytes).
+// staging buffer, the buffer sized to a block's share of the columns and to the blocks an SM must hold.
 void launch_bulk(const Group& g, size_t first, size_t count, int C, int64_t B, const at::Tensor& page_table,
                  const at::Tensor& prefix_lens, const at::Tensor& accept_nodes, const at::Tensor& accept_len, int N,
                  int64_t page_size, int64_t num_pages, bool advance, cudaStream_t stream) {
@@ -390,7 +393,13 @@ void launch_bulk(const Group& g, size_t first, size_t count, int C, int64_t B, c
   const int64_t row_bytes = g.vpr * 16;
   // Up to `stages` slots, each holding one column's chunks of all N rows (the most that can move).
   const BulkTuning tune = bulk_tuning();
-  const int64_t budget = std::max<int64_t>(tune.stage_bytes, 16 * N);
+  int64_t budget = tune.stage_bytes;
+  if (budget == 0) {  // the grid's blocks per SM, with room for cluster placement (x 1.5)
+    const int64_t sms = num_sms(page_table.get_device());
+    const int64_t per_sm = std::max<int64_t>(1, (3 * B * C + 2 * sms - 1) / (2 * sms));
+    budget = std::min<int64_t>(kMaxStageBytes, (smem_per_sm(page_table.get_device()) / per_sm - 2048) / 1024 * 1024);
+  }
+  budget = std::max<int64_t>(budget, 16 * N);
   const int64_t stages = std::max<int64_t>(1, std::min<int64_t>(tune.stages, budget / (16 * N)));
   const int64_t W = std::min<int64_t>(row_bytes, budget / stages / (16 * N) * 16);  // >= 16
   const int64_t q = (row_bytes + W - 1) / W;

@@ -40,7 +40,7 @@ except ImportError:  # pragma: no cover
 
 
 @triton.jit
-def _attend(acc_a, acc_b, m_i, l_i, s, va, vb, TAU: tl.constexpr):
+def _attend(acc_a, acc_b, m_i, l_i, s, va, vb, TAU: tl.constexpr, DOT_PREC: tl.constexpr):
     """Online-softmax update with the score tile s [BLOCK_M, BLOCK_N] (scaled to log2 units, masked
     positions -inf) and V's two halves va, vb [BLOCK_N, BLOCK_H]."""
     m_tile = tl.max(s, 1)
@@ -61,8 +61,8 @@ def _attend(acc_a, acc_b, m_i, l_i, s, va, vb, TAU: tl.constexpr):
         acc_a = acc_a * alpha[:, None]
         acc_b = acc_b * alpha[:, None]
     p = p.to(va.dtype)
-    acc_a = tl.dot(p, va, acc_a)
-    acc_b = tl.dot(p, vb, acc_b)
+    acc_a = tl.dot(p, va, acc_a, input_precision=DOT_PREC)  # fp32: ieee, not the tf32 default
+    acc_b = tl.dot(p, vb, acc_b, input_precision=DOT_PREC)
     return acc_a, acc_b, m_new, l_i
 
 
@@ -82,7 +82,7 @@ def _gathered_tile(acc_a, acc_b, m_i, l_i, qa, qb, qr, K, page, slot, stride_kp,
         kr = tl.load(K + kv_row[:, None] + DV + dr[None, :], mask=ok[:, None] & (dr[None, :] < DR), other=0.0)
         s = tl.dot(qr, tl.trans(kr), s, input_precision=DOT_PREC)
     s = tl.where(visible, s * scale_log2, float("-inf"))
-    return _attend(acc_a, acc_b, m_i, l_i, s, ka, kb, TAU)
+    return _attend(acc_a, acc_b, m_i, l_i, s, ka, kb, TAU, DOT_PREC)
 
 
 @triton.jit
@@ -165,7 +165,7 @@ def _mla_kernel(
             if DR > 0:
                 kr = tl.load(K + kv_row[:, None] + DV + dr[None, :], mask=dr[None, :] < DR, other=0.0)
                 s = tl.dot(qr, tl.trans(kr), s, input_precision=DOT_PREC)
-        acc_a, acc_b, m_i, l_i = _attend(acc_a, acc_b, m_i, l_i, s * scale_log2, ka, kb, TAU)
+        acc_a, acc_b, m_i, l_i = _attend(acc_a, acc_b, m_i, l_i, s * scale_log2, ka, kb, TAU, DOT_PREC)
 
     # The split's partial last tile (at most one).
     for n0 in range(whole_end, end, BLOCK_N):
