@@ -12,7 +12,9 @@ export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0a} MAX
 # private copy of the locale then crashes the first integer formatted into an error message (seen on
 # the H200: a segfault in std::ostream inside _C.so). The system compilers link it shared.
 [ -x /usr/bin/g++ ] && export CXX=/usr/bin/g++ CC=/usr/bin/gcc
-export EAGLE3_BENCH_OUT="$OUT" EAGLE3_COMMIT=${EAGLE3_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
+# Pass EAGLE3_COMMIT: the device checkout's .git can be older than the files copied in (seen: it named the
+# session's first commit while later files ran), so its HEAD is not evidence of what ran.
+export EAGLE3_BENCH_OUT="$OUT" EAGLE3_COMMIT=${EAGLE3_COMMIT:-unknown}
 KEXPR=${1:-}
 shift || true
 BENCHES=("$@")
