@@ -346,15 +346,21 @@ def tree_attention_mla(q: Tensor, kv_cache: Tensor, page_table: Tensor, prefix_l
     `config` overrides tile sizes and the split count (benchmarks and tests only). The kernel is
     triton_kernels/mla_decode.py's (whole prefix tiles unmasked, read with TMA where page_size allows;
     config "tma": False forces gathered tiles): 1.7-1.9x this file's kernel on the H200 at 5180f72
-    (bench/results/tree_attention_tma_h200.log). {"kernel": "v1"} runs this file's kernel instead, and
-    {"v_split": 2} its variant splitting the 512 V dims across two programs per row block."""
+    (bench/results/tree_attention_tma_h200.log); used for Dv >= 256 unless config names it ("tma": ...).
+    {"kernel": "v1"} runs this file's kernel instead (the default below Dv = 256), and {"v_split": 2} its
+    variant splitting the 512 V dims across two programs per row block."""
     _check_float(q)
     D, Dv = q.shape[2], out.shape[2]
     if Dv > MLA_MAX_DV or D - Dv > MLA_MAX_ROPE:
         raise ValueError(f"out must have Dv <= {MLA_MAX_DV} and q's D - Dv <= {MLA_MAX_ROPE} for the Triton "
                          f"kernel (Kimi: 512 and 64), got Dv = {Dv}, D = {D}")
     config = dict(config or {})
-    if config.pop("kernel", None) == "v1" or config.get("v_split", 1) != 1:
+    # mla_decode's kernel by default at DeepSeek / Kimi widths (Dv >= 256: measured and GPU-tested at 512 +
+    # 64); below that (the small CPU-trained pair's 32 + 8) the first kernel, whose GPU tests cover them.
+    kernel = config.pop("kernel", "v1" if Dv < 256 and "tma" not in config else "mla_decode")
+    if kernel not in ("v1", "mla_decode"):
+        raise ValueError(f"config kernel must be 'v1' or 'mla_decode', got {kernel!r}")
+    if kernel == "v1" or config.get("v_split", 1) != 1:
         if "tma" in config:
             raise ValueError("config tma needs the default kernel, not kernel v1 / v_split")
         _launch(q, kv_cache, kv_cache, page_table, prefix_lens, tree_mask, scale, out, lse, HKV=1, D1=Dv,
