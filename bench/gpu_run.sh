@@ -3,7 +3,8 @@
 # benchmarks, and leave logs, JSON and the table under $OUT (the table printed last).
 #   usage: [SANITIZE='-k expr'] bash bench/gpu_run.sh [pytest -k expression for the GPU tests] [bench files...]
 #   SANITIZE runs the GPU tests matching that expression under compute-sanitizer memcheck.
-#   TESTS='tests/test_x.py ...' selects the test files; EAGLE3_CUDA_ONLY=a,b builds only those csrc/*.cu.
+#   TESTS='tests/test_x.py ...' selects the test files (run in parallel, TEST_JOBS at once); EAGLE3_CUDA_ONLY=a,b
+#   builds only those csrc/*.cu; EAGLE3_COMMIT names the commit in the results (required in practice).
 set -o pipefail
 OUT=${OUT:-/tmp/eagle3_gpu_out}
 mkdir -p "$OUT"
@@ -36,9 +37,24 @@ BENCHES=("$@")
   python3 -c "import eagle3_ops; print(eagle3_ops.build_info())" || exit 1
 } 2>&1 | tee "$OUT/build.log" || exit 1
 
+# One pytest process per test file, TEST_JOBS (6) at once: tests are not timed, the float64 references
+# leave the GPU far from full, and device time is the scarce thing (halves a full run's test time).
 echo "== gpu tests"
-python3 -m pytest ${TESTS:-tests} -m gpu -q ${KEXPR:+-k "$KEXPR"} -p no:cacheprovider 2>&1 | tee "$OUT/tests.log" | tail -n 40
-tests_rc=$?
+TLOG=$(mktemp -d)
+export KEXPR TLOG
+printf '%s\n' ${TESTS:-tests/test_*.py} | xargs -P "${TEST_JOBS:-6}" -I{} sh -c '
+  name=$(basename {} .py)
+  python3 -m pytest {} -m gpu -q ${KEXPR:+-k "$KEXPR"} -p no:cacheprovider -rf --tb=short > "$TLOG/$name.log" 2>&1
+  rc=$?; [ $rc -eq 5 ] && rc=0  # 5: no GPU test selected in this file
+  echo $rc > "$TLOG/$name.rc"'
+tests_rc=0
+for log in "$TLOG"/*.log; do
+  name=$(basename "$log" .log)
+  { echo "== $name (rc $(cat "$TLOG/$name.rc"))"; cat "$log"; } >> "$OUT/tests.log"
+  echo "$name: $(grep -E '(passed|failed|error|no tests ran)' "$log" | tail -n 1)"
+  grep -E '^(FAILED|ERROR)' "$log" | head -n 10
+  [ "$(cat "$TLOG/$name.rc")" = 0 ] || tests_rc=1
+done
 
 echo "== self-check on the GPU (every CUDA kernel against the CPU reference)"
 python3 -m eagle3_ops selfcheck --device cuda 2>&1 | tee "$OUT/selfcheck.log"
