@@ -12,6 +12,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout's eagle3_ops
 import bench_kv_accept as bk  # noqa: E402
 from common import Ceilings, graph_time_us, rotation  # noqa: E402
 

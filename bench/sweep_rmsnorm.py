@@ -21,6 +21,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout's eagle3_ops
 from bench_capture import EPS, H, SLOT, _copy_sets, _sets  # noqa: E402  (the same inputs as the benchmark)
 from common import Ceilings, graph_time_us  # noqa: E402
 

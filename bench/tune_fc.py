@@ -11,6 +11,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout's eagle3_ops
 from common import Ceilings, graph_time_us  # noqa: E402
 
 import eagle3_ops  # noqa: E402,F401
