@@ -27,12 +27,20 @@ sys.path.insert(0, os.path.join(ROOT, "bench"))
 KIMI_SCALE = 0.130861
 NH, D, DV = 64, 576, 512
 # name -> config of triton_kernels.tree_attention.tree_attention_mla ({} = the current default kernel)
+# (the 5180f72 run's tma64 lazy, tma32 and gather64 lost to tma64.eager everywhere: results/tree_attention_tma_h200.log)
+# cut: mla_decode._attend_cut / _cut - the score dots and softmax behind always-taken runtime ifs, so triton's
+#   chained-dot rule no longer puts all 8 warps along M: sm_90a SASS per warpgroup and 64-key tile goes from 72
+#   HGMMA.64x32x16 (both warpgroups computing the same 64 x 64 score tile, each re-reading Q: ~430 KB of shared
+#   memory operand reads a tile) to 36 (~215 KB) + the row max / sum and P crossing the warpgroups in shared
+#   memory (STS/LDS.64 x2, STSM x2 / LDSM x4, 11 vs 6 bar.sync); MUFU.EX2 34 -> 18, 827 -> 647 loop instructions.
+# fill: mla_decode.splits_fill - one partial wave counts (N16 B1: 8 splits, 128 programs, not 15 / 240 in two
+#   waves; B8 P8192: 1 split, no merge kernel; N1 B32: 4 not 8).
 CANDIDATES = {
     "default": {},
-    "tma64": dict(tma=True, BLOCK_N=64, num_stages=2, rescale_tau=8.0),
     "tma64.eager": dict(tma=True, BLOCK_N=64, num_stages=2, rescale_tau=0.0),
-    "tma32": dict(tma=True, BLOCK_N=32, num_stages=2, rescale_tau=8.0),
-    "gather64": dict(tma=False, BLOCK_N=64, num_stages=2, rescale_tau=8.0),
+    "tma64.cut": dict(tma=True, BLOCK_N=64, num_stages=2, cut=True),
+    "tma64.fill": dict(tma=True, BLOCK_N=64, num_stages=2, rescale_tau=0.0, fill=True),
+    "tma64.cut.fill": dict(tma=True, BLOCK_N=64, num_stages=2, cut=True, fill=True),
 }
 # (B, prefix, N, page_size)
 SHAPES = [(1, 32768, 16, 64), (8, 8192, 16, 64), (1, 4096, 16, 64), (1, 32768, 1, 64), (32, 32768, 1, 64),
@@ -148,7 +156,8 @@ def compile_report():
         full.update(cfg)
         bn, tma = full["BLOCK_N"], full["tma"]
         const = dict(G=NH, DV=DV, DR=D - DV, BLOCK_H=DV // 2, BLOCK_R=D - DV, BLOCK_M=full["BLOCK_M"], BLOCK_N=bn,
-                     SPLIT=True, HAS_LSE=True, TMA=tma, TAU=float(full["rescale_tau"]), DOT_PREC="tf32")
+                     SPLIT=True, HAS_LSE=True, TMA=tma, TAU=float(full["rescale_tau"]), DOT_PREC="tf32",
+                     CUT=bool(full.get("cut", False)))
         sig, attrs, consts = {}, {}, dict(const)
         for i, n in enumerate(fn.arg_names):
             if n in const:

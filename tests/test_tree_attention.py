@@ -400,7 +400,10 @@ def test_kernel_interpreted_v_split_bad_values_poison_only_their_request(gen):
 # (page size 1); the split's partial tile and the tree block masked; rescale_tau > 0 rescales lazily.
 TMA_CONFIGS = {"tma16.lazy": dict(tma=True, BLOCK_N=16, rescale_tau=8.0),  # TMA at page sizes 16 and 64
                "tma16.eager": dict(tma=True, BLOCK_N=16, rescale_tau=0.0),
-               "gather32.lazy": dict(tma=False, BLOCK_N=32, rescale_tau=8.0)}  # two mask words per tree tile
+               "gather32.lazy": dict(tma=False, BLOCK_N=32, rescale_tau=8.0),  # two mask words per tree tile
+               # cut: the whole tiles' score dots and softmax through always-taken runtime ifs (mla_decode._cut)
+               "tma16.cut": dict(tma=True, BLOCK_N=16, cut=1),
+               "gather32.cut": dict(tma=False, BLOCK_N=32, cut=1)}
 
 
 @interpreted
@@ -454,6 +457,16 @@ def test_kernel_interpreted_tma_never_visible_rows_do_not_matter(gen, page_size)
     out2, lse2 = _kernel(c, config=cfg)
     assert_equal(out2, out, "out after poisoning never-visible rows")
     assert_equal(lse2, lse, "lse after poisoning never-visible rows")
+
+
+def test_tma_splits_fill_counts_one_partial_wave():
+    # config fill=True (mla_decode.splits_fill) at the sweep's shapes on 132 SMs: programs = 16 row blocks x B
+    from eagle3_ops.triton_kernels.mla_decode import splits_fill
+
+    assert [splits_fill(p, n, 132, 256) for p, n in [(16, 32784), (128, 8208), (32, 32768), (16, 4112)]] == [8, 1, 4, 8]
+    assert splits_fill(200, 1000, 132, 256) == 3  # 600 programs: 5 waves of 132 at 91%
+    assert splits_fill(70, 200, 132, 256) == 1  # no split count reaches 90%: num_splits_for's pick
+    assert splits_fill(1, 100, 132, 256) == 1  # one chunk
 
 
 def _bad_values(c: Case):

@@ -20,6 +20,12 @@ What differs from tree_attention's kernel (FlashMLA's shape as far as Triton rea
   more than tau (log2 units, so p <= 2^tau before normalisation), and the accumulator is rescaled only
   when some row of the block moved; otherwise the [BLOCK_M, Dv] multiply is skipped. Exact in exact
   arithmetic: out and lse use the same (stale) max for l and acc.
+- cut=True (candidate, eager rescale only): the whole tiles' score dots hand their accumulator on, and the
+  softmax reads the score tile, inside always-taken runtime ifs (_cut, _attend_cut), which end each dot's
+  forward slice: triton's chained-dot rule (all warps along M) would otherwise make both warpgroups of the
+  64-row block compute the same score tile; with it cut each computes half the keys (sm_90a: 36 instead
+  of 72 HGMMA.64x32x16 per warpgroup and tile).
+- fill=True (candidate): splits_fill's split count, which lets one partial wave count as full.
 """
 
 from __future__ import annotations
@@ -67,6 +73,46 @@ def _attend(acc_a, acc_b, m_i, l_i, s, va, vb, TAU: tl.constexpr, DOT_PREC: tl.c
 
 
 @triton.jit
+def _cut(x, live):
+    """x, through a runtime `if` that is always taken (see _attend_cut): ends a dot's forward slice."""
+    if live:
+        y = x
+    else:
+        y = x * 0.0
+    return y
+
+
+@triton.jit
+def _attend_cut(acc_a, acc_b, m_i, l_i, s, va, vb, live, DOT_PREC: tl.constexpr):
+    """_attend's eager update (TAU = 0) for the whole tiles with the softmax inside a runtime `if live:` that
+    is always taken (live: the cache has pages; without any every tile is poisoned anyway). Why: triton's
+    chained-dot rule (a dot whose forward slice reaches another dot gets all its warps along M) makes both
+    warpgroups of an 8-warp, 64-row block compute the *same* 64 x BLOCK_N score tile (SASS: 72
+    HGMMA.64x32x16 per warpgroup for 64 keys x 576 dims, 36 of them redundant, each re-reading Q from
+    shared memory). The slice stops at the if's yield, so the score dot gets the default [4, 2] warps: each
+    warpgroup computes half the keys; the row max and sum cross the two warpgroups in shared memory and P
+    is exchanged there for the P @ V dot. (Keeping l per column, [BLOCK_M, BLOCK_N], to skip the cross-warpgroup
+    row sum: 16 more live registers, and ptxas then serialises the wgmmas, C7515: 44 waits a tile.)"""
+    if live:
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.math.exp2(m_i - m_use)
+        p = tl.math.exp2(s - m_use[:, None])
+        l_new = l_i * alpha + tl.sum(p, 1)
+    else:
+        m_new = m_i
+        alpha = tl.full(m_i.shape, 1.0, tl.float32)
+        p = s * 0.0
+        l_new = l_i
+    acc_a = acc_a * alpha[:, None]
+    acc_b = acc_b * alpha[:, None]
+    p = p.to(va.dtype)
+    acc_a = tl.dot(p, va, acc_a, input_precision=DOT_PREC)
+    acc_b = tl.dot(p, vb, acc_b, input_precision=DOT_PREC)
+    return acc_a, acc_b, m_new, l_new
+
+
+@triton.jit
 def _gathered_tile(acc_a, acc_b, m_i, l_i, qa, qb, qr, K, page, slot, stride_kp, stride_ks, ok, visible,
                    dh, dr, DV: tl.constexpr, DR: tl.constexpr, BLOCK_H: tl.constexpr, TAU: tl.constexpr,
                    DOT_PREC: tl.constexpr, scale_log2):
@@ -92,7 +138,7 @@ def _mla_kernel(
         stride_qt, stride_qh, stride_kp, stride_ks, stride_pt, stride_ot, stride_oh,
         G: tl.constexpr, DV: tl.constexpr, DR: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, HAS_LSE: tl.constexpr,
-        TMA: tl.constexpr, TAU: tl.constexpr, DOT_PREC: tl.constexpr):
+        TMA: tl.constexpr, TAU: tl.constexpr, DOT_PREC: tl.constexpr, CUT: tl.constexpr = False):
     # Q   [B * N, NH, DV + DR]           strides (stride_qt, stride_qh, 1); NH = G (one latent KV head)
     # K   [num_pages, page_size, DV + DR] strides (stride_kp, stride_ks, 1)
     # KA  (TMA) descriptor of K as [num_pages * page_size, DV], row stride stride_ks, box [BLOCK_N, BLOCK_H]
@@ -147,10 +193,17 @@ def _mla_kernel(
             row0 = tl.where(real, page, 0) * PAGE_SIZE + n0 % PAGE_SIZE  # an unreal page: read page 0, poison
             ka = KA.load([row0, 0])
             kb = KA.load([row0, BLOCK_H])
+            # CUT: the score accumulator passes between the chained dots through _cut (an always-taken runtime
+            # if), else each dot's forward slice reaches the next and the chained-dot rule still applies.
+            # (Three separate dots summed do not help: triton folds dot + x back into one accumulator chain.)
             s = tl.dot(qa, tl.trans(ka), input_precision=DOT_PREC)
+            if CUT:
+                s = _cut(s, NUM_PAGES > 0)
             s = tl.dot(qb, tl.trans(kb), s, input_precision=DOT_PREC)
             if DR > 0:
                 kr = KR.load([row0, 0])
+                if CUT:
+                    s = _cut(s, NUM_PAGES > 0)
                 s = tl.dot(qr, tl.trans(kr), s, input_precision=DOT_PREC)
         else:
             pos = n0 + tl.arange(0, BLOCK_N)
@@ -161,11 +214,19 @@ def _mla_kernel(
             ka = tl.load(K + kv_row[:, None] + dh[None, :], mask=dh[None, :] < DV, other=0.0)
             kb = tl.load(K + kv_row[:, None] + BLOCK_H + dh[None, :], mask=BLOCK_H + dh[None, :] < DV, other=0.0)
             s = tl.dot(qa, tl.trans(ka), input_precision=DOT_PREC)
+            if CUT:
+                s = _cut(s, NUM_PAGES > 0)
             s = tl.dot(qb, tl.trans(kb), s, input_precision=DOT_PREC)
             if DR > 0:
                 kr = tl.load(K + kv_row[:, None] + DV + dr[None, :], mask=dr[None, :] < DR, other=0.0)
+                if CUT:
+                    s = _cut(s, NUM_PAGES > 0)
                 s = tl.dot(qr, tl.trans(kr), s, input_precision=DOT_PREC)
-        acc_a, acc_b, m_i, l_i = _attend(acc_a, acc_b, m_i, l_i, s * scale_log2, ka, kb, TAU, DOT_PREC)
+        if CUT:  # the score tile split across the warpgroups (_attend_cut; eager rescale)
+            acc_a, acc_b, m_i, l_i = _attend_cut(acc_a, acc_b, m_i, l_i, s * scale_log2, ka, kb, NUM_PAGES > 0,
+                                                 DOT_PREC)
+        else:
+            acc_a, acc_b, m_i, l_i = _attend(acc_a, acc_b, m_i, l_i, s * scale_log2, ka, kb, TAU, DOT_PREC)
 
     # The split's partial last tile (at most one).
     for n0 in range(whole_end, end, BLOCK_N):
@@ -232,6 +293,18 @@ def default_config(dtype: torch.dtype) -> dict:
     return dict(BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=2, min_chunk=256, rescale_tau=0.0)
 
 
+def splits_fill(programs: int, max_len: int, sms: int, min_chunk: int) -> int:
+    """config fill=True: the fewest splits whose programs fill >= 90% of their last wave, counting a single
+    partial wave too (num_splits_for wants at least one full wave: at N16 B1 it takes 15 splits, 240
+    programs = 2 waves of 132 at 91%, where 8 splits = 128 programs run as one wave at 97% with the same
+    tiles per SM and half the partials to merge; at B8 P8192, 1 split instead of 2: no merge kernel)."""
+    most = max(1, -(-max_len // min_chunk))
+    for s in range(1, most + 1):
+        if programs * s / (-(-programs * s // sms) * sms) >= 0.9:
+            return s
+    return num_splits_for(programs, max_len, sms, min_chunk)
+
+
 def _descriptors(kv_cache: Tensor, DV: int, BLOCK_N: int, BLOCK_H: int, BLOCK_R: int):
     """TMA descriptors of the cache's latent and rope columns as [num_pages * page_size, .] matrices, or
     None where TMA cannot read whole tiles: a tile must lie on one page and the rows must form one matrix
@@ -254,8 +327,8 @@ def _descriptors(kv_cache: Tensor, DV: int, BLOCK_N: int, BLOCK_H: int, BLOCK_R:
 def tree_attention_mla(q: Tensor, kv_cache: Tensor, page_table: Tensor, prefix_lens: Tensor, tree_mask: Tensor,
                        scale: float, out: Tensor, lse: Optional[Tensor], config: dict) -> None:
     """This kernel's launcher (checks done by tree_attention.tree_attention_mla, which calls it by
-    default). config: tma (bool), rescale_tau (float, 0 = rescale every tile), BLOCK_M, BLOCK_N,
-    num_warps, num_stages, min_chunk, programs_per_sm, splits."""
+    default). config: tma (bool), rescale_tau (float, 0 = rescale every tile; ignored with cut), cut (bool),
+    fill (bool), BLOCK_M, BLOCK_N, num_warps, num_stages, min_chunk, programs_per_sm, splits."""
     B, N, W = tree_mask.shape
     G, D = q.shape[1], q.shape[2]
     DV = out.shape[2]
@@ -273,7 +346,8 @@ def tree_attention_mla(q: Tensor, kv_cache: Tensor, page_table: Tensor, prefix_l
     m_blocks = -(-rows // BLOCK_M)
     max_len = page_table.shape[1] * page_size
     slots = _sm_count(q.device) * cfg.get("programs_per_sm", 1)
-    splits = cfg.get("splits") or num_splits_for(m_blocks * B, max_len, slots, cfg["min_chunk"])
+    splits = cfg.get("splits") or (splits_fill if cfg.get("fill") else num_splits_for)(m_blocks * B, max_len, slots,
+                                                                                       cfg["min_chunk"])
     split = splits > 1
     if split:
         po = torch.empty((splits, B, rows, DV), dtype=torch.float32, device=q.device)
@@ -288,7 +362,8 @@ def tree_attention_mla(q: Tensor, kv_cache: Tensor, page_table: Tensor, prefix_l
         q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), page_table.stride(0), out.stride(0),
         out.stride(1), G=G, DV=DV, DR=DR, BLOCK_H=BLOCK_H, BLOCK_R=BLOCK_R, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
         SPLIT=split, HAS_LSE=lse is not None, TMA=desc is not None, TAU=float(cfg["rescale_tau"]),
-        DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", num_warps=cfg["num_warps"],
+        DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", CUT=bool(cfg.get("cut", False)),
+        num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"])
     if split:
         block_v = min(128, _pow2(DV))
