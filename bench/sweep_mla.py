@@ -191,6 +191,8 @@ def compile_report():
                            capture_output=True, text=True)
         info = "; ".join(line.split(":", 1)[-1].strip() for line in r.stderr.splitlines()
                          if "registers" in line or "spill" in line)
+        if "C7515" in r.stderr:  # ptxas serialised the wgmmas (register pressure): a wait after each one
+            info += "; WGMMA SERIALISED (ptxas C7515)"
         sass = subprocess.run([os.path.join(bindir, "cuobjdump"), "-sass", ptx + ".cubin"], capture_output=True,
                               text=True).stdout
         ins = [(int(m.group(1), 16), m.group(2)) for m in
