@@ -1,7 +1,8 @@
 """kv_accept's bulk-copy path under different staging / pipeline / cluster settings (a tuning aid, not a
 benchmark): python bench/sweep_kv_accept.py [--ncu]. Same caches and patterns as bench_kv_accept.py;
 prints us per (setting, shape) and, for reference, a plain device copy of the same bytes in the same run.
-Settings are EAGLE3_KV_ACCEPT_TUNE="staging_kb,stages,max_cluster" (csrc/kv_accept.cu: bulk_tuning).
+Settings are EAGLE3_KV_ACCEPT_TUNE="staging_kb,stages,max_cluster" (csrc/kv_accept.cu: bulk_tuning) and
+EAGLE3_KV_ACCEPT_PDL=1 (programmatic dependent launch, off by default until measured).
 --ncu: a few calls of the default setting at B 64, for `ncu -k regex:kv_accept`."""
 
 from __future__ import annotations
@@ -16,12 +17,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import bench_kv_accept as bk  # noqa: E402
 from common import Ceilings, graph_time_us, rotation  # noqa: E402
 
-SETTINGS = ["", "36,1,8", "24,1,8", "48,1,8", "64,1,8", "36,2,8"]
+SETTINGS = [("", "0"), ("", "1"), ("24,1,8", "0"), ("48,1,8", "0"), ("36,2,8", "0")]  # (tune, EAGLE3_KV_ACCEPT_PDL)
 SHAPES = [(64, "all_move"), (1, "all_move"), (64, "chain")]
 
 
 def time_setting(setting, B, pattern):
-    os.environ["EAGLE3_KV_ACCEPT_TUNE"] = setting
+    os.environ["EAGLE3_KV_ACCEPT_TUNE"], os.environ["EAGLE3_KV_ACCEPT_PDL"] = setting
     caches, page_table, starts, nodes, lens, nbytes, region = bk._setup(B, pattern)
     prefixes = [s.clone() for s in starts]
     calls = [lambda p=p: bk.eagle3_accept(caches, page_table, p, nodes, lens) for p in prefixes]
@@ -48,13 +49,15 @@ def main():
         for setting in SETTINGS:
             us, nbytes = time_setting(setting, B, pattern)
             floor = nbytes / c.copy_bw * 1e6
-            print(f"B{B:<3} {pattern:<9} tune {setting or 'default':<8} {us:8.2f} us  floor {floor:6.2f} us "
+            name = f"{setting[0] or 'default'}{' pdl' if setting[1] == '1' else ''}"
+            print(f"B{B:<3} {pattern:<9} tune {name:<12} {us:8.2f} us  floor {floor:6.2f} us "
                   f"({100 * floor / us:5.1f}%)", flush=True)
         if nbytes:
             us = copy_same_bytes(nbytes)
             print(f"B{B:<3} {pattern:<9} copy of the same bytes {us:8.2f} us ({100 * floor / us:5.1f}% of copy rate)",
                   flush=True)
     os.environ.pop("EAGLE3_KV_ACCEPT_TUNE", None)
+    os.environ.pop("EAGLE3_KV_ACCEPT_PDL", None)
 
 
 if __name__ == "__main__":

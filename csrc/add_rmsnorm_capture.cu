@@ -30,6 +30,7 @@
 #include <type_traits>
 
 #include "eagle3/checks.h"
+#include "eagle3/pdl.cuh"
 #include "eagle3/vec.cuh"
 
 namespace eagle3 {
@@ -74,22 +75,8 @@ struct Shape {
   static constexpr int VEC = VEC_, MAXV = MAXV_, THREADS = THREADS_, MIN_BLOCKS = MIN_BLOCKS_;
 };
 
-// Programmatic dependent launch (sm_90+; no-ops when launched without the attribute). The wait comes
-// before the first read of any input and the first write of any output: it returns once the previous
-// grid in the stream has completed and its writes are visible. The trigger lets the next PDL launch
-// (the next layer's call, under a CUDA graph) place its blocks in slots this grid frees, so its launch
-// latency overlaps this grid's tail; it is given once every block of this grid is resident, so it never
-// takes a slot this grid still needs.
-__device__ __forceinline__ void wait_previous_grid() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void allow_next_grid() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
+// Programmatic dependent launch: wait_previous_grid / allow_next_grid (eagle3/pdl.cuh). The trigger is
+// given once every block of this grid is resident (the next layer's call, under a CUDA graph).
 
 // x        [T, H] row stride xs          (normed hidden out)
 // res      [T, H] row stride rs          (residual stream, += x)

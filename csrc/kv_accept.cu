@@ -44,6 +44,7 @@
 
 #include "eagle3/checks.h"
 #include "eagle3/device.h"
+#include "eagle3/pdl.cuh"
 
 namespace eagle3 {
 namespace {
@@ -108,6 +109,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) kv_accept_kernel(
   const int rank = blockIdx.x % C;
 
   // Three independent loads (one round trip), then the page table (a second one).
+  wait_previous_grid();  // PDL: the previous kernel's writes (caches, prefix_lens, ...) are visible
   const int64_t P = prefix_lens[b];
   const int a = accept_len[b];
   const int node0 = threadIdx.x < N ? accept_nodes[b * N + threadIdx.x] : 0;
@@ -118,6 +120,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) kv_accept_kernel(
   }
   __syncthreads();   // also: every thread of this block has read prefix_lens[b]
   cluster_arrive();  // release: this block is done reading prefix_lens[b]
+  allow_next_grid();  // PDL: every block of the grid is resident (one wave); the next may be scheduled
 
   if (!bad0) {
     const int32_t* pages = page_table + b * pt_stride;
@@ -234,6 +237,7 @@ __global__ void __launch_bounds__(kBulkThreads) kv_accept_bulk_kernel(
   const int64_t b = blockIdx.x / C;
   const int rank = blockIdx.x % C;
 
+  wait_previous_grid();  // PDL: the previous kernel's writes (caches, prefix_lens, ...) are visible
   const int64_t P = prefix_lens[b];
   const int a = accept_len[b];
   const bool bad0 = a < 0 || a >= N || P < 0 || P + N > max_pages * page_size;
@@ -247,6 +251,7 @@ __global__ void __launch_bounds__(kBulkThreads) kv_accept_bulk_kernel(
   }
   __syncthreads();   // also: every thread of this block has read prefix_lens[b]
   cluster_arrive();  // release: this block is done reading prefix_lens[b]
+  allow_next_grid();  // PDL: every block of the grid is resident (one wave); the next may be scheduled
 
   if (!bad0) {
     const int32_t* pages = page_table + b * pt_stride;
@@ -336,6 +341,13 @@ __global__ void __launch_bounds__(kBulkThreads) kv_accept_bulk_kernel(
 #endif
 }
 
+// Programmatic dependent launch with the cluster launch: off by default until it is measured on the H200
+// (EAGLE3_KV_ACCEPT_PDL=1 turns it on, sm_90+; bench/sweep_kv_accept.py compares both).
+bool pdl_enabled(int device) {
+  const char* env = std::getenv("EAGLE3_KV_ACCEPT_PDL");
+  return env != nullptr && env[0] == '1' && sm_major(device) >= 9;
+}
+
 struct Group {
   int width;      // bytes per unit: 16, 8, 4, 2 or 1
   int64_t vpr;    // units per row
@@ -353,13 +365,15 @@ void launch(const Group& g, size_t first, size_t count, int C, int64_t B, const 
   config.blockDim = dim3(kThreads);
   config.dynamicSmemBytes = 2 * static_cast<size_t>(N) * sizeof(int64_t);
   config.stream = stream;
-  cudaLaunchAttribute attr[1];
+  cudaLaunchAttribute attr[2];
   attr[0].id = cudaLaunchAttributeClusterDimension;
   attr[0].val.clusterDim.x = C;
   attr[0].val.clusterDim.y = 1;
   attr[0].val.clusterDim.z = 1;
+  attr[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[1].val.programmaticStreamSerializationAllowed = 1;
   config.attrs = attr;
-  config.numAttrs = 1;
+  config.numAttrs = pdl_enabled(page_table.get_device()) ? 2 : 1;
   C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kv_accept_kernel<unit_t>, bases, static_cast<int>(count),
                                     static_cast<uint32_t>(g.vpr), 1.0f / static_cast<float>(g.vpr), C, page_table.data_ptr<int32_t>(),
                                     page_table.stride(0), page_table.size(1), prefix_lens.data_ptr<int32_t>(),
@@ -416,13 +430,15 @@ void launch_bulk(const Group& g, size_t first, size_t count, int C, int64_t B, c
   config.blockDim = dim3(kBulkThreads);
   config.dynamicSmemBytes = smem;
   config.stream = stream;
-  cudaLaunchAttribute attr[1];
+  cudaLaunchAttribute attr[2];
   attr[0].id = cudaLaunchAttributeClusterDimension;
   attr[0].val.clusterDim.x = C;
   attr[0].val.clusterDim.y = 1;
   attr[0].val.clusterDim.z = 1;
+  attr[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[1].val.programmaticStreamSerializationAllowed = 1;
   config.attrs = attr;
-  config.numAttrs = 1;
+  config.numAttrs = pdl_enabled(page_table.get_device()) ? 2 : 1;
   C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kv_accept_bulk_kernel, bases, static_cast<int>(count),
                                     static_cast<uint32_t>(row_bytes), static_cast<uint32_t>(W),
                                     static_cast<uint32_t>(q), C, page_table.data_ptr<int32_t>(), page_table.stride(0),

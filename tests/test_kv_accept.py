@@ -458,6 +458,33 @@ def test_cuda_both_copy_paths(path, N, monkeypatch):
     check_cuda_against_reference(caches, page_table, i32(prefix), accept_nodes, accept_len)
 
 
+@pytest.mark.gpu
+def test_cuda_programmatic_dependent_launch(monkeypatch):
+    # EAGLE3_KV_ACCEPT_PDL=1: the launch carries the PDL attribute next to the cluster size and the kernel
+    # waits on the previous grid before its first read. Two calls back to back in one graph (the second
+    # reads the first's prefix_lens and rows) must equal two reference calls.
+    monkeypatch.setenv("EAGLE3_KV_ACCEPT_PDL", "1")
+    g = torch.Generator().manual_seed(77)
+    B, N, ps = 6, 8, 16
+    prefix = [0, 9, 31, 2, 16, 40]
+    page_table, num_pages = paged_layout(g, prefix, 2 * N, ps)
+    caches = gpu_caches(g, num_pages, ps, mla_layers=3)
+    nodes, lens = random_paths(g, tree.random_parents(B, N, g, "bushy"))
+    dev = [c.cuda() for c in caches]
+    pt, pl, dn, dl = page_table.cuda(), i32(prefix).cuda(), nodes.cuda(), lens.cuda()
+    graph, _ = capture_graph(lambda: (kv_accept(dev, pt, pl, dn, dl), kv_accept(dev, pt, pl, dn, dl)))
+    for d, c in zip(dev, caches):  # capture_graph ran the calls once while warming up: start again
+        d.copy_(c)
+    pl.copy_(i32(prefix))
+    graph.replay()
+    want, want_prefix = [c.clone() for c in caches], i32(prefix)
+    kv_accept(want, page_table, want_prefix, nodes, lens)
+    kv_accept(want, page_table, want_prefix, nodes, lens)
+    for i, (d, w) in enumerate(zip(dev, want)):
+        assert_same_bits(d.cpu(), w, f"caches[{i}]")
+    assert_equal(pl.cpu(), want_prefix, "prefix_lens")
+
+
 def _skip_expected(caches, page_table, prefix_lens, accept_nodes, accept_len, bad):
     """What the CUDA op gives when request `bad` is skipped: the reference on the other requests (pages
     are disjoint), request `bad`'s rows and prefix_len untouched."""
