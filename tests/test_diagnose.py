@@ -13,18 +13,18 @@ from eagle3_ops import wiring
 ASSETS = os.path.join(os.path.dirname(__file__), os.pardir, "eagle3_ops", "assets", "byte-small")
 HAVE_PAIR = os.path.exists(os.path.join(ASSETS, "drafter", "model.safetensors"))
 
-TRAINED = (1, 3, 4)  # the shipped drafter: outputs of layers 1, 3, 4 of 8, config.json [1, 3, 4] as 'output'
-SEED = (-1, 0, 2)  # the seed deployment's miswiring: those ids read as 'input' ([0, 2, 3]), embedding in front
-EMBEDDING_IN_FRONT = (-1, 1, 3)
-READ_AS_INPUT = (0, 2, 3)
+TRAINED = (1, 5, 6)  # the shipped drafter: outputs of layers 1, 5, 6 of 8, config.json [1, 5, 6] as 'output'
+SEED = (-1, 0, 4)  # the seed deployment's miswiring: those ids read as 'input' ([0, 4, 5]), embedding in front
+EMBEDDING_IN_FRONT = (-1, 1, 5)
+READ_AS_INPUT = (0, 4, 5)
 # Measured on the shipped pair (8 held-out prompts x 24 new tokens, 3 chain drafts, greedy): acceptance
-# length 3.96 trained, 3.23 embedding in front, 3.90 read as 'input', 3.05 the seed's miswiring, i.e. the
-# seed's miswiring loses 31% of the drafter's gain over no speculation (acceptance length 1) and the
-# embedding alone 25%. Not a collapse to ~1: the small target's adjacent residual streams are alike
-# (cosine 0.93-0.98), so miswired features still carry most of what the drafter reads (README).
+# length 3.86 trained, 2.37 embedding in front, 3.20 read as 'input', 1.88 the seed's miswiring, i.e. the
+# seed's miswiring loses 68% of the drafter's gain over no speculation (acceptance length 1; 78% at 16 x 48,
+# 84% at 64 x 96 in TRAINING.md) and the embedding alone 48%. The drafter with its fc output zeroed gives
+# 1.09: it predicts from the captured features, and the seed's features mislead it (README).
 TRAINED_AT_LEAST = 3.0
-SEED_LOSES_AT_LEAST = 0.25  # share of the gain
-EMBEDDING_LOSES_AT_LEAST = 0.15
+SEED_LOSES_AT_LEAST = 0.6  # share of the gain
+EMBEDDING_LOSES_AT_LEAST = 0.35
 
 
 def test_candidates_cover_the_field_miswirings():
@@ -38,7 +38,7 @@ def test_candidates_cover_the_field_miswirings():
     # a miswired capture still lists the config's own reading
     cands = dict((ids, label) for label, ids in wiring.candidate_wirings([-1, 1, 29], 61, [1, 29, 57]))
     assert "config ids read as 'output'" in cands[(1, 29, 57)]
-    # the shipped drafter's config [1, 3, 4] ('output', the default): the seed's miswiring is a row
+    # the shipped drafter's config [1, 5, 6] ('output'): the seed's miswiring is a row
     cands = dict((ids, label) for label, ids in wiring.candidate_wirings(TRAINED, 8))
     assert cands[READ_AS_INPUT] == "config ids read as 'input'"
     assert cands[SEED] == "seed miswiring: read as 'input' + embedding in front"
@@ -61,7 +61,7 @@ def pair():
 @pytest.fixture(scope="module")
 def seed_report(pair):
     """One diagnosis of an engine that captures the seed's miswiring while the drafter's config.json
-    still says [1, 3, 4] ('output'): its rows hold every wiring the tests below compare."""
+    still says [1, 5, 6] ('output'): its rows hold every wiring the tests below compare."""
     target, drafter, prompts = pair
     assert tuple(drafter.cfg.aux_ids) == TRAINED
     return wiring.diagnose(target, drafter, prompts, configured=SEED, max_new=24)
@@ -101,6 +101,6 @@ def test_configured_wiring_is_the_trained_one(pair):
 def test_cli_diagnose_names_the_wiring(pair, capsys):
     from eagle3_ops.cli import main
 
-    rc = main(["diagnose", "--aux-ids", "-1", "0", "2", "--batch", "4", "--max-new", "16"])
+    rc = main(["diagnose", "--aux-ids", "-1", "0", "4", "--batch", "4", "--max-new", "16"])
     out = capsys.readouterr().out
-    assert rc == 3 and "MISWIRED" in out and "[1, 3, 4]" in out and "seed miswiring" in out
+    assert rc == 3 and "MISWIRED" in out and "[1, 5, 6]" in out and "seed miswiring" in out
