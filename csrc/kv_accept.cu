@@ -88,6 +88,35 @@ __device__ __forceinline__ bool locate(uint32_t u, uint32_t cs, uint32_t c1, uin
   return true;
 }
 
+// The request's moving rows (accept_nodes[i] != i for i <= a), as flat row indices (page * page_size +
+// slot) into src_row / dst_row, their count in *s_m; *s_bad set for a node outside [0, N) or a page id
+// outside [0, num_pages) (the caller checked a and P). node0 is accept_nodes[b, threadIdx.x], loaded by
+// the caller together with prefix_lens[b] and accept_len[b] (one round trip instead of two).
+template <int kBlockThreads>
+__device__ __forceinline__ void collect_moving_rows(const int32_t* __restrict__ pages,
+                                                    const int32_t* __restrict__ nodes, int node0, int a,
+                                                    int64_t P, int N, int64_t page_size, int64_t num_pages,
+                                                    int64_t* src_row, int64_t* dst_row, int* s_m, int* s_bad) {
+  for (int i = threadIdx.x; i <= a; i += kBlockThreads) {
+    const int node = i < kBlockThreads ? node0 : nodes[i];
+    if (node < 0 || node >= N) {
+      *s_bad = 1;
+      continue;
+    }
+    const int64_t src = P + node, dst = P + i;  // < P + N <= max_pages * page_size
+    const int64_t sp = pages[src / page_size], dp = pages[dst / page_size];
+    if (sp < 0 || sp >= num_pages || dp < 0 || dp >= num_pages) {
+      *s_bad = 1;
+      continue;
+    }
+    if (node != i) {  // a row that stays in place is neither read nor written
+      const int k = atomicAdd(s_m, 1);
+      src_row[k] = sp * page_size + src % page_size;
+      dst_row[k] = dp * page_size + dst % page_size;
+    }
+  }
+}
+
 // layers        num_layers bases, each a contiguous cache [num_pages, page_size, row] of `vpr` units per row
 // page_table    [B, max_pages] int32, row stride pt_stride
 // prefix_lens   [B] int32 (advanced when `advance`)
@@ -120,28 +149,11 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) kv_accept_kernel(
   }
   __syncthreads();   // also: every thread of this block has read prefix_lens[b]
   cluster_arrive();  // release: this block is done reading prefix_lens[b]
-  allow_next_grid();  // PDL: every block of the grid is resident (one wave); the next may be scheduled
+  allow_next_grid();  // PDL: the next grid launches once every block has passed here (it still waits)
 
   if (!bad0) {
-    const int32_t* pages = page_table + b * pt_stride;
-    for (int i = threadIdx.x; i <= a; i += kThreads) {
-      const int node = i < kThreads ? node0 : accept_nodes[b * N + i];
-      if (node < 0 || node >= N) {
-        s_bad = 1;
-        continue;
-      }
-      const int64_t src = P + node, dst = P + i;  // < P + N <= max_pages * page_size
-      const int64_t sp = pages[src / page_size], dp = pages[dst / page_size];
-      if (sp < 0 || sp >= num_pages || dp < 0 || dp >= num_pages) {
-        s_bad = 1;
-        continue;
-      }
-      if (node != i) {  // a row that stays in place is neither read nor written
-        const int k = atomicAdd(&s_m, 1);
-        src_row[k] = sp * page_size + src % page_size;
-        dst_row[k] = dp * page_size + dst % page_size;
-      }
-    }
+    collect_moving_rows<kThreads>(page_table + b * pt_stride, accept_nodes + b * N, node0, a, P, N, page_size,
+                                  num_pages, src_row, dst_row, &s_m, &s_bad);
   }
   __syncthreads();
   const int m = s_m;
@@ -240,6 +252,7 @@ __global__ void __launch_bounds__(kBulkThreads) kv_accept_bulk_kernel(
   wait_previous_grid();  // PDL: the previous kernel's writes (caches, prefix_lens, ...) are visible
   const int64_t P = prefix_lens[b];
   const int a = accept_len[b];
+  const int node0 = threadIdx.x < N ? accept_nodes[b * N + threadIdx.x] : 0;
   const bool bad0 = a < 0 || a >= N || P < 0 || P + N > max_pages * page_size;
   if (threadIdx.x == 0) {
     s_m = 0;
@@ -251,28 +264,11 @@ __global__ void __launch_bounds__(kBulkThreads) kv_accept_bulk_kernel(
   }
   __syncthreads();   // also: every thread of this block has read prefix_lens[b]
   cluster_arrive();  // release: this block is done reading prefix_lens[b]
-  allow_next_grid();  // PDL: every block of the grid is resident (one wave); the next may be scheduled
+  allow_next_grid();  // PDL: the next grid launches once every block has passed here (it still waits)
 
   if (!bad0) {
-    const int32_t* pages = page_table + b * pt_stride;
-    for (int i = threadIdx.x; i <= a; i += kBulkThreads) {
-      const int node = accept_nodes[b * N + i];
-      if (node < 0 || node >= N) {
-        s_bad = 1;
-        continue;
-      }
-      const int64_t src = P + node, dst = P + i;  // < P + N <= max_pages * page_size
-      const int64_t sp = pages[src / page_size], dp = pages[dst / page_size];
-      if (sp < 0 || sp >= num_pages || dp < 0 || dp >= num_pages) {
-        s_bad = 1;
-        continue;
-      }
-      if (node != i) {
-        const int k = atomicAdd(&s_m, 1);
-        src_row[k] = sp * page_size + src % page_size;
-        dst_row[k] = dp * page_size + dst % page_size;
-      }
-    }
+    collect_moving_rows<kBulkThreads>(page_table + b * pt_stride, accept_nodes + b * N, node0, a, P, N, page_size,
+                                      num_pages, src_row, dst_row, &s_m, &s_bad);
   }
   __syncthreads();
   const uint32_t m = static_cast<uint32_t>(s_m);
@@ -348,22 +344,14 @@ bool pdl_enabled(int device) {
   return env != nullptr && env[0] == '1' && sm_major(device) >= 9;
 }
 
-struct Group {
-  int width;      // bytes per unit: 16, 8, 4, 2 or 1
-  int64_t vpr;    // units per row
-  std::vector<void*> bases;
-};
-
-template <typename unit_t>
-void launch(const Group& g, size_t first, size_t count, int C, int64_t B, const at::Tensor& page_table,
-            const at::Tensor& prefix_lens, const at::Tensor& accept_nodes, const at::Tensor& accept_len, int N,
-            int64_t page_size, int64_t num_pages, bool advance, cudaStream_t stream) {
-  LayerBases bases{};
-  for (size_t i = 0; i < count; ++i) bases.base[i] = g.bases[first + i];
+// A cluster launch of C blocks per cluster, with programmatic dependent launch when `pdl` (both kernels).
+template <typename Kernel, typename... Args>
+void launch_clustered(Kernel kernel, int64_t blocks, int threads, size_t smem, int C, bool pdl, cudaStream_t stream,
+                      Args... args) {
   cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(static_cast<unsigned>(B * C));
-  config.blockDim = dim3(kThreads);
-  config.dynamicSmemBytes = 2 * static_cast<size_t>(N) * sizeof(int64_t);
+  config.gridDim = dim3(static_cast<unsigned>(blocks));
+  config.blockDim = dim3(threads);
+  config.dynamicSmemBytes = smem;
   config.stream = stream;
   cudaLaunchAttribute attr[2];
   attr[0].id = cudaLaunchAttributeClusterDimension;
@@ -373,13 +361,28 @@ void launch(const Group& g, size_t first, size_t count, int C, int64_t B, const 
   attr[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr[1].val.programmaticStreamSerializationAllowed = 1;
   config.attrs = attr;
-  config.numAttrs = pdl_enabled(page_table.get_device()) ? 2 : 1;
-  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kv_accept_kernel<unit_t>, bases, static_cast<int>(count),
-                                    static_cast<uint32_t>(g.vpr), 1.0f / static_cast<float>(g.vpr), C, page_table.data_ptr<int32_t>(),
-                                    page_table.stride(0), page_table.size(1), prefix_lens.data_ptr<int32_t>(),
-                                    accept_nodes.data_ptr<int32_t>(), accept_len.data_ptr<int32_t>(), N, page_size,
-                                    num_pages, advance));
+  config.numAttrs = pdl ? 2 : 1;
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, args...));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+struct Group {
+  int width;      // bytes per unit: 16, 8, 4, 2 or 1
+  int64_t vpr;    // units per row
+  std::vector<void*> bases;
+};
+
+template <typename unit_t>
+void launch(const Group& g, size_t first, size_t count, int C, bool pdl, int64_t B, const at::Tensor& page_table,
+            const at::Tensor& prefix_lens, const at::Tensor& accept_nodes, const at::Tensor& accept_len, int N,
+            int64_t page_size, int64_t num_pages, bool advance, cudaStream_t stream) {
+  LayerBases bases{};
+  for (size_t i = 0; i < count; ++i) bases.base[i] = g.bases[first + i];
+  launch_clustered(kv_accept_kernel<unit_t>, B * C, kThreads, 2 * static_cast<size_t>(N) * sizeof(int64_t), C, pdl,
+                   stream, bases, static_cast<int>(count), static_cast<uint32_t>(g.vpr),
+                   1.0f / static_cast<float>(g.vpr), C, page_table.data_ptr<int32_t>(), page_table.stride(0),
+                   page_table.size(1), prefix_lens.data_ptr<int32_t>(), accept_nodes.data_ptr<int32_t>(),
+                   accept_len.data_ptr<int32_t>(), N, page_size, num_pages, advance);
 }
 
 // cp.async.bulk and mbarrier transaction counts need sm_90, in the device and in the binary the runtime
@@ -399,14 +402,13 @@ bool bulk_path_available(int device) {
 
 // The bulk path for a group of 16-byte rows: W (bytes per column chunk) so that a column's N rows fit the
 // staging buffer, the buffer sized to a block's share of the columns and to the blocks an SM must hold.
-void launch_bulk(const Group& g, size_t first, size_t count, int C, int64_t B, const at::Tensor& page_table,
+void launch_bulk(const Group& g, size_t first, size_t count, int C, bool pdl, const BulkTuning& tune, int64_t B, const at::Tensor& page_table,
                  const at::Tensor& prefix_lens, const at::Tensor& accept_nodes, const at::Tensor& accept_len, int N,
                  int64_t page_size, int64_t num_pages, bool advance, cudaStream_t stream) {
   LayerBases bases{};
   for (size_t i = 0; i < count; ++i) bases.base[i] = g.bases[first + i];
   const int64_t row_bytes = g.vpr * 16;
   // Up to `stages` slots, each holding one column's chunks of all N rows (the most that can move).
-  const BulkTuning tune = bulk_tuning();
   int64_t budget = tune.stage_bytes;
   if (budget == 0) {  // the grid's blocks per SM, with room for cluster placement (x 1.5)
     const int64_t sms = num_sms(page_table.get_device());
@@ -425,27 +427,11 @@ void launch_bulk(const Group& g, size_t first, size_t count, int C, int64_t B, c
     C10_CUDA_CHECK(cudaFuncSetAttribute(kv_accept_bulk_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                         static_cast<int>(smem)));
   }
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(static_cast<unsigned>(B * C));
-  config.blockDim = dim3(kBulkThreads);
-  config.dynamicSmemBytes = smem;
-  config.stream = stream;
-  cudaLaunchAttribute attr[2];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = C;
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
-  attr[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[1].val.programmaticStreamSerializationAllowed = 1;
-  config.attrs = attr;
-  config.numAttrs = pdl_enabled(page_table.get_device()) ? 2 : 1;
-  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kv_accept_bulk_kernel, bases, static_cast<int>(count),
-                                    static_cast<uint32_t>(row_bytes), static_cast<uint32_t>(W),
-                                    static_cast<uint32_t>(q), C, page_table.data_ptr<int32_t>(), page_table.stride(0),
-                                    page_table.size(1), prefix_lens.data_ptr<int32_t>(),
-                                    accept_nodes.data_ptr<int32_t>(), accept_len.data_ptr<int32_t>(), N, page_size,
-                                    num_pages, advance, static_cast<uint32_t>(slot), static_cast<uint32_t>(stages)));
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch_clustered(kv_accept_bulk_kernel, B * C, kBulkThreads, smem, C, pdl, stream, bases, static_cast<int>(count),
+                   static_cast<uint32_t>(row_bytes), static_cast<uint32_t>(W), static_cast<uint32_t>(q), C,
+                   page_table.data_ptr<int32_t>(), page_table.stride(0), page_table.size(1),
+                   prefix_lens.data_ptr<int32_t>(), accept_nodes.data_ptr<int32_t>(), accept_len.data_ptr<int32_t>(),
+                   N, page_size, num_pages, advance, static_cast<uint32_t>(slot), static_cast<uint32_t>(stages));
 }
 
 // caches        list of contiguous [num_pages, page_size, ...] tensors, any dtype; per layer the row
@@ -528,8 +514,11 @@ void kv_accept_cuda(const at::TensorList caches, const at::Tensor& page_table, c
   const c10::cuda::OptionalCUDAGuard guard(first.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const int64_t want = (4 * num_sms(first.get_device()) + B - 1) / B;
+  // Launch options, read once per call (the environment switches exist for tests and benchmark sweeps).
   const bool bulk = bulk_path_available(first.get_device());
-  const int64_t max_cluster = bulk ? bulk_tuning().max_cluster : kMaxCluster;
+  const bool pdl = pdl_enabled(first.get_device());
+  const BulkTuning tune = bulk ? bulk_tuning() : BulkTuning{};
+  const int64_t max_cluster = bulk ? tune.max_cluster : kMaxCluster;
   const int C = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(max_cluster, want)));
   size_t launches = 0;
   for (const Group& g : groups) launches += std::max<size_t>(1, (g.bases.size() + kMaxLayers - 1) / kMaxLayers);
@@ -539,11 +528,11 @@ void kv_accept_cuda(const at::TensorList caches, const at::Tensor& page_table, c
       const size_t count = std::min<size_t>(kMaxLayers, g.bases.size() - std::min(firstl, g.bases.size()));
       const bool advance = ++done == launches;  // the last launch advances prefix_lens (stream order)
       auto go = [&](auto unit_tag) {
-        launch<decltype(unit_tag)>(g, firstl, count, C, B, page_table, prefix_lens, accept_nodes, accept_len,
+        launch<decltype(unit_tag)>(g, firstl, count, C, pdl, B, page_table, prefix_lens, accept_nodes, accept_len,
                                    static_cast<int>(N), page_size, num_pages, advance, stream);
       };
       if (g.width == 16 && bulk) {
-        launch_bulk(g, firstl, count, C, B, page_table, prefix_lens, accept_nodes, accept_len, static_cast<int>(N),
+        launch_bulk(g, firstl, count, C, pdl, tune, B, page_table, prefix_lens, accept_nodes, accept_len, static_cast<int>(N),
                     page_size, num_pages, advance, stream);
         continue;
       }
