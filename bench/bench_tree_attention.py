@@ -19,15 +19,15 @@ EAGLE3_TREE_SHAPES="mla B1 P32768 N16,mla B1 P32768 N1" keeps only those shapes 
 EAGLE3_TREE_PROVIDERS="eagle3,torch,eagle3:v_split=2*" only those providers (a trailing * matches a prefix):
 a short run on a time budget.
 
-`python bench/bench_tree_attention.py` (no GPU needed) compiles the MLA kernel variants for sm_90a with
-triton's bundled ptxas and prints registers, spills, shared memory and the wgmma count of each.
+`python bench/bench_tree_attention.py` (no GPU needed) compiles the first MLA kernel's variants (config
+kernel=v1, v_split) for sm_90a with triton's bundled ptxas and prints registers, spills, shared memory and
+the wgmma count of each; `python bench/sweep_mla.py --compile` does the same for mla_decode's kernel.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -242,13 +242,10 @@ def test_tree_attention(recorder, shape, provider):
 
 
 def compile_report(variants=None):
-    """Compile the MLA kernel for sm_90a as the JIT would specialise it for mla B1 P32768 N16 (pointers and
+    """Compile the first MLA kernel (kernel=v1) for sm_90a as the JIT would specialise it for mla B1 P32768 N16 (pointers and
     multiples of 16 marked divisible by 16, ints equal to 1 made constants) and print ptxas's registers and
     spills, the shared memory and the wgmma count of each variant."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
+    from common import compile_sm90a
     from eagle3_ops.triton_kernels import tree_attention as ta
 
     fn = ta._tree_attention_kernel
@@ -258,7 +255,6 @@ def compile_report(variants=None):
     ints = dict(N=16, W=1, HKV=1, NUM_PAGES=pages, MAX_PAGES=pages, PAGE_SIZE=PAGE, NUM_SPLITS=9,
                 stride_qt=64 * 576, stride_qh=576, stride_kp=PAGE * 576, stride_ks=576, stride_kh=0,
                 stride_vp=PAGE * 576, stride_vs=576, stride_vh=0, stride_pt=pages, stride_ot=64 * 512, stride_oh=512)
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
     for name, cfg in (variants or {"default": {}, "v_split": dict(v_split=2),
                                    **{",".join(f"{k}={v}" for k, v in c.items()): c for c in SWEEP_V_SPLIT}}).items():
         vs = cfg.get("v_split", 1)
@@ -267,30 +263,8 @@ def compile_report(variants=None):
         const = dict(G=64, D1=512, D2=64, DV=512, BLOCK_D1=512 // vs, BLOCK_D2=64, BLOCK_DV=512 // vs,
                      SHARED_V=True, BLOCK_M=full["BLOCK_M"], BLOCK_N=full["BLOCK_N"], SPLIT=True, HAS_LSE=True,
                      V_SPLIT=vs, DOT_PREC="tf32")
-        sig, attrs, consts = {}, {}, dict(const)
-        for i, n in enumerate(fn.arg_names):
-            if n in const:
-                sig[n] = "constexpr"
-            elif n in ptrs or n == "scale_log2":
-                sig[n] = ptrs.get(n, "fp32")
-                if n in ptrs:
-                    attrs[(i,)] = [["tt.divisibility", 16]]
-            elif ints[n] == 1:
-                sig[n], consts[n] = "constexpr", 1
-            else:
-                sig[n] = "i32"
-                if ints[n] % 16 == 0:
-                    attrs[(i,)] = [["tt.divisibility", 16]]
-        k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
-                           target=GPUTarget("cuda", 90, 128),
-                           options=dict(num_warps=full["num_warps"], num_stages=full["num_stages"]))
-        ptx_file = os.path.join(os.environ.get("TMPDIR", "/tmp"), "tree_attention_report.ptx")
-        with open(ptx_file, "w") as f:
-            f.write(k.asm["ptx"])
-        r = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", ptx_file, "-o", ptx_file + ".cubin"],
-                           capture_output=True, text=True)
-        info = "; ".join(line.split(":", 1)[-1].strip() for line in r.stderr.splitlines()
-                         if "registers" in line or "spill" in line)
+        k, info, _, _ = compile_sm90a(fn, const, dict(ptrs, scale_log2="fp32"), ints, full["num_warps"],
+                                      full["num_stages"], "tree_attention_report")
         print(f"{name:<72} shared {k.metadata.shared:>6}  wgmma {k.asm['ptx'].count('wgmma.mma_async'):>3}  {info}")
 
 

@@ -138,3 +138,40 @@ class Recorder:
 def bench_out(name: str) -> Optional[str]:
     folder = os.environ.get("EAGLE3_BENCH_OUT")
     return os.path.join(folder, f"{name}.json") if folder else None
+
+
+def compile_sm90a(fn, const: dict, types: dict, ints: dict, num_warps: int, num_stages: int, name: str):
+    """AOT-compile the Triton kernel `fn` for sm_90a without a GPU, specialised as the JIT would: `const`
+    the constexpr arguments, `types` the other non-int arguments' types ("*bf16", "fp32", "tensordesc<..>";
+    pointers marked divisible by 16), `ints` the int arguments' values (multiples of 16 marked divisible,
+    1 made a constant). Runs triton's bundled ptxas -v on the PTX. Returns (compiled kernel, ptxas's
+    register / spill lines joined, ptxas's stderr, path of the cubin)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    sig, attrs, consts = {}, {}, dict(const)
+    for i, n in enumerate(fn.arg_names):
+        if n in const:
+            sig[n] = "constexpr"
+        elif n in types:
+            sig[n] = types[n]
+            if types[n].startswith("*"):
+                attrs[(i,)] = [["tt.divisibility", 16]]
+        elif ints[n] == 1:
+            sig[n], consts[n] = "constexpr", 1
+        else:
+            sig[n] = "i32"
+            if ints[n] % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
+                       target=GPUTarget("cuda", 90, 128), options=dict(num_warps=num_warps, num_stages=num_stages))
+    ptx_file = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"{name}.ptx")
+    with open(ptx_file, "w") as f:
+        f.write(k.asm["ptx"])
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    r = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", ptx_file, "-o", ptx_file + ".cubin"],
+                       capture_output=True, text=True)
+    info = "; ".join(line.split(":", 1)[-1].strip() for line in r.stderr.splitlines()
+                     if "registers" in line or "spill" in line)
+    return k, info, r.stderr, ptx_file + ".cubin"

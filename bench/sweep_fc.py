@@ -19,7 +19,6 @@ import concurrent.futures as cf
 import hashlib
 import multiprocessing as mp
 import os
-import subprocess
 import sys
 import time
 import traceback
@@ -195,12 +194,10 @@ def compile_report():
     """Compile each candidate's streaming kernel for sm_90a as the JIT would specialise it at Kimi shape (ints
     that are multiples of 16 marked divisible, ints equal to 1 made constants) and print ptxas's report."""
     import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+
+    from common import compile_sm90a
 
     kernels = _kernels_module()
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-    ptx_file = os.path.join(os.environ.get("TMPDIR", "/tmp"), "fc_proj_report.ptx")
     for name, cs in CANDIDATES.items():
         wty = "*bf16" if name == "bf16" else "*fp8e4nv"
         for c in cs:
@@ -226,33 +223,12 @@ def compile_report():
                     ints = dict(stride_a=K, T=T, R=T, K=K, Hd=HD, n_chunks=1, CHUNK=K,
                                 SPLITS_PER_CHUNK=triton.cdiv(K, kps), K_PER_SPLIT=kps, stride_o=HD)
                     const = dict(common, HAS_SCALE=name == "fp8", SPLIT=triton.cdiv(K, kps))
-                sig, attrs, consts = {}, {}, dict(const)
-                for i, n in enumerate(fn.arg_names):
-                    if n in const:
-                        sig[n] = "constexpr"
-                    elif n in ptrs:
-                        sig[n] = ptrs[n]
-                        if not ptrs[n].startswith("tensordesc"):
-                            attrs[(i,)] = [["tt.divisibility", 16]]
-                    elif ints[n] == 1:
-                        sig[n], consts[n] = "constexpr", 1
-                    else:
-                        sig[n] = "i32"
-                        if ints[n] % 16 == 0:
-                            attrs[(i,)] = [["tt.divisibility", 16]]
                 try:
-                    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
-                                       target=GPUTarget("cuda", 90, 128),
-                                       options=dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))
+                    k, info, _, _ = compile_sm90a(fn, const, ptrs, ints, cfg["num_warps"], cfg["num_stages"],
+                                                  "fc_proj_report")
                 except Exception as e:
                     print(f"{name:<4} {c:<20} T={T:<3} {type(e).__name__}: {str(e).splitlines()[0][:100]}")
                     continue
-                with open(ptx_file, "w") as f:
-                    f.write(k.asm["ptx"])
-                r = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", ptx_file, "-o", ptx_file + ".cubin"],
-                                   capture_output=True, text=True)
-                info = "; ".join(line.split(":", 1)[-1].strip() for line in r.stderr.splitlines()
-                                 if "registers" in line or "spill" in line)
                 ptx = k.asm["ptx"]
                 regs = int(info.split("Used ")[1].split()[0]) if "Used " in info else 255
                 fit = min(65536 // (-(-regs // 8) * 8 * 32 * cfg["num_warps"]), 233472 // (k.metadata.shared + 1024),

@@ -137,9 +137,8 @@ def compile_report():
     import re
 
     import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
+    from common import compile_sm90a
     from eagle3_ops.triton_kernels import mla_decode as md
 
     fn = md._mla_kernel
@@ -158,42 +157,21 @@ def compile_report():
         const = dict(G=NH, DV=DV, DR=D - DV, BLOCK_H=DV // 2, BLOCK_R=D - DV, BLOCK_M=full["BLOCK_M"], BLOCK_N=bn,
                      SPLIT=True, HAS_LSE=True, TMA=tma, TAU=float(full["rescale_tau"]), DOT_PREC="tf32",
                      CUT=bool(full.get("cut", False)))
-        sig, attrs, consts = {}, {}, dict(const)
-        for i, n in enumerate(fn.arg_names):
-            if n in const:
-                sig[n] = "constexpr"
-            elif n in ("KA", "KR"):
-                if tma:
-                    sig[n] = f"tensordesc<bf16[{bn}, {DV // 2 if n == 'KA' else D - DV}]>"
-                else:
-                    sig[n], consts[n] = "constexpr", None
-            elif n in ptrs or n == "scale_log2":
-                sig[n] = ptrs.get(n, "fp32")
-                if n in ptrs:
-                    attrs[(i,)] = [["tt.divisibility", 16]]
-            elif ints[n] == 1:
-                sig[n], consts[n] = "constexpr", 1
+        types = dict(ptrs, scale_log2="fp32")
+        for n in ("KA", "KR"):  # TMA descriptors, or unused (None) on the gathered path
+            if tma:
+                types[n] = f"tensordesc<bf16[{bn}, {DV // 2 if n == 'KA' else D - DV}]>"
             else:
-                sig[n] = "i32"
-                if ints[n] % 16 == 0:
-                    attrs[(i,)] = [["tt.divisibility", 16]]
+                const[n] = None
         try:
-            k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
-                               target=GPUTarget("cuda", 90, 128),
-                               options=dict(num_warps=full["num_warps"], num_stages=full["num_stages"]))
+            k, info, stderr, cubin = compile_sm90a(fn, const, types, ints, full["num_warps"], full["num_stages"],
+                                                   "sweep_mla")
         except Exception as e:
             print(f"{name:<12} compile error {type(e).__name__}: {str(e)[:200]}")
             continue
-        ptx = os.path.join(os.environ.get("TMPDIR", "/tmp"), "sweep_mla.ptx")
-        with open(ptx, "w") as f:
-            f.write(k.asm["ptx"])
-        r = subprocess.run([os.path.join(bindir, "ptxas"), "-v", "--gpu-name", "sm_90a", ptx, "-o", ptx + ".cubin"],
-                           capture_output=True, text=True)
-        info = "; ".join(line.split(":", 1)[-1].strip() for line in r.stderr.splitlines()
-                         if "registers" in line or "spill" in line)
-        if "C7515" in r.stderr:  # ptxas serialised the wgmmas (register pressure): a wait after each one
+        if "C7515" in stderr:  # ptxas serialised the wgmmas (register pressure): a wait after each one
             info += "; WGMMA SERIALISED (ptxas C7515)"
-        sass = subprocess.run([os.path.join(bindir, "cuobjdump"), "-sass", ptx + ".cubin"], capture_output=True,
+        sass = subprocess.run([os.path.join(bindir, "cuobjdump"), "-sass", cubin], capture_output=True,
                               text=True).stdout
         ins = [(int(m.group(1), 16), m.group(2)) for m in
                (re.match(r"\s*/\*([0-9a-f]{4,})\*/\s*(.*?);", line) for line in sass.splitlines()) if m]
