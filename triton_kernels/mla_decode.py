@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .tree_attention import _LOG2E, _merge_kernel, _pow2, _sm_count, num_splits_for
+from .tree_attention import _LOG2E, _merge_kernel, _pow2, _request_span, _sm_count, num_splits_for
 
 try:  # triton >= 3.3 (host-side descriptors; the H200's triton 3.6 and this machine's 3.8 have it)
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -168,20 +168,15 @@ def _mla_kernel(
     if DR > 0:
         qr = tl.load(Q + q_row[:, None] + DV + dr[None, :], mask=row_ok[:, None] & (dr[None, :] < DR), other=0.0)
 
+    bad, prefix, pt_row, start, end = _request_span(PL, PT, b, stride_pt, MAX_PAGES, PAGE_SIZE, N, NUM_SPLITS,
+                                                    pid_s, BLOCK_N)
     capacity = MAX_PAGES * PAGE_SIZE
-    prefix_raw = tl.load(PL + b)
-    bad = (prefix_raw < 0) | (prefix_raw > capacity - N)
-    prefix = tl.maximum(tl.minimum(prefix_raw, capacity - N), 0)
-    pt_row = PT + b.to(tl.int64) * stride_pt
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc_a = tl.zeros([BLOCK_M, BLOCK_H], tl.float32)
     acc_b = tl.zeros([BLOCK_M, BLOCK_H], tl.float32)
 
-    chunk = tl.cdiv(tl.cdiv(prefix, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    start = pid_s * chunk
-    end = tl.minimum(start + chunk, prefix)
     whole_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N
     unreal = tl.zeros([BLOCK_N], tl.int32)  # positions whose page id is out of range (reduced after)
     # Whole tiles: every row sees every key, no masks.

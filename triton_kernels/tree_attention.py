@@ -77,6 +77,22 @@ def _tile(acc, m_i, l_i, q1, qo, q2, K, V, page, slot, stride_kp, stride_ks, str
 
 
 @triton.jit
+def _request_span(PL, PT, b, stride_pt, MAX_PAGES, PAGE_SIZE, N, NUM_SPLITS, pid_s, BLOCK_N: tl.constexpr):
+    """Request b's prefix and this split's share of it: (bad, prefix, pt_row, start, end). A bad prefix
+    length (negative, or no room for the N tree rows in the page table) is clamped into range for
+    addressing; the caller poisons the request's result with NaN. Splits are whole BLOCK_N tiles."""
+    capacity = MAX_PAGES * PAGE_SIZE
+    prefix_raw = tl.load(PL + b)
+    bad = (prefix_raw < 0) | (prefix_raw > capacity - N)
+    prefix = tl.maximum(tl.minimum(prefix_raw, capacity - N), 0)
+    pt_row = PT + b.to(tl.int64) * stride_pt
+    chunk = tl.cdiv(tl.cdiv(prefix, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = pid_s * chunk
+    end = tl.minimum(start + chunk, prefix)
+    return bad, prefix, pt_row, start, end
+
+
+@triton.jit
 def _tree_attention_kernel(
         Q, K, V, PT, PL, TM, O, LSE, PO, PLSE,
         scale_log2, N, W, HKV, NUM_PAGES, MAX_PAGES, PAGE_SIZE, NUM_SPLITS,
@@ -128,13 +144,10 @@ def _tree_attention_kernel(
     if D2 > 0:
         q2 = tl.load(Q + q_row[:, None] + D1 + d2[None, :], mask=row_ok[:, None] & (d2[None, :] < D2), other=0.0)
 
-    # A bad prefix length (negative, or no room for the tree in the page table) is clamped into range
-    # for addressing and the request's result poisoned with NaN below.
+    # A bad prefix length is clamped for addressing and the request's result poisoned with NaN below.
+    bad, prefix, pt_row, start, end = _request_span(PL, PT, b, stride_pt, MAX_PAGES, PAGE_SIZE, N, NUM_SPLITS,
+                                                    pid_s, BLOCK_N)
     capacity = MAX_PAGES * PAGE_SIZE
-    prefix_raw = tl.load(PL + b)
-    bad = (prefix_raw < 0) | (prefix_raw > capacity - N)
-    prefix = tl.maximum(tl.minimum(prefix_raw, capacity - N), 0)
-    pt_row = PT + b.to(tl.int64) * stride_pt
     k_head = kvh.to(tl.int64) * stride_kh
     v_head = kvh.to(tl.int64) * stride_vh
 
@@ -142,10 +155,7 @@ def _tree_attention_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
 
-    # This split's share of the prefix: whole tiles, all rows see every prefix position.
-    chunk = tl.cdiv(tl.cdiv(prefix, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    start = pid_s * chunk
-    end = tl.minimum(start + chunk, prefix)
+    # This split's share of the prefix [start, end): whole tiles, all rows see every prefix position.
     unreal = tl.zeros([BLOCK_N], tl.int32)  # positions whose page id is out of range (reduced after)
     for n0 in range(start, end, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
