@@ -17,7 +17,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import bench_kv_accept as bk  # noqa: E402
 from common import Ceilings, graph_time_us, rotation  # noqa: E402
 
-SETTINGS = [("", "0"), ("", "1"), ("24,1,8", "0"), ("48,1,8", "0"), ("36,2,8", "0")]  # (tune, EAGLE3_KV_ACCEPT_PDL)
+# The 140537f run (results/kv_accept_sweep_h200.log): 36,2,8 won at B 64 (14.92 us vs 15.50 for one slot);
+# PDL lost at B 64. Default is now two slots; these bracket it.
+SETTINGS = [("", "0"), ("", "1"), ("36,1,8", "0"), ("36,3,8", "0"), ("30,2,8", "0"), ("42,2,8", "0"),
+            ("36,2,4", "0"), ("36,4,8", "0")]  # (tune, EAGLE3_KV_ACCEPT_PDL)
 SHAPES = [(64, "all_move"), (1, "all_move"), (64, "chain")]
 
 

@@ -199,14 +199,17 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) kv_accept_kernel(
 constexpr int kBulkThreads = 128;
 constexpr int64_t kMaxStageBytes = 96 * 1024;  // staging per block, at most
 // Measured on the H200 (bench/results/kv_accept_h200.log, L 61 B 64 N 8, 4 rows moving): staging sized so
-// that every cluster of the grid is resident at once (36 KB at B 64: one round, 6 blocks an SM) and one
-// slot. 48 KB left 2 of the 64 clusters for a second wave (ncu: 62 active clusters), and pipelining the
-// rounds through 4 slots cost more in barriers than it overlapped (20.4 vs 18.6 us at 48 KB).
+// that every cluster of the grid is resident at once (36 KB at B 64, 6 blocks an SM), split in two slots so
+// that a block's second half of columns loads while the first half stores: 14.92 us against 15.50 with one
+// slot (bench/results/kv_accept_sweep_h200.log). 48 KB left 2 of the 64 clusters for a second wave (ncu: 62
+// active clusters), and 4 slots at 48 KB cost more in barriers than they overlapped (20.4 vs 18.6 us).
+// Programmatic dependent launch (EAGLE3_KV_ACCEPT_PDL=1) stays off: the next call's blocks wait on SMs
+// whose staging the running grid needs (16.33 vs 15.50 us at B 64; it helped B 1 only, 5.86 vs 6.39).
 
 // Benchmark-only tuning, read per call: EAGLE3_KV_ACCEPT_TUNE="staging_kb,stages,max_cluster" (bench sweeps).
 struct BulkTuning {
   int64_t stage_bytes = 0;  // 0: sized by the grid (launch_bulk)
-  int64_t stages = 1;
+  int64_t stages = 2;
   int64_t max_cluster = 8;
 };
 
