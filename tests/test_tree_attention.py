@@ -624,8 +624,9 @@ def test_gpu_dtypes(shape, dtype):
 
 # The second MLA kernel at Kimi's shape: TMA at page size 64 (BLOCK_N 32 and 64), gathered at page sizes 1
 # and 16 (BLOCK_N 64) - decode at 32768 (page size 1), the two 16-node targets, a 64-node tree at 32768.
-GPU_TMA = {"tma64": dict(tma=True), "tma32.eager": dict(tma=True, BLOCK_N=32, rescale_tau=0.0),
-           "gather64": dict(tma=False)}
+# tma64 is the default (cut + fill for bf16); tma64.nocut keeps the chained score dots and num_splits_for's count.
+GPU_TMA = {"tma64": dict(tma=True), "tma64.nocut": dict(tma=True, cut=False, fill=False),
+           "tma32.eager": dict(tma=True, BLOCK_N=32, rescale_tau=0.0, cut=False), "gather64": dict(tma=False)}
 
 
 @pytest.mark.gpu

@@ -20,12 +20,12 @@ What differs from tree_attention's kernel (FlashMLA's shape as far as Triton rea
   more than tau (log2 units, so p <= 2^tau before normalisation), and the accumulator is rescaled only
   when some row of the block moved; otherwise the [BLOCK_M, Dv] multiply is skipped. Exact in exact
   arithmetic: out and lse use the same (stale) max for l and acc.
-- cut=True (candidate, eager rescale only): the whole tiles' score dots hand their accumulator on, and the
+- cut=True (the bf16 / fp16 default; eager rescale only): the whole tiles' score dots hand their accumulator on, and the
   softmax reads the score tile, inside always-taken runtime ifs (_cut, _attend_cut), which end each dot's
   forward slice: triton's chained-dot rule (all warps along M) would otherwise make both warpgroups of the
   64-row block compute the same score tile; with it cut each computes half the keys (sm_90a: 36 instead
   of 72 HGMMA.64x32x16 per warpgroup and tile).
-- fill=True (candidate): splits_fill's split count, which lets one partial wave count as full.
+- fill=True (the bf16 / fp16 default): splits_fill's split count, which lets one partial wave count as full.
 """
 
 from __future__ import annotations
@@ -284,8 +284,11 @@ def default_config(dtype: torch.dtype) -> dict:
     fp32 (ieee dots, no wgmma, twice the bytes): 32 rows x 16 keys."""
     if dtype == torch.float32:
         return dict(BLOCK_M=32, BLOCK_N=16, num_warps=8, num_stages=2, min_chunk=256, rescale_tau=0.0)
-    # rescale_tau 0: on the H200 the lazy rescale (tau 8) was 11% slower (329 vs 293 us, N16 B1 P32768)
-    return dict(BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=2, min_chunk=256, rescale_tau=0.0)
+    # rescale_tau 0: on the H200 the lazy rescale (tau 8) was 11% slower (329 vs 293 us, N16 B1 P32768).
+    # cut + fill: 235 vs 294 us at N16 B1 P32768, 426 vs 536 at N16 B8 P8192, 487 vs 582 at N1 B32 P32768
+    # (bench/results/mla_sweep_cut_h200.log, 140537f); cut alone was 248 / 450 / 493.
+    return dict(BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=2, min_chunk=256, rescale_tau=0.0, cut=True,
+                fill=True)
 
 
 def splits_fill(programs: int, max_len: int, sms: int, min_chunk: int) -> int:
