@@ -34,18 +34,13 @@ TS = (1, 16, 64)
 # A stream-K config's PER_SM must not exceed the CTAs that fit on an SM (else a second partial wave undoes
 # the balance): bf16 is bound by shared memory, fp8 by registers (its weight tile is converted in registers,
 # ~160 at T <= 16 and ~250 at T = 64 with 128 x 128 tiles on 4 warps). `--compile` prints the fit per T.
+# (5180f72's candidates and results: results/fc_sweep_streamk_h200.log; their winners are the defaults.)
+# Now: the fp8 neighbourhood of its default 128,128,0,4,4,2,1 (42.1 / 44.8 / 65.1 us at T = 1 / 16 / 64, where
+# 1.9x bf16 F.linear needs ~40.5 us): deeper pipelines, 8 warps (half the converted tile per thread), wider K.
 CANDIDATES = {
-    "bf16": ["64,128,4,4,4", "128,128,4,4,4",  # the defaults (T <= 16, T > 16)
-             # stream-K: the same weight bytes per program
-             "64,128,0,4,3,3", "64,128,0,4,4,2", "64,128,0,4,3,2", "64,64,0,4,6,3", "128,64,0,4,4,2",
-             "128,128,0,8,4,1", "128,128,0,4,3,1",
-             # stream-K with the weight tiles through TMA (fewer instructions and registers per byte)
-             "64,128,0,4,3,3,1", "64,128,0,4,4,2,1", "128,128,0,8,4,1,1"],
-    "fp8": ["128,128,4,4,3",  # the default
-            "128,128,7,4,3",  # split grid of 56 x 7 = 392 programs: one wave at 3 CTAs per SM
-            "128,128,0,4,3,3", "128,128,0,4,4,3", "128,128,0,4,4,2", "64,128,0,4,4,4", "64,256,0,4,3,3",
-            "256,128,0,8,4,1", "128,256,0,8,3,1",
-            "128,128,0,4,4,3,1", "128,128,0,4,4,2,1", "256,128,0,8,3,2,1"],
+    "bf16": ["64,128,0,4,3,3,1"],
+    "fp8": ["128,128,0,4,5,2,1", "128,128,0,4,3,2,1", "128,128,0,8,4,2,1", "128,128,0,8,5,2,1", "64,256,0,4,4,2,1",
+            "128,256,0,8,3,1,1", "256,128,0,8,4,1,1", "64,128,0,4,6,3,1"],
 }
 
 
