@@ -343,6 +343,16 @@ def test_kernel_interpreted(gen, mla, N, kind, splits, dtype, page_size):
     _check_with_and_without_lse(c, dict(splits=splits))
 
 
+@interpreted
+@pytest.mark.parametrize("mla", [True, False])
+def test_kernel_interpreted_merge_in_two_steps(gen, mla):
+    # 131 splits: the merge kernel takes 128 a step, so its running max crosses steps (the prefix's splits in
+    # the first, the tree block's - the last split - in the second); most splits are empty (lse -inf).
+    kw = dict(NH=4, D=40, Dv=32) if mla else dict(NH=8, HKV=2, D=16, Dv=24)
+    c = Case(gen, mla=mla, prefixes=[0, 17, 70], N=3, kind="bushy", page_size=16, dtype=torch.float32, **kw)
+    _check_with_and_without_lse(c, dict(splits=131))
+
+
 def _check_with_and_without_lse(c: Case, config: dict):
     out, lse = _kernel(c, config=config)
     _check_against(c, out, lse, *c.truth())

@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .tree_attention import _LOG2E, _merge_kernel, _pow2, _request_span, _sm_count, num_splits_for
+from .tree_attention import _LOG2E, _pow2, _request_span, _sm_count, merge_splits, num_splits_for
 
 try:  # triton >= 3.3 (host-side descriptors; the H200's triton 3.6 and this machine's 3.8 have it)
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -364,7 +364,4 @@ def tree_attention_mla(q: Tensor, kv_cache: Tensor, page_table: Tensor, prefix_l
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"])
     if split:
-        block_v = min(128, _pow2(DV))
-        _merge_kernel[(rows, B, -(-DV // block_v))](
-            po, plse, out, lse if lse is not None else out, N, 1, splits, out.stride(0), out.stride(1),
-            G=G, DV=DV, BLOCK_S=min(16, _pow2(splits, 2)), BLOCK_V=block_v, HAS_LSE=lse is not None, num_warps=4)
+        merge_splits(po, plse, out, lse, N, 1, G)
