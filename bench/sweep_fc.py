@@ -39,9 +39,20 @@ TS = (1, 16, 64)
 # 1.9x bf16 F.linear needs ~40.5 us): deeper pipelines, 8 warps (half the converted tile per thread), wider K.
 CANDIDATES = {
     "bf16": ["64,128,0,4,3,3,1"],
-    "fp8": ["128,128,0,4,5,2,1", "128,128,0,4,3,2,1", "128,128,0,8,4,2,1", "128,128,0,8,5,2,1", "64,256,0,4,4,2,1",
-            "128,256,0,8,3,1,1", "256,128,0,8,4,1,1", "64,128,0,4,6,3,1"],
+    # fp8: f73e60c's sweep (results/fc_sweep_fp8_h200.log) left the default best at T = 1 / 16 (42.1 / 44.9 us)
+    # and 256,128,0,8,4,1,1 at T = 64 (63.4). Now the prepared rows ("+prep": fp16 rows written once, the dot
+    # fed through a TMA descriptor) with the default tiles and with 3 stages (2 CTAs an SM at T = 64).
+    "fp8": ["+prep", "128,128,0,4,3,2,1", "128,128,0,4,3,2,1+prep", "128,128,0,8,4,2,1+prep",
+            "256,128,0,8,4,1,1", "256,128,0,8,4,1,1+prep"],
 }
+
+
+def _apply(kernels, c):
+    """Select candidate c: its config string, and with a "+prep" suffix the fp8 prepared-rows path
+    (fc_proj.FP8_PREP_ROWS: rows gathered / normalised / converted to fp16 once, before the stream-K kernel)."""
+    prep = c is not None and c.endswith("+prep")
+    kernels.CONFIG_OVERRIDE = (c[:-len("+prep")] or None) if prep else c
+    kernels.FP8_PREP_ROWS = 1 if prep else 1 << 62
 
 
 def _cfg(c):
@@ -100,7 +111,7 @@ def _precompile(task):
     from eagle3_ops.triton_kernels import fc_proj as kernels  # (importing eagle3_ops registers its ops)
 
     name, config, ts = task
-    kernels.CONFIG_OVERRIDE = config
+    _apply(kernels, config)
     t0 = time.time()
     try:
         for T in ts:
@@ -157,7 +168,7 @@ def main(ts):
                   f"{nbytes / (base * 1e-6) / bw * 100:5.1f}% of copy")
             rows = []
             for c in [None] + CANDIDATES[name]:
-                kernels.CONFIG_OVERRIDE = c
+                _apply(kernels, c)
                 try:
                     out.fill_(float("nan"))
                     _call(name, aux, out)()
@@ -177,7 +188,7 @@ def main(ts):
                 summary.append(f"best T={T:<3} {name:<4} {c:<20} {us:8.2f} us  {nbytes / (us * 1e-6) / bw * 100:5.1f}% "
                                f"of copy  {lin / us:5.2f}x F.linear ({lin:.2f})  {smm / us:5.2f}x _scaled_mm "
                                f"({smm:.2f})")
-    kernels.CONFIG_OVERRIDE = None
+    _apply(kernels, None)
     print("\n".join(summary))
     print(f"wall {time.time() - t_start:.0f} s")
 
@@ -196,22 +207,25 @@ def compile_report():
     for name, cs in CANDIDATES.items():
         wty = "*bf16" if name == "bf16" else "*fp8e4nv"
         for c in cs:
-            cfg = _cfg(c)
+            prep = c.endswith("+prep")
+            cfg = _cfg(c[:-len("+prep")] or ("128,128,0,4,4,2,1" if name == "fp8" else "128,128,0,8,4,1,1")
+                       if prep else c)
             bn, bk = cfg["BLOCK_N"], cfg["BLOCK_K"]
             for T in (1, 16, 64):
                 bt = max(16, triton.next_power_of_2(T))
                 common = dict(HAS_ROWS=False, NORM=0, HAS_NW=False, COMPUTE=triton.language.bfloat16, IEEE=False,
                               F16=name == "fp8", BLOCK_N=bn, BLOCK_K=bk, BLOCK_T=bt)
-                ptrs = dict(aux="*bf16", rows="*bf16", w=wty, rstd="*bf16", nw="*bf16", part="*fp32",
-                            scale="*fp32", out="*bf16")
+                ptrs = dict(aux="*fp16" if prep else "*bf16", rows="*bf16", w=wty, rstd="*bf16", nw="*bf16",
+                            part="*fp32", scale="*fp32", out="*bf16")
                 if cfg["per_sm"]:
                     fn = kernels._fc_persistent_kernel
                     ipn = K // bk
                     iters = triton.cdiv(HD // bn * ipn, cfg["per_sm"] * 132)
                     s_max = triton.cdiv(iters, ipn) + 1
                     ints = dict(stride_a=K, T=T, R=T, K=K, Hd=HD, n_chunks=1, CHUNK=K, IPC=ipn, ITERS=iters)
-                    const = dict(common, TMA=bool(cfg["tma"]), S_MAX=s_max)
+                    const = dict(common, TMA=bool(cfg["tma"]), S_MAX=s_max, A16=prep)
                     ptrs["w_desc"] = f"tensordesc<{wty[1:]}[{bn}, {bk}]>" if cfg["tma"] else wty  # else the weight
+                    ptrs["a_desc"] = f"tensordesc<fp16[{bt}, {bk}]>" if prep and cfg["tma"] else "*bf16"
                 else:
                     fn = kernels._fc_stream_kernel
                     kps = triton.cdiv(triton.cdiv(K, cfg["split"]), bk) * bk

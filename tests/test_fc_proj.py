@@ -249,6 +249,38 @@ def test_triton_interpreted(gen, monkeypatch, T, R, H, Hd, norm_mode, dtype, pat
     _check(out, _truth64(aux, weight, scale, nw, 1e-6, norm_mode, rows), f"{path} {norm_mode}")
 
 
+@pytest.mark.skipif(not INTERPRET or FP8 is None, reason="the Triton interpreter runs the kernels on CPU tensors")
+@pytest.mark.parametrize("norm_mode", ["none", "norm_before_fc", "fc_norm"])
+@pytest.mark.parametrize("path", ["persistent", "persistent-tma"])
+def test_triton_interpreted_fp8_prepared_rows(gen, monkeypatch, norm_mode, path):
+    # fp8 weight, bf16 rows: with FP8_PREP_ROWS reached, the gathered / normalised rows are written once as
+    # fp16 x 2^-8 and fed to the stream-K dot as loaded (through a TMA descriptor on the -tma path); an
+    # out-of-range row index gives a NaN row. Same result as the in-loop conversion, within rounding.
+    from eagle3_ops.triton_kernels import fc_proj as kernels
+
+    T, H, Hd = 20, 32, 40
+    aux, w = _make(gen, T, H, Hd, torch.float32)
+    scale = (w.abs().amax(dim=1) / 448).float()
+    w8 = (w / scale[:, None]).to(FP8)
+    aux = aux.to(torch.bfloat16)
+    nw = _norm_weight(gen, norm_mode, 3, H, torch.bfloat16)
+    rows = torch.randint(0, T, (24,), generator=gen, dtype=torch.int32)
+    rows[5] = T  # out of range
+    monkeypatch.setattr(kernels, "CONFIG_OVERRIDE", PERSISTENT[path])
+    outs = {}
+    for prep in (1, 1 << 62):
+        monkeypatch.setattr(kernels, "FP8_PREP_ROWS", prep)
+        outs[prep] = poison_(torch.empty(24, Hd))
+        _triton_fc(aux, w8, scale, nw, 1e-6, norm_mode, rows, outs[prep])
+    good = torch.arange(24) != 5
+    truth = _truth64(aux, w8, scale, nw, 1e-6, norm_mode, rows[good])
+    for prep, out in outs.items():
+        assert torch.isnan(out[5]).all()
+        err = rel_err(out[good], truth)  # bf16 inputs through fp16 dots: the bf16 rule, though out is fp32
+        assert err <= TOLERANCES[torch.bfloat16], f"{path} {norm_mode} prep={prep < 1 << 62}: rel err {err:.3g}"
+    assert rel_err(outs[1][good], outs[1 << 62][good]) <= 1e-3
+
+
 @pytest.mark.parametrize("config, fields", [("64,128,4,4,4", (64, 128, 4, 4, 4, 0, 0)),
                                             ("64,128,0,4,3,3", (64, 128, 0, 4, 3, 3, 0)),
                                             ("64,128,0,4,3,3,1", (64, 128, 0, 4, 3, 3, 1))])

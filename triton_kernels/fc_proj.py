@@ -42,6 +42,13 @@ CONFIG_OVERRIDE = os.environ.get("EAGLE3_FC_CONFIG")
 STREAM_MAX_ROWS = int(os.environ.get("EAGLE3_FC_STREAM_MAX_ROWS", "64"))
 # fp8 weights with bf16 activations: dot in fp16 (native e4m3 -> fp16 conversion) instead of bf16
 FP8_VIA_F16 = os.environ.get("EAGLE3_FC_FP8_F16", "1") == "1"
+# fp8 weights (fp16 dot) from this many rows on: the rows are gathered, normalised and converted to fp16 x 2^-8
+# once, in a pass before the stream-K kernel, which then feeds them to the dot as loaded. Inside the loop that
+# conversion is redone for every output-channel block (56 times at Kimi shape): at R = 64 the loop body was 897
+# sm_90a instructions a step against 393 at R = 1 (FMUL / F2FP.PACK / HMUL2 / STS of the activation tile), and
+# fp8 ran at 65 us against 42 us at R = 1 (bench/results/fc_sweep_fp8_h200.log).
+# Off (0) until measured on the H200: bench/sweep_fc.py times it through the environment variable.
+FP8_PREP_ROWS = int(os.environ.get("EAGLE3_FC_FP8_PREP_ROWS", "0")) or 1 << 62
 _NORM_CODE = {"none": 0, "norm_before_fc": 1, "fc_norm": 2}
 
 
@@ -157,10 +164,10 @@ def _store_row(acc, r, offs, ok, rows, T, scale, out, stride_o, HAS_ROWS: tl.con
 
 
 @triton.jit
-def _fc_persistent_kernel(aux, stride_a, rows, T, R, w, w_desc, K, Hd, rstd, n_chunks, CHUNK, IPC, ITERS, nw, part,
+def _fc_persistent_kernel(aux, a_desc, stride_a, rows, T, R, w, w_desc, K, Hd, rstd, n_chunks, CHUNK, IPC, ITERS, nw, part,
                           HAS_ROWS: tl.constexpr, NORM: tl.constexpr, HAS_NW: tl.constexpr, F16: tl.constexpr,
                           TMA: tl.constexpr, COMPUTE: tl.constexpr, IEEE: tl.constexpr, BLOCK_N: tl.constexpr,
-                          BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, S_MAX: tl.constexpr):
+                          BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, S_MAX: tl.constexpr, A16: tl.constexpr = False):
     """Stream-K: program p owns steps [p * ITERS, (p + 1) * ITERS) of the (n-block, chunk, BLOCK_K step) space
     (n-block-major), so every program streams the same number of weight bytes whatever the SM count.
 
@@ -195,10 +202,15 @@ def _fc_persistent_kernel(aux, stride_a, rows, T, R, w, w_desc, K, Hd, rstd, n_c
             n_ok = nb * BLOCK_N + tl.arange(0, BLOCK_N) < Hd
             wt = tl.load(w + ((nb * BLOCK_N).to(tl.int64) * K + k0) + w_tile, mask=n_ok[:, None] & k_ok[None, :],
                          other=0.0, eviction_policy="evict_first")
-        at = tl.load(aux + k0 + a_tile, mask=k_ok[:, None] & valid[None, :], other=0.0)
+        if A16 and TMA:  # [BLOCK_T, BLOCK_K] box of the prepared rows (zeros past R and K), used transposed
+            at = tl.trans(a_desc.load([pid_t * BLOCK_T, k0]))
+        else:
+            at = tl.load(aux + k0 + a_tile, mask=k_ok[:, None] & valid[None, :], other=0.0)
         if HAS_NW:
             at = at.to(tl.float32) * tl.load(nw + offs_k, mask=k_ok, other=0.0).to(tl.float32)[:, None]
-        if F16:  # as in _fc_stream_kernel: activations scaled by 2^-8 into fp16, undone at the flush
+        if A16:  # (F16 too) aux is the prepared fp16 x 2^-8 rows: into the dot as loaded
+            acc_c = tl.dot(wt.to(tl.float16), at, acc_c)
+        elif F16:  # as in _fc_stream_kernel: activations scaled by 2^-8 into fp16, undone at the flush
             acc_c = tl.dot(wt.to(tl.float16), (at.to(tl.float32) * 0.00390625).to(tl.float16), acc_c)
         elif IEEE:
             acc_c = tl.dot(wt.to(COMPUTE), at.to(COMPUTE), acc_c, input_precision="ieee")
@@ -239,8 +251,10 @@ def _fc_fixup_kernel(part, rows, T, R, Hd, ipn, ITERS, scale, out, stride_o,
 
 @triton.jit
 def _normalise_rows_kernel(aux, stride_a, rows, T, K, CHUNK, n_chunks, rstd, nw, dst,
-                           HAS_ROWS: tl.constexpr, NORM: tl.constexpr, HAS_NW: tl.constexpr, BLOCK: tl.constexpr):
-    """dst[r] = norm(aux[rows[r]]) in aux's dtype (the prefill path's one pass before cuBLAS)."""
+                           HAS_ROWS: tl.constexpr, NORM: tl.constexpr, HAS_NW: tl.constexpr, BLOCK: tl.constexpr,
+                           SCALE: tl.constexpr = 1.0):
+    """dst[r] = SCALE * norm(aux[rows[r]]) in dst's dtype (the prefill path's one pass before cuBLAS: aux's dtype,
+    SCALE 1; the fp8 stream path's: fp16, SCALE 2^-8); NaN rows for indices outside [0, T)."""
     r = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < K
@@ -254,6 +268,8 @@ def _normalise_rows_kernel(aux, stride_a, rows, T, K, CHUNK, n_chunks, rstd, nw,
         a *= tl.load(rstd + r * n_chunks + offs // CHUNK, mask=ok, other=0.0)
     if HAS_NW:
         a *= tl.load(nw + offs, mask=ok, other=0.0).to(tl.float32)
+    if SCALE != 1.0:
+        a *= SCALE
     a = tl.where(valid, a, float("nan"))
     tl.store(dst + r.to(tl.int64) * K + offs, a.to(dst.dtype.element_ty), mask=ok)
 
@@ -340,8 +356,9 @@ def _sm_count(device: torch.device) -> int:
     return _SM_COUNT[device.index]
 
 
-def _persistent(aux, weight, weight_scale, nw, rstd, norm, n_chunks, rows, out, T, R, K, Hd, block_t, cfg):
-    """Stream-K over (n-block, chunk, BLOCK_K step): cfg["per_sm"] programs per SM, equal step counts."""
+def _persistent(aux, weight, weight_scale, nw, rstd, norm, n_chunks, rows, out, T, R, K, Hd, block_t, cfg, a16=False):
+    """Stream-K over (n-block, chunk, BLOCK_K step): cfg["per_sm"] programs per SM, equal step counts. a16: aux
+    is the prepared [R, K] fp16 x 2^-8 rows of an fp8 weight's product (rows, norms and nw already applied)."""
     bn, bk = cfg["BLOCK_N"], cfg["BLOCK_K"]
     chunk = K // n_chunks
     ipc = triton.cdiv(chunk, bk)
@@ -354,17 +371,29 @@ def _persistent(aux, weight, weight_scale, nw, rstd, norm, n_chunks, rows, out, 
     compute = _compute_dtype(aux, weight)
     tma = bool(cfg["tma"]) and K * weight.element_size() % 16 == 0 and weight.data_ptr() % 16 == 0
     desc = TensorDescriptor.from_tensor(weight, [bn, bk]) if tma else weight
+    a_desc = TensorDescriptor.from_tensor(aux, [block_t, bk]) if tma and a16 else aux
     _fc_persistent_kernel[(programs, triton.cdiv(R, block_t))](
-        aux, aux.stride(0), rows if rows is not None else aux, T, R, weight, desc, K, Hd,
+        aux, a_desc, aux.stride(0), rows if rows is not None else aux, T, R, weight, desc, K, Hd,
         rstd if rstd is not None else aux, n_chunks, chunk, ipc, iters, nw if nw is not None else aux, part,
         HAS_ROWS=rows is not None, NORM=norm, HAS_NW=nw is not None,
-        F16=weight.element_size() == 1 and compute == torch.bfloat16 and FP8_VIA_F16, TMA=tma,
+        F16=a16 or (weight.element_size() == 1 and compute == torch.bfloat16 and FP8_VIA_F16), TMA=tma,
         COMPUTE=_TL[compute], IEEE=compute == torch.float32, BLOCK_N=bn, BLOCK_K=bk, BLOCK_T=block_t, S_MAX=s_max,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        A16=a16, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     _fc_fixup_kernel[(R, triton.cdiv(Hd, bn))](
         part, rows if rows is not None else aux, T, R, Hd, ipn, iters,
         weight_scale if weight_scale is not None else aux, out, out.stride(0), HAS_ROWS=rows is not None,
         HAS_SCALE=weight_scale is not None, BLOCK_N=bn, S_MAX=s_max)
+
+
+def _prepared_rows(aux, rows, T, R, K, n_chunks, norm, rstd, nw, dtype, scale) -> Tensor:
+    """[R, K] of dtype: scale * norm(aux[rows]) with nw applied, written once (NaN rows for bad indices)."""
+    a = torch.empty(R, K, dtype=dtype, device=aux.device)
+    block = 1024
+    _normalise_rows_kernel[(R, triton.cdiv(K, block))](
+        aux, aux.stride(0), rows if rows is not None else aux, T, K, K // n_chunks, n_chunks,
+        rstd if rstd is not None else aux, nw if nw is not None else aux, a,
+        HAS_ROWS=rows is not None, NORM=norm, HAS_NW=nw is not None, BLOCK=block, SCALE=scale)
+    return a
 
 
 def fc_proj(aux: Tensor, weight: Tensor, weight_scale: Optional[Tensor], norm_weight: Optional[Tensor], eps: float,
@@ -392,20 +421,21 @@ def fc_proj(aux: Tensor, weight: Tensor, weight_scale: Optional[Tensor], norm_we
         if R <= STREAM_MAX_ROWS:
             block_t = max(16, triton.next_power_of_2(R))
             cfg = stream_config(R, Hd, K, n_chunks, weight)
-            launch = _persistent if cfg["per_sm"] > 0 else _streamed
-            launch(aux, weight, weight_scale, nw, rstd, norm, n_chunks, rows, out, T, R, K, Hd, block_t, cfg)
+            if (cfg["per_sm"] > 0 and R >= FP8_PREP_ROWS and weight.element_size() == 1 and FP8_VIA_F16
+                    and _compute_dtype(aux, weight) == torch.bfloat16):
+                a16 = _prepared_rows(aux, rows, T, R, K, n_chunks, norm, rstd, nw, torch.float16, 0.00390625)
+                _persistent(a16, weight, weight_scale, None, None, 0, 1, None, out, R, R, K, Hd, block_t, cfg,
+                            a16=True)
+            else:
+                launch = _persistent if cfg["per_sm"] > 0 else _streamed
+                launch(aux, weight, weight_scale, nw, rstd, norm, n_chunks, rows, out, T, R, K, Hd, block_t, cfg)
         elif aux.dtype in (torch.bfloat16, torch.float16) and out.dtype == aux.dtype and (
                 weight.dtype == aux.dtype or weight.element_size() == 1):
             # prefill: cuBLAS on aux itself, or on the normalised / gathered rows written once; an fp8 (or
             # scaled) weight is dequantised to aux's dtype first (cuBLAS has no bf16 x fp8 product)
             w_mm = weight if weight_scale is None else _dequantised(weight, weight_scale, aux.dtype)
             if norm or rows is not None or nw is not None:
-                a = torch.empty(R, K, dtype=aux.dtype, device=aux.device)
-                block = 1024
-                _normalise_rows_kernel[(R, triton.cdiv(K, block))](
-                    aux, aux.stride(0), rows if rows is not None else aux, T, K, K // n_chunks, n_chunks,
-                    rstd if rstd is not None else aux, nw if nw is not None else aux, a,
-                    HAS_ROWS=rows is not None, NORM=norm, HAS_NW=nw is not None, BLOCK=block)
+                a = _prepared_rows(aux, rows, T, R, K, n_chunks, norm, rstd, nw, aux.dtype, 1.0)
             else:
                 a = aux
             torch.mm(a, w_mm.t(), out=out)
