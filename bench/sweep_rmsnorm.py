@@ -3,8 +3,8 @@
     python bench/sweep_rmsnorm.py            # about 10 s of GPU time (with the extension built)
 
 Each variant is an EAGLE3_ADD_RMSNORM_VARIANT value (csrc/add_rmsnorm_capture.cu, `Variant`): pdl=0|1
-(programmatic dependent launch) and shape=wide|lean (rows in flight per SM at T >= 264; wide with pdl=0 is
-the launch before this change). The launcher re-reads the variable at every call only when it was set at the first call, so it is set here
+(programmatic dependent launch), shape=wide|lean (rows in flight per SM at T >= 264) and occ=N (at most N
+blocks an SM). The launcher re-reads the variable at every call only when it was set at the first call, so it is set here
 before the op is first called. A plain copy of the same bytes gives each T's ceiling in this run. Every
 variant is checked once against PyTorch (residual and aux bit-exact, x within bf16 rounding).
 """
@@ -27,7 +27,10 @@ from common import Ceilings, graph_time_us  # noqa: E402
 
 TS = [1, 512, 1024, 4096]
 ROUNDS = 3  # medians over rounds, each round visiting every variant (drift hits all alike)
-VARIANTS = ["pdl=0,shape=wide", "pdl=1,shape=wide", "pdl=0,shape=lean", "pdl=1,shape=lean"]  # the last: default
+# (fec4ec8's run, results/add_rmsnorm_sweep_h200.log: pdl=1,shape=lean became the default below T = 2048.)
+# occ=N caps the blocks an SM: T = 512 as two waves of 2 rows an SM (reads of one overlapping writes of the other)
+VARIANTS = ["pdl=1,shape=wide", "pdl=1,shape=lean,occ=2", "pdl=1,shape=lean,occ=3", "pdl=1,shape=wide,occ=2",
+            "pdl=1,shape=lean"]  # the last: default
 
 
 def _op(x, r, w, aux):

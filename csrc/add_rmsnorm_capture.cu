@@ -217,7 +217,7 @@ __global__ void __launch_bounds__(S::THREADS, S::MIN_BLOCKS) add_rmsnorm_capture
 template <typename T>
 constexpr bool kIsDouble = std::is_same_v<T, double>;
 
-// Launch options, for benchmarking only: EAGLE3_ADD_RMSNORM_VARIANT="pdl=0|1,shape=lean|wide".
+// Launch options, for benchmarking only: EAGLE3_ADD_RMSNORM_VARIANT="pdl=0|1,shape=lean|wide[,occ=N]".
 // Unset at the first call: never read again (the defaults, no per-call cost). Set at the first call: read
 // at every call, so a sweep (bench/sweep_rmsnorm.py) can capture one graph per variant in one process.
 struct Variant {
@@ -225,6 +225,9 @@ struct Variant {
   char shape = 'a';  // T >= 264 with bf16 x and residual: 'l'ean <8, 4, 224, 4> (4 rows per SM; rows
                      // up to 7168 bf16), 'w'ide <8, 4, 256, 1> (no minimum: 80 registers, 3 rows), or
                      // 'a'uto: lean below T = 2048, wide from there
+  int occ = 0;       // > 0: at most occ blocks an SM (unused dynamic shared memory caps residency), so that
+                     // T = 512 runs as two waves whose reads and writes overlap rather than one wave that
+                     // reads everything, then writes everything (a candidate: bench/sweep_rmsnorm.py)
 };
 
 Variant variant() {
@@ -244,8 +247,11 @@ Variant variant() {
       out.pdl = kv.back() - '0';
     } else if (kv == "shape=lean" || kv == "shape=wide") {
       out.shape = kv[6];
+    } else if (kv.size() == 5 && kv.compare(0, 4, "occ=") == 0 && kv[4] >= '1' && kv[4] <= '8') {
+      out.occ = kv[4] - '0';
     } else {
-      TORCH_CHECK_VALUE(false, "EAGLE3_ADD_RMSNORM_VARIANT: expected pdl=0|1,shape=lean|wide, got '", kv, "'");
+      TORCH_CHECK_VALUE(false, "EAGLE3_ADD_RMSNORM_VARIANT: expected pdl=0|1,shape=lean|wide[,occ=1..8], got '", kv,
+                        "'");
     }
   }
   return out;
@@ -253,7 +259,7 @@ Variant variant() {
 
 template <typename x_t, typename r_t, typename w_t>
 void launch(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight,
-            const std::optional<at::Tensor>& aux_slice, Rows rows, double eps, bool pdl, char shape,
+            const std::optional<at::Tensor>& aux_slice, Rows rows, double eps, bool pdl, char shape, int occ,
             cudaStream_t stream) {
   using acc_t = std::conditional_t<kIsDouble<x_t> || kIsDouble<r_t> || kIsDouble<w_t>, double, float>;
   const int64_t T = x.size(0), H = x.size(1);
@@ -275,6 +281,15 @@ void launch(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& w
     config.gridDim = dim3(static_cast<unsigned>(T));
     config.blockDim = dim3(static_cast<unsigned>(threads));
     config.stream = stream;
+    if (occ > 0) {  // residency cap (Variant::occ): shared memory the kernel does not use
+      const auto* prop = at::cuda::getDeviceProperties(x.get_device());
+      const int dyn = static_cast<int>(prop->sharedMemPerMultiprocessor / occ) - 3072;
+      if (dyn > 0) {
+        const auto kernel = add_rmsnorm_capture_kernel<x_t, r_t, w_t, acc_t, S>;
+        C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, dyn));
+        config.dynamicSmemBytes = static_cast<size_t>(dyn);
+      }
+    }
     cudaLaunchAttribute attr[1];
     attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
     attr[0].val.programmaticStreamSerializationAllowed = 1;
@@ -361,9 +376,9 @@ void add_rmsnorm_capture_cuda(const at::Tensor& x, const at::Tensor& residual, c
     auto with_w = [&](auto r_tag) {
       using r_t = decltype(r_tag);
       if (w_is_x) {
-        launch<x_t, r_t, x_t>(x, residual, w, aux_slice, rws, eps, pdl, opt.shape, stream);
+        launch<x_t, r_t, x_t>(x, residual, w, aux_slice, rws, eps, pdl, opt.shape, opt.occ, stream);
       } else {
-        launch<x_t, r_t, float>(x, residual, w, aux_slice, rws, eps, pdl, opt.shape, stream);
+        launch<x_t, r_t, float>(x, residual, w, aux_slice, rws, eps, pdl, opt.shape, opt.occ, stream);
       }
     };
     if (rt == xt) {
