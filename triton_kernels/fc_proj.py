@@ -164,14 +164,16 @@ def _store_row(acc, r, offs, ok, rows, T, scale, out, stride_o, HAS_ROWS: tl.con
 
 
 @triton.jit
-def _fc_persistent_kernel(aux, a_desc, stride_a, rows, T, R, w, w_desc, K, Hd, rstd, n_chunks, CHUNK, IPC, ITERS, nw, part,
+def _fc_persistent_kernel(aux, a_desc, stride_a, rows, T, R, w, w_desc, K, Hd, rstd, n_chunks, CHUNK, IPC, ITERS, nw,
+                          part,
                           HAS_ROWS: tl.constexpr, NORM: tl.constexpr, HAS_NW: tl.constexpr, F16: tl.constexpr,
                           TMA: tl.constexpr, COMPUTE: tl.constexpr, IEEE: tl.constexpr, BLOCK_N: tl.constexpr,
                           BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, S_MAX: tl.constexpr, A16: tl.constexpr = False):
     """Stream-K: program p owns steps [p * ITERS, (p + 1) * ITERS) of the (n-block, chunk, BLOCK_K step) space
     (n-block-major), so every program streams the same number of weight bytes whatever the SM count.
 
-    aux [T, K] (row stride stride_a); rows [R]; w [Hd, K] (w_desc: the same, [BLOCK_N, BLOCK_K] boxes);
+    aux [T, K] (row stride stride_a; A16: the prepared fp16 rows [R, K], a_desc over them in [BLOCK_T, BLOCK_K]
+    boxes when TMA); rows [R]; w [Hd, K] (w_desc: the same, [BLOCK_N, BLOCK_K] boxes);
     rstd [R, n_chunks] fp32; nw [K]; part [programs, S_MAX, R, BLOCK_N] fp32: program p's sum over the
     n-block nb is written to part[p, nb - first n-block of p] (deterministic; _fc_fixup_kernel adds them).
     """
