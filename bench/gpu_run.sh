@@ -3,7 +3,8 @@
 # benchmarks, and leave logs, JSON and the table under $OUT (the table printed last).
 #   usage: [SANITIZE='-k expr'] bash bench/gpu_run.sh [pytest -k expression for the GPU tests] [bench files...]
 #   SANITIZE runs the GPU tests matching that expression under compute-sanitizer memcheck.
-#   TESTS='tests/test_x.py ...' selects the test files (run in parallel, TEST_JOBS at once); EAGLE3_CUDA_ONLY=a,b
+#   TESTS='tests/test_x.py ...' selects the test files (their GPU tests run in chunks of TEST_CHUNK node ids,
+#   TEST_JOBS pytest processes at once); EAGLE3_CUDA_ONLY=a,b
 #   builds only those csrc/*.cu; EAGLE3_COMMIT names the commit in the results (required in practice).
 set -o pipefail
 OUT=${OUT:-/tmp/eagle3_gpu_out}
@@ -37,23 +38,43 @@ BENCHES=("$@")
   python3 -c "import eagle3_ops; print(eagle3_ops.build_info())" || exit 1
 } 2>&1 | tee "$OUT/build.log" || exit 1
 
-# One pytest process per test file, TEST_JOBS (6) at once: tests are not timed, the float64 references
-# leave the GPU far from full, and device time is the scarce thing (halves a full run's test time).
+# GPU tests in parallel pytest processes, TEST_JOBS (6) at once: tests are not timed, the float64 references
+# leave the GPU far from full, and device time is the scarce thing. A file's selected GPU tests are split
+# into chunks of at most TEST_CHUNK (16) node ids, so that no one file is the pole (test_tree_attention.py's
+# 75 alone took 5 minutes in one process).
 echo "== gpu tests"
 TLOG=$(mktemp -d)
 export KEXPR TLOG
-printf '%s\n' ${TESTS:-tests/test_*.py} | xargs -P "${TEST_JOBS:-6}" -I{} sh -c '
-  name=$(basename {} .py)
-  python3 -m pytest {} -m gpu -q ${KEXPR:+-k "$KEXPR"} -p no:cacheprovider -rf --tb=short > "$TLOG/$name.log" 2>&1
-  rc=$?; [ $rc -eq 5 ] && rc=0  # 5: no GPU test selected in this file
-  echo $rc > "$TLOG/$name.rc"'
 tests_rc=0
-for log in "$TLOG"/*.log; do
-  name=$(basename "$log" .log)
-  { echo "== $name (rc $(cat "$TLOG/$name.rc"))"; cat "$log"; } >> "$OUT/tests.log"
-  echo "$name: $(grep -E '(passed|failed|error|no tests ran)' "$log" | tail -n 1)"
-  grep -E '^(FAILED|ERROR)' "$log" | head -n 10
-  [ "$(cat "$TLOG/$name.rc")" = 0 ] || tests_rc=1
+for f in ${TESTS:-tests/test_*.py}; do
+  name=$(basename "$f" .py)
+  python3 -m pytest "$f" -m gpu -q --collect-only -p no:cacheprovider ${KEXPR:+-k "$KEXPR"} > "$TLOG/$name.collect" 2>&1
+  rc=$?
+  if [ $rc -ne 0 ] && [ $rc -ne 5 ]; then  # a collection error: shown, and the run fails
+    echo "$name: COLLECTION FAILED (rc $rc)"; tail -n 5 "$TLOG/$name.collect"; tests_rc=1
+  fi
+  grep '::' "$TLOG/$name.collect" > "$TLOG/$name.ids"
+  split -d -l "${TEST_CHUNK:-16}" "$TLOG/$name.ids" "$TLOG/$name.chunk"
+done
+# (node ids, one a line, may hold spaces and [...]: passed NUL-separated, never split or globbed)
+ls "$TLOG" | grep '\.chunk[0-9]*$' | xargs -r -P "${TEST_JOBS:-6}" -I{} sh -c '
+  tr "\n" "\0" < "$TLOG/{}" | xargs -0 python3 -m pytest -m gpu -q -p no:cacheprovider -rf --tb=short \
+    > "$TLOG/{}.log" 2>&1
+  echo $? > "$TLOG/{}.rc"'
+for ids in "$TLOG"/*.ids; do
+  name=$(basename "$ids" .ids)
+  echo "== $name ($(wc -l < "$ids") GPU tests)" >> "$OUT/tests.log"
+  finals=""
+  for log in "$TLOG/$name".chunk*.log; do
+    [ -e "$log" ] || continue
+    cat "$log" >> "$OUT/tests.log"
+    finals="$finals$(grep -E '^=*\s*[0-9]+ (passed|failed|skipped|errors?|deselected)' "$log" | tail -n 1), "
+    grep -E '^(FAILED|ERROR)' "$log" | head -n 10
+    [ "$(cat "${log%.log}.rc")" = 0 ] || tests_rc=1
+  done
+  # the chunks' final lines summed: "N passed, M skipped" per file
+  echo "$name: $(echo "$finals" | grep -oE '[0-9]+ (passed|failed|skipped|errors?)' \
+    | awk '{n[$2] += $1} END {for (k in n) printf "%d %s  ", n[k], k}')$([ -s "$TLOG/$name.ids" ] || echo 'no GPU tests')"
 done
 
 echo "== self-check on the GPU (every CUDA kernel against the CPU reference)"
