@@ -36,11 +36,10 @@ NH, D, DV = 64, 576, 512
 # fill: mla_decode.splits_fill - one partial wave counts (N16 B1: 8 splits, 128 programs, not 15 / 240 in two
 #   waves; B8 P8192: 1 split, no merge kernel; N1 B32: 4 not 8).
 CANDIDATES = {
-    "default": {},  # tma64, cut + fill since 140537f's sweep (results/mla_sweep_cut_h200.log)
-    "tma64.eager": dict(tma=True, BLOCK_N=64, num_stages=2, rescale_tau=0.0, cut=False, fill=False),
-    "tma32.cut.s3": dict(tma=True, BLOCK_N=32, num_stages=3),
-    "tma32.cut.s4": dict(tma=True, BLOCK_N=32, num_stages=4),
-    "tma64.cut.w4": dict(tma=True, BLOCK_N=64, num_stages=2, programs_per_sm=2),  # split counts for 2 per SM
+    "default": {},  # csrc/mla_decode_sm90.cu on Hopper (bf16)
+    "triton": dict(kernel="mla_decode"),  # tma64, cut + fill (results/mla_sweep_cut_h200.log)
+    "sm90.mc128": dict(kernel="sm90", min_chunk=128),  # more, shorter splits
+    "sm90.mc512": dict(kernel="sm90", min_chunk=512),
 }
 # (B, prefix, N, page_size)
 SHAPES = [(1, 32768, 16, 64), (8, 8192, 16, 64), (1, 4096, 16, 64), (1, 32768, 1, 64), (32, 32768, 1, 64),

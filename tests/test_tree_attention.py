@@ -635,8 +635,10 @@ def test_gpu_dtypes(shape, dtype):
 # The second MLA kernel at Kimi's shape: TMA at page size 64 (BLOCK_N 32 and 64), gathered at page sizes 1
 # and 16 (BLOCK_N 64) - decode at 32768 (page size 1), the two 16-node targets, a 64-node tree at 32768.
 # tma64 is the default (cut + fill for bf16); tma64.nocut keeps the chained score dots and num_splits_for's count.
+# sm90 is csrc/mla_decode_sm90.cu's CUDA kernel (the bf16 / fp16 default on Hopper; no fp32).
 GPU_TMA = {"tma64": dict(tma=True), "tma64.nocut": dict(tma=True, cut=False, fill=False),
-           "tma32.eager": dict(tma=True, BLOCK_N=32, rescale_tau=0.0, cut=False), "gather64": dict(tma=False)}
+           "tma32.eager": dict(tma=True, BLOCK_N=32, rescale_tau=0.0, cut=False), "gather64": dict(tma=False),
+           "sm90": dict(kernel="sm90")}
 
 
 @pytest.mark.gpu
@@ -699,6 +701,8 @@ def test_gpu_tma_against_float64(case, dtype, config):
     N, prefix, B, page_size, kind = case
     c = GpuCase(zlib.crc32(repr(case).encode()), B=B, prefix=prefix, N=N, kind=kind, page_size=page_size,
                 dtype=dtype, **KIMI_MLA)
+    if config == "sm90" and dtype == torch.float32:
+        pytest.skip("the sm90 kernel is bf16 / fp16 only (fp32 takes the Triton kernel)")
     cfg = {k: v for k, v in GPU_TMA[config].items() if dtype != torch.float32 or k != "BLOCK_N"}  # fp32: its tiles
     out, lse = _kernel(c, config=cfg)
     _check_against(c, out, lse, *c.truth())
@@ -718,3 +722,45 @@ def test_gpu_tma_bad_values_poison_only_their_request(config):
     for rows in (bad_page, bad_prefix):
         assert torch.isnan(out[rows]).all() and torch.isnan(lse[rows]).all()
 
+
+
+# The sm90 CUDA kernel beyond the sweep: forced split counts (one split: written straight to out; a few;
+# more splits than tiles: empty splits), head counts whose rows do not fill 64-row blocks (16 heads x 7
+# nodes = 112 rows; DeepSeek's 128), trees past two mask words (N 100: a second tree tile), fp16 and bf16.
+SM90_CASES = [  # (N, prefix, B, page_size, kind, NH, splits, dtype)
+    (16, 4096, 3, 64, "bushy", 64, 1, torch.bfloat16),
+    (16, 4096, 3, 16, "bushy", 64, 3, torch.float16),
+    (1, 100, 2, 1, "chain", 64, 40, torch.bfloat16),
+    (7, 777, 5, 16, "bushy", 16, 2, torch.bfloat16),
+    (4, 2000, 2, 64, "chain", 128, 5, torch.float16),
+    (100, 300, 2, 16, "bushy", 64, 2, torch.bfloat16),
+    (64, 0, 4, 1, "bushy", 64, 1, torch.bfloat16),
+    (3, 65, 9, 64, "chain", 64, None, torch.bfloat16),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", SM90_CASES, ids=lambda c: f"N{c[0]}-prefix{c[1]}-B{c[2]}-ps{c[3]}-{c[4]}-NH{c[5]}"
+                         f"-splits{c[6]}-{str(c[7])[6:]}")
+def test_gpu_sm90_against_float64(case):
+    N, prefix, B, page_size, kind, NH, splits, dtype = case
+    c = GpuCase(zlib.crc32(repr(case).encode()), B=B, prefix=prefix, N=N, kind=kind, page_size=page_size,
+                dtype=dtype, mla=True, NH=NH, D=576, Dv=512)
+    cfg = dict(kernel="sm90", **({"splits": splits} if splits else {}))
+    out, lse = _kernel(c, config=cfg)
+    _check_against(c, out, lse, *c.truth())
+    without, _ = _kernel(c, config=cfg, with_lse=False)
+    assert_equal(without, out, "out without lse")
+
+
+@pytest.mark.gpu
+def test_gpu_sm90_is_the_hopper_default():
+    # bf16 at Kimi's widths on a Hopper GPU must not fall back to the Triton kernel silently.
+    from eagle3_ops.triton_kernels.mla_decode import sm90_supported
+
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("not a Hopper GPU")
+    c = GpuCase(3, B=1, prefix=64, N=1, kind="chain", page_size=64, **KIMI_MLA)
+    out = torch.empty(c.q.shape[0], c.NH, c.Dv, dtype=c.dtype, device="cuda")
+    assert sm90_supported(c.q, c.k_cache, out)
+    assert not sm90_supported(c.q[:, :, 1:], c.k_cache, out)  # rows not 16-byte aligned: the Triton kernel

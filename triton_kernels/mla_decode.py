@@ -365,3 +365,40 @@ def tree_attention_mla(q: Tensor, kv_cache: Tensor, page_table: Tensor, prefix_l
         num_stages=cfg["num_stages"])
     if split:
         merge_splits(po, plse, out, lse, N, 1, G)
+
+
+def sm90_supported(q: Tensor, kv_cache: Tensor, out: Tensor) -> bool:
+    """Whether csrc/mla_decode_sm90.cu's kernel serves this call: a Hopper GPU, a build that compiled it,
+    bf16 / fp16 at Kimi's widths (576-dim keys, 512-dim V), 16-byte aligned rows of q and the cache."""
+    if not (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and q.shape[2] == 576 and out.shape[2] == 512):
+        return False
+    if not torch._C._dispatch_has_kernel_for_dispatch_key("eagle3::_tree_attention_mla_sm90", "CUDA"):
+        return False
+    if torch.cuda.get_device_capability(q.device)[0] != 9:
+        return False
+    return (q.data_ptr() % 16 == 0 and q.stride(0) % 8 == 0 and q.stride(1) % 8 == 0 and q.stride(2) == 1
+            and kv_cache.data_ptr() % 16 == 0 and kv_cache.stride(0) % 8 == 0 and kv_cache.stride(1) % 8 == 0
+            and kv_cache.stride(2) == 1 and out.stride(0) % 2 == 0 and out.stride(1) % 2 == 0
+            and out.stride(2) == 1 and out.data_ptr() % 4 == 0)
+
+
+def tree_attention_mla_sm90(q: Tensor, kv_cache: Tensor, page_table: Tensor, prefix_lens: Tensor,
+                            tree_mask: Tensor, scale: float, out: Tensor, lse: Optional[Tensor], config: dict) -> None:
+    """The sm_90a CUDA kernel's launcher (checks done by tree_attention.tree_attention_mla): the split count
+    as this file's fill rule (config: min_chunk, splits), then the kernel, then merge_splits."""
+    B, N, _ = tree_mask.shape
+    G = q.shape[1]
+    rows = N * G
+    m_blocks = -(-rows // 64)
+    max_len = page_table.shape[1] * kv_cache.shape[1]
+    splits = config.get("splits") or splits_fill(m_blocks * B, max_len, _sm_count(q.device), config.get("min_chunk", 256))
+    splits = max(1, min(int(splits), 65535))
+    if splits > 1:
+        po = torch.empty((splits, B, rows, 512), dtype=torch.float32, device=q.device)
+        plse = torch.empty((splits, B, rows), dtype=torch.float32, device=q.device)
+    else:
+        po = plse = out.new_empty((0,), dtype=torch.float32)
+    torch.ops.eagle3._tree_attention_mla_sm90(q, kv_cache, page_table, prefix_lens, tree_mask, scale, out, lse, po, plse,
+                                              splits)
+    if splits > 1:
+        merge_splits(po, plse, out, lse, N, 1, G)

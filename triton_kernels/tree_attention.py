@@ -378,9 +378,22 @@ def tree_attention_mla(q: Tensor, kv_cache: Tensor, page_table: Tensor, prefix_l
     config = dict(config or {})
     # mla_decode's kernel by default at DeepSeek / Kimi widths (Dv >= 256: measured and GPU-tested at 512 +
     # 64); below that (the small CPU-trained pair's 32 + 8) the first kernel, whose GPU tests cover them.
-    kernel = config.pop("kernel", "v1" if Dv < 256 and "tma" not in config else "mla_decode")
-    if kernel not in ("v1", "mla_decode"):
-        raise ValueError(f"config kernel must be 'v1' or 'mla_decode', got {kernel!r}")
+    from .mla_decode import sm90_supported, tree_attention_mla_sm90
+
+    if "kernel" in config:
+        kernel = config.pop("kernel")
+    elif Dv < 256 and "tma" not in config:
+        kernel = "v1"
+    else:
+        kernel = "sm90" if not {"tma", "v_split"} & config.keys() and sm90_supported(q, kv_cache, out) else "mla_decode"
+    if kernel not in ("v1", "mla_decode", "sm90"):
+        raise ValueError(f"config kernel must be 'v1', 'mla_decode' or 'sm90', got {kernel!r}")
+    if kernel == "sm90":
+        if not sm90_supported(q, kv_cache, out):
+            raise ValueError("config kernel 'sm90' needs a Hopper GPU, a build with csrc/mla_decode_sm90.cu, bf16 or "
+                             "fp16 q with D = 576 and Dv = 512, and 16-byte aligned rows of q and kv_cache")
+        tree_attention_mla_sm90(q, kv_cache, page_table, prefix_lens, tree_mask, scale, out, lse, config)
+        return
     if kernel == "v1" or config.get("v_split", 1) != 1:
         if "tma" in config:
             raise ValueError("config tma needs the default kernel, not kernel v1 / v_split")

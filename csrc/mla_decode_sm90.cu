@@ -1,0 +1,467 @@
+// tree_attention_mla's Hopper kernel (sm_90a): absorbed-MLA tree-verify / decode attention, 576-dim keys
+// (512 latent + 64 rope), V = the first 512 dims of the same rows, over a paged cache. Called by the
+// CUDA launcher of torch.ops.eagle3.tree_attention_mla (triton_kernels/tree_attention.py), which checks
+// the arguments, picks the split count and merges the splits (merge_splits); the op's semantics, bad
+// values included, are eagle3_ops.reference.tree_attention_mla's.
+//
+// Work decomposition (as the Triton kernels): a block owns 64 query rows - (node, head) pairs, node-major,
+// so at Kimi's 64 heads one block is one tree node's heads - of one request, and one split of its prefix
+// (whole 64-key tiles); the last split also takes the N tree keys at prefix + node, masked by the ancestor
+// bits. With more than one split each block writes a normalised fp32 partial and its log2-sum-exp2.
+//
+// Inside a block (FlashMLA's division of labour, written with wgmma directly):
+//  - all 256 threads gather each 64-key tile with cp.async (page-table lookup per key row, so any page
+//    size works; invalid rows are zero-filled, never read) into a 128-byte-swizzled shared-memory tile, two
+//    stages, the next tile loading while this one is used; Q (64 x 576) is loaded once;
+//  - warpgroup 0 computes S = Q K^T (36 wgmma m64n64k16), masks it, runs the online softmax, and writes
+//    P (bf16 / fp16) and the rows' rescale factors to shared memory;
+//  - both warpgroups then rescale and accumulate their half of O (64 x 256 fp32 each, 128 registers a
+//    thread): O_half += P V_half, 4 wgmma m64n256k16 with V read transposed from the same key tile.
+// Bad values: positions stop at the page table's capacity, page ids outside [0, num_pages) are never
+// dereferenced, and a request with a bad prefix length or such a page id gets NaN in all its rows.
+
+#include <ATen/core/Tensor.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdint>
+#include <optional>
+
+#include "eagle3/checks.h"
+#include "eagle3/device.h"
+#include "eagle3/wgmma.cuh"
+
+namespace eagle3 {
+namespace {
+
+constexpr int kRows = 64;                            // query rows a block
+constexpr int kKeys = 64;                            // keys a tile
+constexpr int kDim = 576;                            // key width: 512 latent + 64 rope
+constexpr int kDv = 512;                             // V = the first 512 dims
+constexpr int kChunks = kDim / 64;                   // 128-byte column chunks a row
+constexpr int kChunkBytes = kRows * 128;             // one [64 x 64] swizzled chunk
+constexpr int kTileBytes = kChunks * kChunkBytes;    // Q, and each key stage: 73,728 bytes
+constexpr int kPBytes = kRows * kKeys * 2;           // P: one chunk
+constexpr int kThreads = 256;                        // two warpgroups
+constexpr int kSmemBytes = 3 * kTileBytes + kPBytes + 3 * kRows * 4 + 1024;  // + alpha, l, m; + alignment
+static_assert(kKeys == 64 && kRows == 64, "the tile code assumes 64 x 64 score tiles");
+
+struct Params {
+  const void* q;              // [B * N, G, 576] strides (stride_qt, stride_qh, 1)
+  const void* kv;             // [num_pages, page_size, 576] strides (stride_kp, stride_ks, 1)
+  const int32_t* page_table;  // [B, max_pages] strides (stride_pt, 1)
+  const int32_t* prefix_lens; // [B]
+  const int32_t* tree_mask;   // [B, N, W] contiguous
+  void* out;                  // [B * N, G, 512] strides (stride_ot, stride_oh, 1)   (one split)
+  float* lse;                 // [B * N, G] contiguous, natural log, or nullptr          (one split)
+  float* part_out;            // [splits, B, N * G, 512] fp32 contiguous              (splits > 1)
+  float* part_lse;            // [splits, B, N * G] fp32, log2 units                  (splits > 1)
+  float scale_log2;
+  int B, N, W, G, num_pages, max_pages, page_size, num_splits;
+  int64_t stride_qt, stride_qh, stride_kp, stride_ks, stride_pt, stride_ot, stride_oh;
+};
+
+template <typename T>
+struct Pack2;
+template <>
+struct Pack2<__nv_bfloat16> {
+  static __device__ __forceinline__ uint32_t pack(float a, float b) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(a, b);
+    return *reinterpret_cast<uint32_t*>(&v);
+  }
+};
+template <>
+struct Pack2<__half> {
+  static __device__ __forceinline__ uint32_t pack(float a, float b) {
+    __half2 v = __floats2half2_rn(a, b);
+    return *reinterpret_cast<uint32_t*>(&v);
+  }
+};
+
+template <typename T>
+__device__ __forceinline__ void mma_qk(float (&s)[32], uint64_t da, uint64_t db, int scale_d) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    sm90::wgmma_m64n64k16_bf16<0>(s, da, db, scale_d);
+  } else {
+    sm90::wgmma_m64n64k16_f16<0>(s, da, db, scale_d);
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ void mma_pv(float (&o)[128], uint64_t da, uint64_t db) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    sm90::wgmma_m64n256k16_bf16<1>(o, da, db, 1);
+  } else {
+    sm90::wgmma_m64n256k16_f16<1>(o, da, db, 1);
+  }
+}
+
+__device__ __forceinline__ int cdiv(int a, int b) { return (a + b - 1) / b; }
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_constant__ Params p) {
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  extern __shared__ uint8_t smem_raw[];
+  const uint32_t raw = sm90::smem_addr(smem_raw);
+  const uint32_t pad = ((raw + 1023u) & ~1023u) - raw;  // swizzle atoms are 1024-byte aligned
+  uint8_t* smem = smem_raw + pad;
+  const uint32_t s_q = raw + pad;
+  const uint32_t s_k = s_q + kTileBytes;  // stage s at s_k + s * kTileBytes
+  const uint32_t s_p = s_q + 3 * kTileBytes;
+  uint8_t* p_tile = smem + 3 * kTileBytes;
+  float* s_alpha = reinterpret_cast<float*>(smem + 3 * kTileBytes + kPBytes);
+  float* s_l = s_alpha + kRows;
+  float* s_m = s_l + kRows;
+
+  const int tid = threadIdx.x;
+  const int wg = tid / 128, warp = (tid % 128) / 32, lane = tid % 32;
+  const int m_block = blockIdx.x, b = blockIdx.y, split = blockIdx.z;
+  const int rows_total = p.N * p.G;
+  const T* q = static_cast<const T*>(p.q);
+  const T* kv = static_cast<const T*>(p.kv);
+
+  // This split's keys (tree_attention.py _request_span): whole 64-key tiles of the clamped prefix.
+  const int64_t capacity = static_cast<int64_t>(p.max_pages) * p.page_size;
+  const int prefix_raw = p.prefix_lens[b];
+  const bool bad = prefix_raw < 0 || prefix_raw > capacity - p.N;
+  const int64_t clamp_hi = capacity - p.N;
+  const int prefix = static_cast<int>(clamp_hi < 0 ? 0 : (prefix_raw < clamp_hi ? (prefix_raw < 0 ? 0 : prefix_raw) : clamp_hi));
+  const int64_t chunk = static_cast<int64_t>(cdiv(cdiv(prefix, p.num_splits), kKeys)) * kKeys;
+  const int64_t start = split * chunk;
+  const int64_t end = start + chunk < prefix ? start + chunk : static_cast<int64_t>(prefix);
+  const int n_prefix_tiles = end > start ? static_cast<int>((end - start + kKeys - 1) / kKeys) : 0;
+  const int n_tiles = n_prefix_tiles + (split == p.num_splits - 1 ? cdiv(p.N, kKeys) : 0);
+  const int32_t* pt_row = p.page_table + b * p.stride_pt;
+
+  // Loads: thread owns rows lr and lr + 32 of a tile, 16-byte chunk lc of each of the 9 column chunks
+  // (8 threads read a row's 128-byte column chunk together).
+  const int lr = tid / 8, lc = tid % 8;
+  bool unreal = false;  // a key this block needs sits on a page id outside [0, num_pages)
+  auto load_tile = [&](int t, uint32_t stage) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int r = lr + 32 * i;
+      int64_t pos;
+      bool valid;
+      if (t < n_prefix_tiles) {
+        pos = start + static_cast<int64_t>(t) * kKeys + r;
+        valid = pos < end;
+      } else {
+        const int j = (t - n_prefix_tiles) * kKeys + r;
+        pos = prefix + j;
+        valid = j < p.N && pos < capacity;
+      }
+      const int page = valid ? pt_row[pos / p.page_size] : 0;
+      const bool real = page >= 0 && page < p.num_pages;
+      unreal |= valid && !real;
+      const bool ok = valid && real;
+      const T* src = ok ? kv + page * p.stride_kp + (pos % p.page_size) * p.stride_ks + lc * 8 : kv;
+      const uint32_t dst = stage + sm90::swizzle128(r, lc);
+#pragma unroll
+      for (int c = 0; c < kChunks; ++c) sm90::cp_async16(dst + c * kChunkBytes, ok ? src + c * 64 : kv, ok ? 16 : 0);
+    }
+  };
+
+  if (n_tiles > 0) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int r = lr + 32 * i;
+      const int row = m_block * kRows + r;
+      const bool ok = row < rows_total;
+      const int node = ok ? row / p.G : 0, head = ok ? row % p.G : 0;
+      const T* src = q + (static_cast<int64_t>(b) * p.N + node) * p.stride_qt + head * p.stride_qh + lc * 8;
+      const uint32_t dst = s_q + sm90::swizzle128(r, lc);
+#pragma unroll
+      for (int c = 0; c < kChunks; ++c) sm90::cp_async16(dst + c * kChunkBytes, ok ? src + c * 64 : q, ok ? 16 : 0);
+    }
+    load_tile(0, s_k);
+    sm90::cp_async_commit();
+  }
+
+  // This thread's two rows of every accumulator (wgmma layout): r0 and r0 + 8.
+  const int r0 = warp * 16 + lane / 4;
+  const int quad = lane % 4;
+  float o[128];
+#pragma unroll
+  for (int i = 0; i < 128; ++i) o[i] = 0.f;
+  float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};  // warpgroup 0: running max and (partial) sum
+
+  for (int t = 0; t < n_tiles; ++t) {
+    sm90::cp_async_wait_all();
+    sm90::fence_proxy_async();
+    __syncthreads();  // tile t landed for every thread; tile t - 1's stage and P are free
+    if (t + 1 < n_tiles) {
+      load_tile(t + 1, s_k + ((t + 1) & 1) * kTileBytes);
+      sm90::cp_async_commit();
+    }
+    const uint32_t stage = s_k + (t & 1) * kTileBytes;
+    float alpha[2];
+    if (wg == 0) {
+      float s[32];
+#pragma unroll
+      for (int i = 0; i < 32; ++i) s[i] = 0.f;
+      sm90::wgmma_fence();
+#pragma unroll
+      for (int c = 0; c < kChunks; ++c) {
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          const uint64_t da = sm90::desc_sw128(s_q + c * kChunkBytes + k * 32, 16, 1024);
+          const uint64_t db = sm90::desc_sw128(stage + c * kChunkBytes + k * 32, 16, 1024);
+          mma_qk<T>(s, da, db, (c | k) != 0);
+        }
+      }
+      sm90::wgmma_commit();
+      sm90::wgmma_wait<0>();
+
+      // scale to log2 units; mask the split's partial last tile and the tree block
+#pragma unroll
+      for (int i = 0; i < 32; ++i) s[i] *= p.scale_log2;
+      if (t >= n_prefix_tiles) {
+        const int j0 = (t - n_prefix_tiles) * kKeys;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int row = m_block * kRows + r0 + 8 * h;
+          const bool row_ok = row < rows_total;
+          const int32_t* words = p.tree_mask + (static_cast<int64_t>(b) * p.N + (row_ok ? row / p.G : 0)) * p.W;
+          const uint32_t lo = row_ok ? static_cast<uint32_t>(words[j0 / 32]) : 0u;
+          const uint32_t hi = row_ok && j0 / 32 + 1 < p.W ? static_cast<uint32_t>(words[j0 / 32 + 1]) : 0u;
+#pragma unroll
+          for (int j = 0; j < 8; ++j) {
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              const int col = 8 * j + 2 * quad + e;
+              const uint32_t word = col < 32 ? lo : hi;
+              const bool visible = j0 + col < p.N && prefix + j0 + col < capacity && ((word >> (col & 31)) & 1u);
+              if (!visible) s[4 * j + 2 * h + e] = -INFINITY;
+            }
+          }
+        }
+      } else if (start + static_cast<int64_t>(t + 1) * kKeys > end) {
+        const int64_t pos0 = start + static_cast<int64_t>(t) * kKeys;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            if (pos0 + 8 * j + 2 * quad + (e & 1) >= end) s[4 * j + e] = -INFINITY;
+          }
+        }
+      }
+
+      // online softmax over the tile's 64 keys (a row's 64 scores sit in the 4 threads of a quad)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float mx = -INFINITY;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) mx = fmaxf(mx, fmaxf(s[4 * j + 2 * h], s[4 * j + 2 * h + 1]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float m_new = fmaxf(m_run[h], mx);
+        const float m_use = m_new == -INFINITY ? 0.f : m_new;  // a row that has seen nothing stays at 0
+        alpha[h] = exp2f(m_run[h] - m_use);
+        m_run[h] = m_new;
+        float sum = 0.f;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          const float p0 = exp2f(s[4 * j + 2 * h] - m_use);
+          const float p1 = exp2f(s[4 * j + 2 * h + 1] - m_use);
+          sum += p0 + p1;
+          const int r = r0 + 8 * h;
+          *reinterpret_cast<uint32_t*>(p_tile + sm90::swizzle128(r, j) + quad * 4) = Pack2<T>::pack(p0, p1);
+        }
+        l_run[h] = l_run[h] * alpha[h] + sum;
+        if (quad == 0) s_alpha[r0 + 8 * h] = alpha[h];
+      }
+      sm90::fence_proxy_async();
+    }
+    __syncthreads();  // P and the rescale factors are in shared memory
+    if (wg == 1) {
+      alpha[0] = s_alpha[r0];
+      alpha[1] = s_alpha[r0 + 8];
+    }
+#pragma unroll
+    for (int j = 0; j < 32; ++j) {
+      o[4 * j] *= alpha[0];
+      o[4 * j + 1] *= alpha[0];
+      o[4 * j + 2] *= alpha[1];
+      o[4 * j + 3] *= alpha[1];
+    }
+    sm90::wgmma_fence();
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const uint64_t da = sm90::desc_sw128(s_p + k * 32, 16, 1024);
+      const uint64_t db = sm90::desc_sw128(stage + wg * 4 * kChunkBytes + k * 16 * 128, kChunkBytes, 1024);
+      mma_pv<T>(o, da, db);
+    }
+    sm90::wgmma_commit();
+    sm90::wgmma_wait<0>();
+  }
+
+  // Row sums across each quad; the rows' (m, l) to shared memory for warpgroup 1.
+  if (wg == 0) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float l = l_run[h];
+      l += __shfl_xor_sync(0xffffffffu, l, 1);
+      l += __shfl_xor_sync(0xffffffffu, l, 2);
+      if (quad == 0) {
+        s_l[r0 + 8 * h] = l;
+        s_m[r0 + 8 * h] = m_run[h];
+      }
+    }
+  }
+  const bool poisoned = __syncthreads_or(unreal) || bad;
+  const float poison = poisoned ? NAN : 0.f;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int r = r0 + 8 * h;
+    const int row = m_block * kRows + r;
+    if (row >= rows_total) continue;
+    const float l = s_l[r], m = s_m[r];
+    const float inv = l > 0.f ? 1.f / l : 1.f;
+    const float lse2 = (l > 0.f ? m + log2f(l) : -INFINITY) + poison;
+    if (p.num_splits > 1) {
+      const int64_t prow = (static_cast<int64_t>(split) * p.B + b) * rows_total + row;
+      float* dst = p.part_out + prow * kDv + wg * (kDv / 2) + 2 * quad;
+#pragma unroll
+      for (int j = 0; j < 32; ++j) {
+        *reinterpret_cast<float2*>(dst + 8 * j) =
+            make_float2(o[4 * j + 2 * h] * inv + poison, o[4 * j + 2 * h + 1] * inv + poison);
+      }
+      if (wg == 0 && quad == 0) p.part_lse[prow] = lse2;
+    } else {
+      const int node = row / p.G, head = row % p.G;
+      const int64_t token = static_cast<int64_t>(b) * p.N + node;
+      T* dst = static_cast<T*>(p.out) + token * p.stride_ot + head * p.stride_oh + wg * (kDv / 2) + 2 * quad;
+#pragma unroll
+      for (int j = 0; j < 32; ++j) {
+        *reinterpret_cast<uint32_t*>(dst + 8 * j) =
+            Pack2<T>::pack(o[4 * j + 2 * h] * inv + poison, o[4 * j + 2 * h + 1] * inv + poison);
+      }
+      if (p.lse != nullptr && wg == 0 && quad == 0) p.lse[token * p.G + head] = lse2 * 0.6931471805599453f;
+    }
+  }
+#endif
+}
+
+// q           [B * N, G, 576]  bf16 | fp16, rows 16-byte aligned, last dim contiguous
+// kv_cache    [num_pages, page_size, 576]  q's dtype, rows 16-byte aligned, last dim contiguous
+// page_table  [B, max_pages] int32, last dim contiguous;  prefix_lens [B] int32
+// tree_mask   [B, N, W] int32 contiguous
+// out         [B * N, G, 512]  q's dtype, last dim contiguous;  lse [B * N, G] fp32 contiguous, optional
+// part_out    [num_splits, B, N * G, 512] fp32 contiguous;  part_lse [num_splits, B, N * G] fp32 contiguous
+//             (written when num_splits > 1, then merged by the caller; unused otherwise)
+void tree_attention_mla_sm90_cuda(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& page_table,
+                                  const at::Tensor& prefix_lens, const at::Tensor& tree_mask, double scale,
+                                  const at::Tensor& out, const std::optional<at::Tensor>& lse,
+                                  const at::Tensor& part_out, const at::Tensor& part_lse, int64_t num_splits) {
+  TORCH_CHECK_TYPE(q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf,
+                   "q must have dtype bfloat16 | float16, got ", q.scalar_type());
+  CHECK_CUDA(q);
+  CHECK_DIM(q, 3);
+  CHECK_DIM(tree_mask, 3);
+  const int64_t B = tree_mask.size(0), N = tree_mask.size(1), W = tree_mask.size(2), G = q.size(1);
+  CHECK_SHAPE(q, B * N, G, kDim);
+  CHECK_LAST_DIM_CONTIGUOUS(q);
+  CHECK_DTYPE(kv_cache, q.scalar_type());
+  CHECK_DIM(kv_cache, 3);
+  CHECK_SHAPE(kv_cache, kv_cache.size(0), kv_cache.size(1), kDim);
+  CHECK_LAST_DIM_CONTIGUOUS(kv_cache);
+  CHECK_DTYPE(page_table, at::kInt);
+  CHECK_DIM(page_table, 2);
+  CHECK_SHAPE(page_table, B, page_table.size(1));
+  TORCH_CHECK_VALUE(page_table.size(1) == 0 || page_table.stride(1) == 1,
+                    "page_table must be contiguous in its last dimension, got strides ", page_table.strides());
+  CHECK_DTYPE(prefix_lens, at::kInt);
+  CHECK_SHAPE(prefix_lens, B);
+  TORCH_CHECK_VALUE(prefix_lens.is_contiguous(), "prefix_lens must be contiguous");
+  CHECK_DTYPE(tree_mask, at::kInt);
+  TORCH_CHECK_VALUE(tree_mask.is_contiguous(), "tree_mask must be contiguous, got strides ", tree_mask.strides());
+  TORCH_CHECK_VALUE(W * 32 >= N, "tree_mask must have W >= ceil(N / 32) words, got W = ", W, " for N = ", N);
+  CHECK_DTYPE(out, q.scalar_type());
+  CHECK_SHAPE(out, B * N, G, kDv);
+  CHECK_LAST_DIM_CONTIGUOUS(out);
+  if (lse.has_value()) {
+    CHECK_DTYPE((*lse), at::kFloat);
+    CHECK_SHAPE((*lse), B * N, G);
+    TORCH_CHECK_VALUE(lse->is_contiguous(), "lse must be contiguous");
+  }
+  TORCH_CHECK_VALUE(num_splits >= 1 && num_splits <= 65535, "num_splits must be in [1, 65535], got ", num_splits);
+  if (num_splits > 1) {
+    CHECK_DTYPE(part_out, at::kFloat);
+    CHECK_SHAPE(part_out, num_splits, B, N * G, kDv);
+    TORCH_CHECK_VALUE(part_out.is_contiguous(), "part_out must be contiguous");
+    CHECK_DTYPE(part_lse, at::kFloat);
+    CHECK_SHAPE(part_lse, num_splits, B, N * G);
+    TORCH_CHECK_VALUE(part_lse.is_contiguous(), "part_lse must be contiguous");
+  }
+  for (const at::Tensor* t : {&kv_cache, &page_table, &prefix_lens, &tree_mask, &out}) CHECK_SAME_DEVICE((*t), q);
+  // 16-byte cp.async of every 576-wide row
+  auto aligned = [](const at::Tensor& t, int64_t s0, int64_t s1) {
+    return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0 && s0 % 8 == 0 && s1 % 8 == 0;
+  };
+  TORCH_CHECK_VALUE(aligned(q, q.stride(0), q.stride(1)), "q must have 16-byte aligned rows (data pointer and strides)");
+  TORCH_CHECK_VALUE(aligned(kv_cache, kv_cache.stride(0), kv_cache.stride(1)),
+                    "kv_cache must have 16-byte aligned rows (data pointer and strides)");
+  TORCH_CHECK_VALUE(out.stride(0) % 2 == 0 && out.stride(1) % 2 == 0 && reinterpret_cast<uintptr_t>(out.data_ptr()) % 4 == 0,
+                    "out must have 4-byte aligned element pairs");
+  TORCH_CHECK_VALUE(N * G <= (int64_t{1} << 30) && B <= 65535 && kv_cache.size(0) < (int64_t{1} << 31),
+                    "tree_attention_mla sizes out of the kernel's range");
+  const c10::cuda::OptionalCUDAGuard guard(q.device());
+  TORCH_CHECK_VALUE(sm_major(q.get_device()) == 9, "the sm_90a kernel needs a Hopper GPU (compute capability 9.x)");
+  if (B == 0 || N == 0 || G == 0) return;
+
+  Params p{};
+  p.q = q.data_ptr();
+  p.kv = kv_cache.data_ptr();
+  p.page_table = page_table.data_ptr<int32_t>();
+  p.prefix_lens = prefix_lens.data_ptr<int32_t>();
+  p.tree_mask = tree_mask.data_ptr<int32_t>();
+  p.out = out.data_ptr();
+  p.lse = lse.has_value() ? lse->data_ptr<float>() : nullptr;
+  p.part_out = num_splits > 1 ? part_out.data_ptr<float>() : nullptr;
+  p.part_lse = num_splits > 1 ? part_lse.data_ptr<float>() : nullptr;
+  p.scale_log2 = static_cast<float>(scale * 1.4426950408889634);
+  p.B = static_cast<int>(B);
+  p.N = static_cast<int>(N);
+  p.W = static_cast<int>(W);
+  p.G = static_cast<int>(G);
+  p.num_pages = static_cast<int>(kv_cache.size(0));
+  p.max_pages = static_cast<int>(page_table.size(1));
+  p.page_size = static_cast<int>(kv_cache.size(1));
+  p.num_splits = static_cast<int>(num_splits);
+  p.stride_qt = q.stride(0);
+  p.stride_qh = q.stride(1);
+  p.stride_kp = kv_cache.stride(0);
+  p.stride_ks = kv_cache.stride(1);
+  p.stride_pt = page_table.stride(0);
+  p.stride_ot = out.stride(0);
+  p.stride_oh = out.stride(1);
+  if (p.page_size == 0 || p.max_pages == 0) {
+    p.max_pages = 0;  // capacity 0: every request is bad (NaN), nothing is read
+    p.page_size = 1;
+  }
+
+  const dim3 grid(static_cast<unsigned>((N * G + kRows - 1) / kRows), static_cast<unsigned>(B),
+                  static_cast<unsigned>(num_splits));
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  auto launch = [&](auto kernel) {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
+    kernel<<<grid, kThreads, kSmemBytes, stream>>>(p);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  };
+  if (q.scalar_type() == at::kBFloat16) {
+    launch(mla_decode_kernel<__nv_bfloat16>);
+  } else {
+    launch(mla_decode_kernel<__half>);
+  }
+}
+
+}  // namespace
+}  // namespace eagle3
+
+TORCH_LIBRARY_IMPL(eagle3, CUDA, m) { m.impl("_tree_attention_mla_sm90", &eagle3::tree_attention_mla_sm90_cuda); }
