@@ -103,6 +103,14 @@ __device__ __forceinline__ void mma_pv(float (&o)[128], uint64_t da, uint64_t db
 
 __device__ __forceinline__ int cdiv(int a, int b) { return (a + b - 1) / b; }
 
+// Named barrier `id` over `threads` threads: the producer arrives (does not wait), the consumer syncs.
+__device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void named_barrier_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
 template <typename T>
 __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_constant__ Params p) {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -156,11 +164,14 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
         pos = prefix + j;
         valid = j < p.N && pos < capacity;
       }
-      const int page = valid ? pt_row[pos / p.page_size] : 0;
+      // positions < capacity < 2^31 (the launcher checks): 32-bit division
+      const uint32_t upos = static_cast<uint32_t>(pos), ups = static_cast<uint32_t>(p.page_size);
+      const uint32_t pg = upos / ups;
+      const int page = valid ? pt_row[pg] : 0;
       const bool real = page >= 0 && page < p.num_pages;
       unreal |= valid && !real;
       const bool ok = valid && real;
-      const T* src = ok ? kv + page * p.stride_kp + (pos % p.page_size) * p.stride_ks + lc * 8 : kv;
+      const T* src = ok ? kv + page * p.stride_kp + static_cast<int64_t>(upos - pg * ups) * p.stride_ks + lc * 8 : kv;
       const uint32_t dst = stage + sm90::swizzle128(r, lc);
 #pragma unroll
       for (int c = 0; c < kChunks; ++c) sm90::cp_async16(dst + c * kChunkBytes, ok ? src + c * 64 : kv, ok ? 16 : 0);
@@ -195,14 +206,10 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
     sm90::cp_async_wait_all();
     sm90::fence_proxy_async();
     __syncthreads();  // tile t landed for every thread; tile t - 1's stage and P are free
-    if (t + 1 < n_tiles) {
-      load_tile(t + 1, s_k + ((t + 1) & 1) * kTileBytes);
-      sm90::cp_async_commit();
-    }
     const uint32_t stage = s_k + (t & 1) * kTileBytes;
     float alpha[2];
-    if (wg == 0) {
-      float s[32];
+    float s[32];
+    if (wg == 0) {  // S = Q K^T, issued before the next tile's gather so that the two overlap
 #pragma unroll
       for (int i = 0; i < 32; ++i) s[i] = 0.f;
       sm90::wgmma_fence();
@@ -216,6 +223,12 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
         }
       }
       sm90::wgmma_commit();
+    }
+    if (t + 1 < n_tiles) {
+      load_tile(t + 1, s_k + ((t + 1) & 1) * kTileBytes);
+      sm90::cp_async_commit();
+    }
+    if (wg == 0) {
       sm90::wgmma_wait<0>();
 
       // scale to log2 units; mask the split's partial last tile and the tree block
@@ -277,18 +290,21 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
         if (quad == 0) s_alpha[r0 + 8 * h] = alpha[h];
       }
       sm90::fence_proxy_async();
-    }
-    __syncthreads();  // P and the rescale factors are in shared memory
-    if (wg == 1) {
+      named_barrier_arrive(1, kThreads);  // P and the rescale factors are in shared memory
+    } else {
+      named_barrier_sync(1, kThreads);
       alpha[0] = s_alpha[r0];
       alpha[1] = s_alpha[r0 + 8];
     }
+    // (once a row's max settles its factor is exactly 1: most tiles skip the 128 multiplies)
+    if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
 #pragma unroll
-    for (int j = 0; j < 32; ++j) {
-      o[4 * j] *= alpha[0];
-      o[4 * j + 1] *= alpha[0];
-      o[4 * j + 2] *= alpha[1];
-      o[4 * j + 3] *= alpha[1];
+      for (int j = 0; j < 32; ++j) {
+        o[4 * j] *= alpha[0];
+        o[4 * j + 1] *= alpha[0];
+        o[4 * j + 2] *= alpha[1];
+        o[4 * j + 3] *= alpha[1];
+      }
     }
     sm90::wgmma_fence();
 #pragma unroll
@@ -409,7 +425,8 @@ void tree_attention_mla_sm90_cuda(const at::Tensor& q, const at::Tensor& kv_cach
                     "kv_cache must have 16-byte aligned rows (data pointer and strides)");
   TORCH_CHECK_VALUE(out.stride(0) % 2 == 0 && out.stride(1) % 2 == 0 && reinterpret_cast<uintptr_t>(out.data_ptr()) % 4 == 0,
                     "out must have 4-byte aligned element pairs");
-  TORCH_CHECK_VALUE(N * G <= (int64_t{1} << 30) && B <= 65535 && kv_cache.size(0) < (int64_t{1} << 31),
+  TORCH_CHECK_VALUE(N * G <= (int64_t{1} << 30) && B <= 65535 && kv_cache.size(0) < (int64_t{1} << 31) &&
+                        page_table.size(1) * kv_cache.size(1) < (int64_t{1} << 31),
                     "tree_attention_mla sizes out of the kernel's range");
   const c10::cuda::OptionalCUDAGuard guard(q.device());
   TORCH_CHECK_VALUE(sm_major(q.get_device()) == 9, "the sm_90a kernel needs a Hopper GPU (compute capability 9.x)");
