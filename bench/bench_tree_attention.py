@@ -2,7 +2,9 @@
 (the Kimi drafter's layer 64 q / 64 kv heads x 128; a Llama-8B layer 32 q / 8 kv x 128), bf16, paged KV
 (page size 64), uniform prefixes, random bushy trees.
 
-Providers, all in one run: eagle3 (torch.ops.eagle3.*, the Triton kernels); torch (vectorised: gather the
+Providers, all in one run: eagle3 (torch.ops.eagle3.*: for MLA in bf16 on Hopper the CUDA kernel
+csrc/mla_decode_sm90.cu, else the Triton kernels); eagle3.triton (MLA: the Triton kernel of
+triton_kernels/mla_decode.py, config {"kernel": "mla_decode"}); torch (vectorised: gather the
 paged rows, one matmul for the scores, the tree mask, softmax in fp32, one matmul for the output); torch.sdpa
 (scaled_dot_product_attention with a boolean [B, 1, N, L] mask after the same gather); torch.compile of the
 vectorised version (a few shapes: compiling costs GPU-machine time).
@@ -160,6 +162,7 @@ def _providers(model, B, P, N):
 
     providers = {"eagle3": eagle3, "torch": plain}
     if kind == "mla":
+        providers["eagle3.triton"] = launcher(dict(kernel="mla_decode"))
         providers["eagle3.v_split"] = launcher(dict(v_split=2))
     if B * (P + N) * NH * (Dk + Dv) * 2 <= 16e9:  # SDPA's math path repeats the KV heads for every query head
         providers["torch.sdpa"] = sdpa
