@@ -146,35 +146,69 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
   const int n_tiles = n_prefix_tiles + (split == p.num_splits - 1 ? cdiv(p.N, kKeys) : 0);
   const int32_t* pt_row = p.page_table + b * p.stride_pt;
 
-  // Loads: thread owns rows lr and lr + 32 of a tile, 16-byte chunk lc of each of the 9 column chunks
-  // (8 threads read a row's 128-byte column chunk together).
+  // Where key row r of tile t lives, or nullptr where it must not be read (past the split, past the tree,
+  // on a page id outside [0, num_pages): those rows are zero-filled; the latter also poison the request).
+  bool unreal = false;
+  auto row_src = [&](int t, int r) -> const T* {
+    int64_t pos;
+    bool valid;
+    if (t < n_prefix_tiles) {
+      pos = start + static_cast<int64_t>(t) * kKeys + r;
+      valid = pos < end;
+    } else {
+      const int j = (t - n_prefix_tiles) * kKeys + r;
+      pos = prefix + j;
+      valid = j < p.N && pos < capacity;
+    }
+    // positions < capacity < 2^31 (the launcher checks): 32-bit division
+    const uint32_t upos = static_cast<uint32_t>(pos), ups = static_cast<uint32_t>(p.page_size);
+    const uint32_t pg = upos / ups;
+    const int page = valid ? pt_row[pg] : 0;
+    const bool real = page >= 0 && page < p.num_pages;
+    unreal |= valid && !real;
+    return valid && real ? kv + page * p.stride_kp + static_cast<int64_t>(upos - pg * ups) * p.stride_ks : nullptr;
+  };
+  // The first tile (and Q): every thread, rows lr and lr + 32, 16-byte chunk lc of each of the 9 column
+  // chunks (8 threads read a row's 128-byte column chunk together).
   const int lr = tid / 8, lc = tid % 8;
-  bool unreal = false;  // a key this block needs sits on a page id outside [0, num_pages)
   auto load_tile = [&](int t, uint32_t stage) {
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
       const int r = lr + 32 * i;
-      int64_t pos;
-      bool valid;
-      if (t < n_prefix_tiles) {
-        pos = start + static_cast<int64_t>(t) * kKeys + r;
-        valid = pos < end;
-      } else {
-        const int j = (t - n_prefix_tiles) * kKeys + r;
-        pos = prefix + j;
-        valid = j < p.N && pos < capacity;
-      }
-      // positions < capacity < 2^31 (the launcher checks): 32-bit division
-      const uint32_t upos = static_cast<uint32_t>(pos), ups = static_cast<uint32_t>(p.page_size);
-      const uint32_t pg = upos / ups;
-      const int page = valid ? pt_row[pg] : 0;
-      const bool real = page >= 0 && page < p.num_pages;
-      unreal |= valid && !real;
-      const bool ok = valid && real;
-      const T* src = ok ? kv + page * p.stride_kp + static_cast<int64_t>(upos - pg * ups) * p.stride_ks + lc * 8 : kv;
+      const T* src = row_src(t, r);
       const uint32_t dst = stage + sm90::swizzle128(r, lc);
 #pragma unroll
-      for (int c = 0; c < kChunks; ++c) sm90::cp_async16(dst + c * kChunkBytes, ok ? src + c * 64 : kv, ok ? 16 : 0);
+      for (int c = 0; c < kChunks; ++c) {
+        sm90::cp_async16(dst + c * kChunkBytes, src ? src + c * 64 + lc * 8 : kv, src ? 16 : 0);
+      }
+    }
+  };
+  // Later tiles: warpgroup 1 loads them (its own work is the smaller half), 16 threads a pass over rows wr,
+  // wr + 16, wr + 32, wr + 48: first the chunks only its P V reads (4-7), as soon as that P V is done, then
+  // chunks 0-3 and the rope chunk 8 once warpgroup 0 says its Q K^T and P V are done (barrier 4).
+  const int wr = (tid % 128) / 8;
+  const T* rows_src[4];
+  auto load_own_chunks = [&](int t, uint32_t stage) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int r = wr + 16 * i;
+      rows_src[i] = row_src(t, r);
+      const uint32_t dst = stage + sm90::swizzle128(r, lc);
+#pragma unroll
+      for (int c = 4; c < 8; ++c) {
+        sm90::cp_async16(dst + c * kChunkBytes, rows_src[i] ? rows_src[i] + c * 64 + lc * 8 : kv, rows_src[i] ? 16 : 0);
+      }
+    }
+  };
+  auto load_other_chunks = [&](uint32_t stage) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const uint32_t dst = stage + sm90::swizzle128(wr + 16 * i, lc);
+#pragma unroll
+      for (int k = 0; k < 5; ++k) {
+        const int c = k < 4 ? k : 8;
+        sm90::cp_async16(dst + c * kChunkBytes, rows_src[i] ? rows_src[i] + c * 64 + lc * 8 : kv, rows_src[i] ? 16 : 0);
+      }
     }
   };
 
@@ -202,16 +236,47 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
   for (int i = 0; i < 128; ++i) o[i] = 0.f;
   float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};  // warpgroup 0: running max and (partial) sum
 
-  for (int t = 0; t < n_tiles; ++t) {
-    sm90::cp_async_wait_all();
-    sm90::fence_proxy_async();
-    __syncthreads();  // tile t landed for every thread; tile t - 1's stage and P are free
-    const uint32_t stage = s_k + (t & 1) * kTileBytes;
-    float alpha[2];
-    float s[32];
-    if (wg == 0) {  // S = Q K^T, issued before the next tile's gather so that the two overlap
+  // The two warpgroups run separate loops (ptxas analyses each path alone). Per tile: a block barrier
+  // (tile t landed, barrier 3); warpgroup 0 issues S = Q K^T right behind its P V of tile t - 1 (never waited
+  // for inside a tile, so the tensor cores see the two back to back), waits for both, lets warpgroup 1
+  // refill the stage (barrier 4), softmaxes, hands P over (barrier 1) and issues its P V; warpgroup 1 waits
+  // for its own P V of tile t - 1, says P may be overwritten (barrier 2), loads tile t + 1 into the stage of
+  // tile t - 1, takes P and issues its P V. (A wait_group 1 that lets Q K^T run on while the loads are
+  // issued made ptxas serialise every wgmma, C7514.)
+  auto pv = [&](uint32_t stage) {
+    sm90::fence_operand(o);
+    sm90::wgmma_fence();
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const uint64_t da = sm90::desc_sw128(s_p + k * 32, 16, 1024);
+      const uint64_t db = sm90::desc_sw128(stage + wg * 4 * kChunkBytes + k * 16 * 128, kChunkBytes, 1024);
+      mma_pv<T>(o, da, db);
+    }
+    sm90::wgmma_commit();
+    sm90::fence_operand(o);
+  };
+  auto rescale = [&](const float (&alpha)[2]) {
+    // (once a row's max settles its factor is exactly 1: most tiles skip the 128 multiplies)
+    if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
+#pragma unroll
+      for (int j = 0; j < 32; ++j) {
+        o[4 * j] *= alpha[0];
+        o[4 * j + 1] *= alpha[0];
+        o[4 * j + 2] *= alpha[1];
+        o[4 * j + 3] *= alpha[1];
+      }
+    }
+  };
+  if (wg == 0) {
+    for (int t = 0; t < n_tiles; ++t) {
+      sm90::cp_async_wait_all();
+      sm90::fence_proxy_async();
+      named_barrier_sync(3, kThreads);  // tile t landed for every thread
+      const uint32_t stage = s_k + (t & 1) * kTileBytes;
+      float s[32];
 #pragma unroll
       for (int i = 0; i < 32; ++i) s[i] = 0.f;
+      sm90::fence_operand(s);
       sm90::wgmma_fence();
 #pragma unroll
       for (int c = 0; c < kChunks; ++c) {
@@ -223,13 +288,10 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
         }
       }
       sm90::wgmma_commit();
-    }
-    if (t + 1 < n_tiles) {
-      load_tile(t + 1, s_k + ((t + 1) & 1) * kTileBytes);
-      sm90::cp_async_commit();
-    }
-    if (wg == 0) {
-      sm90::wgmma_wait<0>();
+      sm90::wgmma_wait<0>();  // P V of tile t - 1 and S
+      sm90::fence_operand(s);
+      sm90::fence_operand(o);
+      if (t + 1 < n_tiles) named_barrier_arrive(4, kThreads);  // done with the stage of tile t - 1
 
       // scale to log2 units; mask the split's partial last tile and the tree block
 #pragma unroll
@@ -265,6 +327,9 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
         }
       }
 
+
+        float alpha[2];
+        named_barrier_sync(2, kThreads);  // warpgroup 1 is done reading the previous P
       // online softmax over the tile's 64 keys (a row's 64 scores sit in the 4 threads of a quad)
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
@@ -291,31 +356,33 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
       }
       sm90::fence_proxy_async();
       named_barrier_arrive(1, kThreads);  // P and the rescale factors are in shared memory
-    } else {
-      named_barrier_sync(1, kThreads);
-      alpha[0] = s_alpha[r0];
-      alpha[1] = s_alpha[r0 + 8];
+      rescale(alpha);
+      pv(stage);
     }
-    // (once a row's max settles its factor is exactly 1: most tiles skip the 128 multiplies)
-    if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
-#pragma unroll
-      for (int j = 0; j < 32; ++j) {
-        o[4 * j] *= alpha[0];
-        o[4 * j + 1] *= alpha[0];
-        o[4 * j + 2] *= alpha[1];
-        o[4 * j + 3] *= alpha[1];
+  } else {
+    for (int t = 0; t < n_tiles; ++t) {
+      sm90::cp_async_wait_all();
+      sm90::fence_proxy_async();
+      named_barrier_sync(3, kThreads);  // tile t landed for every thread
+      const uint32_t stage = s_k + (t & 1) * kTileBytes;
+      sm90::wgmma_wait<0>();  // this warpgroup's P V of tile t - 1 is done:
+      sm90::fence_operand(o);
+      named_barrier_arrive(2, kThreads);  // P and the rescale factors may be overwritten
+      if (t + 1 < n_tiles) {  // refill the stage of tile t - 1
+        const uint32_t next = s_k + ((t + 1) & 1) * kTileBytes;
+        load_own_chunks(t + 1, next);
+        named_barrier_sync(4, kThreads);
+        load_other_chunks(next);
+        sm90::cp_async_commit();
       }
+      named_barrier_sync(1, kThreads);
+      const float alpha[2] = {s_alpha[r0], s_alpha[r0 + 8]};
+      rescale(alpha);
+      pv(stage);
     }
-    sm90::wgmma_fence();
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      const uint64_t da = sm90::desc_sw128(s_p + k * 32, 16, 1024);
-      const uint64_t db = sm90::desc_sw128(stage + wg * 4 * kChunkBytes + k * 16 * 128, kChunkBytes, 1024);
-      mma_pv<T>(o, da, db);
-    }
-    sm90::wgmma_commit();
-    sm90::wgmma_wait<0>();
   }
+  sm90::wgmma_wait<0>();
+  sm90::fence_operand(o);
 
   // Row sums across each quad; the rows' (m, l) to shared memory for warpgroup 1.
   if (wg == 0) {

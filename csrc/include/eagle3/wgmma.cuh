@@ -37,6 +37,13 @@ template <int kPending>
 __device__ __forceinline__ void wgmma_wait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kPending) : "memory");
 }
+// Pins accumulator registers in place: the wait asm does not name them, so without this nvcc may move a
+// read of an in-flight accumulator above the wait (ptxas then serialises every wgmma, C7514).
+template <int kN>
+__device__ __forceinline__ void fence_operand(float (&d)[kN]) {
+#pragma unroll
+  for (int i = 0; i < kN; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
 // generic-proxy writes to shared memory (cp.async, st.shared) made visible to wgmma's async proxy
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
