@@ -10,13 +10,16 @@
 // bits. With more than one split each block writes a normalised fp32 partial and its log2-sum-exp2.
 //
 // Inside a block (FlashMLA's division of labour, written with wgmma directly):
-//  - all 256 threads gather each 64-key tile with cp.async (page-table lookup per key row, so any page
-//    size works; invalid rows are zero-filled, never read) into a 128-byte-swizzled shared-memory tile, two
-//    stages, the next tile loading while this one is used; Q (64 x 576) is loaded once;
-//  - warpgroup 0 computes S = Q K^T (36 wgmma m64n64k16), masks it, runs the online softmax, and writes
-//    P (bf16 / fp16) and the rows' rescale factors to shared memory;
-//  - both warpgroups then rescale and accumulate their half of O (64 x 256 fp32 each, 128 registers a
-//    thread): O_half += P V_half, 4 wgmma m64n256k16 with V read transposed from the same key tile.
+//  - 64-key tiles are gathered with cp.async (a page-table lookup per key row, so any page size works;
+//    invalid rows are zero-filled, never read) into 128-byte-swizzled shared memory, two stages; Q (64 x
+//    576) and the first tile by all 256 threads, every later tile by warpgroup 1 while the current one is
+//    used;
+//  - warpgroup 0 computes S = Q K^T (36 wgmma m64n64k16) right behind its P V of the previous tile, masks
+//    it, runs the online softmax, and writes P (bf16 / fp16) and the rows' rescale factors to shared memory;
+//  - both warpgroups rescale and accumulate their half of O (64 x 256 fp32 each, 128 registers a thread):
+//    O_half += P V_half, 4 wgmma m64n256k16 with V read transposed from the same key tile.
+// On the H200 (bench/results/tree_attention_sm90_pipelined_h200.log): 16-node trees at 60-63% of the bf16
+// matmul rate, N 1 at B 32 at 77% of the copy rate over the KV bytes; 1.5x the Triton kernel.
 // Bad values: positions stop at the page table's capacity, page ids outside [0, num_pages) are never
 // dereferenced, and a request with a bad prefix length or such a page id gets NaN in all its rows.
 
