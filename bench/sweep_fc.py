@@ -1,6 +1,6 @@
 """fc_proj weight-streaming candidates at Kimi shape (issue 4), in one H200 run of about a minute:
 python bench/sweep_fc.py [T ...]. For each weight dtype (bf16; fp8-e4m3 with a per-channel scale) and T
-(default 1, 16, 64): F.linear (bf16) and torch._scaled_mm (fp8 activations quantised outside the timed
+(default 1, 4, 16, 32, 64): F.linear (bf16) and torch._scaled_mm (fp8 activations quantised outside the timed
 call, rowwise scales) as same-run baselines, the current default and each candidate in CANDIDATES, each
 checked once against an fp32 product of the same (dequantised) weight, then the best per case with its
 % of copy bandwidth over the weight bytes.
@@ -30,26 +30,29 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 H = HD = 7168
 K = 3 * H
-TS = (1, 16, 64)
+TS = (1, 4, 16, 32, 64)  # issue 4's T <= 64 grid
 # A stream-K config's PER_SM must not exceed the CTAs that fit on an SM (else a second partial wave undoes
 # the balance): bf16 is bound by shared memory, fp8 by registers (its weight tile is converted in registers,
 # ~160 at T <= 16 and ~250 at T = 64 with 128 x 128 tiles on 4 warps). `--compile` prints the fit per T.
 # (5180f72's candidates and results: results/fc_sweep_streamk_h200.log; their winners are the defaults.)
 # Now: the fp8 neighbourhood of its default 128,128,0,4,4,2,1 (42.1 / 44.8 / 65.1 us at T = 1 / 16 / 64, where
 # 1.9x bf16 F.linear needs ~40.5 us): deeper pipelines, 8 warps (half the converted tile per thread), wider K.
+# 6501455's run (results/fc_sweep_prep_h200.log): "+prep" lost at every T and no tile config beat the defaults.
+# Now the CUDA kernel csrc/fc_stream_sm90.cu ("sm90": the weight as wgmma's register operand, straight from
+# global memory; fc_proj.SM90), beside the best fp8 tiles of that run.
 CANDIDATES = {
-    "bf16": ["64,128,0,4,3,3,1"],
-    # fp8: f73e60c's sweep (results/fc_sweep_fp8_h200.log) left the default best at T = 1 / 16 (42.1 / 44.9 us)
-    # and 256,128,0,8,4,1,1 at T = 64 (63.4). Now the prepared rows ("+prep": fp16 rows written once, the dot
-    # fed through a TMA descriptor) with the default tiles and with 3 stages (2 CTAs an SM at T = 64).
-    "fp8": ["+prep", "128,128,0,4,3,2,1", "128,128,0,4,3,2,1+prep", "128,128,0,8,4,2,1+prep",
-            "256,128,0,8,4,1,1", "256,128,0,8,4,1,1+prep"],
+    "bf16": ["sm90"],
+    "fp8": ["sm90", "256,128,0,8,4,1,1"],
 }
 
 
 def _apply(kernels, c):
-    """Select candidate c: its config string, and with a "+prep" suffix the fp8 prepared-rows path
-    (fc_proj.FP8_PREP_ROWS: rows gathered / normalised / converted to fp16 once, before the stream-K kernel)."""
+    """Select candidate c: "sm90" (fc_proj.SM90: the CUDA kernel), else its config string, and with a "+prep"
+    suffix the fp8 prepared-rows path (fc_proj.FP8_PREP_ROWS: rows gathered / normalised / converted to fp16
+    once, before the stream-K kernel)."""
+    kernels.SM90 = c == "sm90"
+    if c == "sm90":
+        c = None
     prep = c is not None and c.endswith("+prep")
     kernels.CONFIG_OVERRIDE = (c[:-len("+prep")] or None) if prep else c
     kernels.FP8_PREP_ROWS = 1 if prep else 1 << 62
@@ -205,6 +208,7 @@ def compile_report():
 
     kernels = _kernels_module()
     for name, cs in CANDIDATES.items():
+        cs = [c for c in cs if c != "sm90"]  # (CUDA: its ptxas report comes with the build, PTXAS_VERBOSE=1)
         wty = "*bf16" if name == "bf16" else "*fp8e4nv"
         for c in cs:
             prep = c.endswith("+prep")

@@ -450,3 +450,80 @@ def test_triton_launcher_refuses_float64_before_writing(gen):
     with pytest.raises(TypeError, match="aux must have dtype bfloat16 | float16 | float32 on CUDA"):
         _triton_fc(aux, weight, None, None, 1e-6, "none", None, out)
     assert torch.isnan(out).all()
+
+
+# ---- the sm90 weight-streaming kernel (csrc/fc_stream_sm90.cu; EAGLE3_FC_SM90=1, off by default) ----------
+
+
+def _perm64_reference(K):
+    """Where column k lands in the sm90 kernel's order: physical 16 q + 4 s + 2 j + i of a 64-block at logical
+    16 s + 8 j + 2 q + i (written out independently of triton_kernels.fc_proj._perm64)."""
+    dest = []
+    for k in range(K):
+        p = k % 64
+        q, s, j, i = p // 16, (p % 16) // 4, (p % 4) // 2, p % 2
+        dest.append(k - p + 16 * s + 8 * j + 2 * q + i)
+    return torch.tensor(dest)
+
+
+def test_perm64_is_a_permutation_of_each_block():
+    dest = _perm64_reference(128)
+    assert sorted(dest.tolist()) == list(range(128))
+    assert (dest // 64 == torch.arange(128) // 64).all()
+
+
+@pytest.mark.skipif(not INTERPRET, reason="the Triton interpreter runs the kernels on CPU tensors")
+@pytest.mark.parametrize("norm_mode", ["none", "fc_norm"])
+def test_triton_interpreted_prepared_rows_in_sm90_order(gen, norm_mode):
+    # The rows the sm90 kernel reads: the same values as the plain prepared rows, columns permuted in 64-blocks.
+    from eagle3_ops.triton_kernels import fc_proj as kernels
+
+    T, H = 5, 64
+    aux, _ = _make(gen, T, H, 8, torch.float32)
+    rows = torch.tensor([4, 0, 2])
+    nw = _norm_weight(gen, norm_mode, 3, H, torch.float32)
+    n_chunks = 3 if norm_mode == "fc_norm" else 1
+    norm = kernels._NORM_CODE[norm_mode]
+    rstd = kernels._norm_rstd(aux, rows, T, 3, 3 * H, n_chunks, 1e-6) if norm else None
+    nwf = nw.reshape(-1) if nw is not None else None
+    args = (aux, rows, T, 3, 3 * H, n_chunks, norm, rstd, nwf, torch.float16, 0.00390625)
+    plain = kernels._prepared_rows(*args)
+    permuted = kernels._prepared_rows(*args, perm64=True)
+    dest = _perm64_reference(3 * H)
+    assert_equal(permuted[:, dest], plain, "permuted rows")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 3, 16, 33, 64])  # N = 8, 8, 16, 64 (33 rows: padded), 64
+@pytest.mark.parametrize("norm_mode", ["none", "fc_norm"])
+@pytest.mark.parametrize("wdt", ["bf16", "fp8"])
+def test_cuda_sm90_stream_against_float64(gen, monkeypatch, T, norm_mode, wdt):
+    from eagle3_ops.triton_kernels import fc_proj as kernels
+
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the sm90 kernel needs a Hopper GPU")
+    monkeypatch.setattr(kernels, "SM90", True)
+    R = T if T != 3 else 2  # with rows: a gathered subset
+    aux, w, scale, nw, rows = _gpu_case(gen, T, R if T == 3 else None, norm_mode, wdt, strided=T == 3)
+    assert kernels.sm90_stream_supported(aux, w, R, aux.shape[1], KIMI_HD)
+    out = poison_(torch.empty(R, KIMI_HD, dtype=torch.bfloat16, device="cuda"))
+    torch.ops.eagle3.fc_proj(aux, w, scale, nw, 1e-6, norm_mode, rows, out)
+    truth = _truth64(aux, w.float(), scale, nw, 1e-6, norm_mode, None if rows is None else rows.cpu())
+    _check(out, truth, f"sm90 T={T} {norm_mode} {wdt}")
+
+
+@pytest.mark.gpu
+def test_cuda_sm90_stream_graph_replay_with_new_values(gen, monkeypatch):
+    from eagle3_ops.triton_kernels import fc_proj as kernels
+
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the sm90 kernel needs a Hopper GPU")
+    monkeypatch.setattr(kernels, "SM90", True)
+    aux, w, scale, nw, rows = _gpu_case(gen, 16, None, "none", "fp8", False)
+    out = torch.empty(16, KIMI_HD, dtype=torch.bfloat16, device="cuda")
+    call = lambda: torch.ops.eagle3.fc_proj(aux, w, scale, None, 1e-6, "none", None, out)  # noqa: E731
+    graph, _ = capture_graph(call)
+    aux.copy_((2 * torch.randn(aux.shape, generator=gen)).bfloat16())
+    poison_(out)
+    graph.replay()
+    _check(out, _truth64(aux, w.float(), scale, None, 1e-6, "none", None), "sm90 replay")
