@@ -367,14 +367,24 @@ def tree_attention_mla(q: Tensor, kv_cache: Tensor, page_table: Tensor, prefix_l
         merge_splits(po, plse, out, lse, N, 1, G)
 
 
+_SM90_DEVICE: dict = {}
+
+
+def _sm90_device(device: torch.device) -> bool:
+    """A Hopper GPU and a build with csrc/mla_decode_sm90.cu (asked once per device: calls are on the hot path)."""
+    if device.index not in _SM90_DEVICE:
+        _SM90_DEVICE[device.index] = (
+            torch._C._dispatch_has_kernel_for_dispatch_key("eagle3::_tree_attention_mla_sm90", "CUDA")
+            and torch.cuda.get_device_capability(device)[0] == 9)
+    return _SM90_DEVICE[device.index]
+
+
 def sm90_supported(q: Tensor, kv_cache: Tensor, out: Tensor) -> bool:
     """Whether csrc/mla_decode_sm90.cu's kernel serves this call: a Hopper GPU, a build that compiled it,
     bf16 / fp16 at Kimi's widths (576-dim keys, 512-dim V), 16-byte aligned rows of q and the cache."""
     if not (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and q.shape[2] == 576 and out.shape[2] == 512):
         return False
-    if not torch._C._dispatch_has_kernel_for_dispatch_key("eagle3::_tree_attention_mla_sm90", "CUDA"):
-        return False
-    if torch.cuda.get_device_capability(q.device)[0] != 9:
+    if not _sm90_device(q.device):
         return False
     return (q.data_ptr() % 16 == 0 and q.stride(0) % 8 == 0 and q.stride(1) % 8 == 0 and q.stride(2) == 1
             and kv_cache.data_ptr() % 16 == 0 and kv_cache.stride(0) % 8 == 0 and kv_cache.stride(1) % 8 == 0
