@@ -527,3 +527,31 @@ def test_cuda_sm90_stream_graph_replay_with_new_values(gen, monkeypatch):
     poison_(out)
     graph.replay()
     _check(out, _truth64(aux, w.float(), scale, None, 1e-6, "none", None), "sm90 replay")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("R", [1, 5, 17, 64])  # N = 8, 8, 32, 64
+@pytest.mark.parametrize("wdt", ["bf16", "fp8"])
+def test_cuda_sm90_stream_small_shapes(gen, monkeypatch, R, wdt):
+    # K 192 (3 k-blocks), Hd 256 (2 row pairs): 6 work units, one a block, so every row pair is summed from 3
+    # blocks' partials by the fix-up; small enough that a wrong fragment or K order shows in the first rows.
+    from eagle3_ops.triton_kernels import fc_proj as kernels
+
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the sm90 kernel needs a Hopper GPU")
+    monkeypatch.setattr(kernels, "SM90", True)
+    aux, w = _make(gen, R, 64, 256, torch.float32)
+    scale = None
+    if wdt == "fp8":
+        scale = w.abs().amax(dim=1) / 448.0
+        w = (w / scale[:, None]).to(FP8)
+        scale = scale.cuda()
+    else:
+        w = w.bfloat16()
+    aux = aux.bfloat16().cuda()
+    w = w.cuda()
+    assert kernels.sm90_stream_supported(aux, w, R, 192, 256)
+    out = poison_(torch.empty(R, 256, dtype=torch.bfloat16, device="cuda"))
+    torch.ops.eagle3.fc_proj(aux, w, scale, None, 1e-6, "none", None, out)
+    truth = _truth64(aux.cpu(), w.float().cpu(), None if scale is None else scale.cpu(), None, 1e-6, "none", None)
+    _check(out.cpu(), truth, f"sm90 small R={R} {wdt}")
