@@ -762,5 +762,6 @@ def test_gpu_sm90_is_the_hopper_default():
         pytest.skip("not a Hopper GPU")
     c = GpuCase(3, B=1, prefix=64, N=1, kind="chain", page_size=64, **KIMI_MLA)
     out = torch.empty(c.q.shape[0], c.NH, c.Dv, dtype=c.dtype, device="cuda")
-    assert sm90_supported(c.q, c.k_cache, out)
-    assert not sm90_supported(c.q[:, :, 1:], c.k_cache, out)  # rows not 16-byte aligned: the Triton kernel
+    assert sm90_supported(c.q, c.k_cache, out, c.page_table, c.tree_mask)
+    # rows not 16-byte aligned: the Triton kernel
+    assert not sm90_supported(c.q[:, :, 1:], c.k_cache, out, c.page_table, c.tree_mask)

@@ -379,12 +379,17 @@ def _sm90_device(device: torch.device) -> bool:
     return _SM90_DEVICE[device.index]
 
 
-def sm90_supported(q: Tensor, kv_cache: Tensor, out: Tensor) -> bool:
+def sm90_supported(q: Tensor, kv_cache: Tensor, out: Tensor, page_table: Tensor, tree_mask: Tensor) -> bool:
     """Whether csrc/mla_decode_sm90.cu's kernel serves this call: a Hopper GPU, a build that compiled it,
-    bf16 / fp16 at Kimi's widths (576-dim keys, 512-dim V), 16-byte aligned rows of q and the cache."""
+    bf16 / fp16 at Kimi's widths (576-dim keys, 512-dim V), 16-byte aligned rows of q and the cache, and
+    sizes inside its 32-bit position arithmetic and grid (else the Triton kernel takes the call)."""
     if not (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and q.shape[2] == 576 and out.shape[2] == 512):
         return False
     if not _sm90_device(q.device):
+        return False
+    B, N, _ = tree_mask.shape
+    if (page_table.shape[1] * kv_cache.shape[1] >= 2**31 or kv_cache.shape[0] >= 2**31 or B > 65535
+            or N * q.shape[1] > 2**30):
         return False
     return (q.data_ptr() % 16 == 0 and q.stride(0) % 8 == 0 and q.stride(1) % 8 == 0 and q.stride(2) == 1
             and kv_cache.data_ptr() % 16 == 0 and kv_cache.stride(0) % 8 == 0 and kv_cache.stride(1) % 8 == 0
