@@ -1,5 +1,7 @@
 """Tree-verify attention over a paged KV cache, in Triton: `tree_attention_mla` (absorbed MLA, one latent
-KV head shared by every query head) and `tree_attention` (GQA/MHA). One kernel serves both.
+KV head shared by every query head) and `tree_attention` (GQA/MHA). One kernel serves both. (On Hopper,
+bf16 / fp16 MLA at 576 / 512 dims goes to the CUDA kernel csrc/mla_decode_sm90.cu instead: see
+tree_attention_mla below; this file's merge kernel combines its splits too.)
 
 Work decomposition (flash-decoding): a program owns BLOCK_M query rows of one (request, KV head) - the
 rows are (node, query head) pairs flattened node-major, so for MLA 64 heads x N nodes share every KV
@@ -363,13 +365,15 @@ def _check_float(q: Tensor) -> None:
 
 def tree_attention_mla(q: Tensor, kv_cache: Tensor, page_table: Tensor, prefix_lens: Tensor, tree_mask: Tensor,
                        scale: float, out: Tensor, lse: Optional[Tensor], *, config: Optional[dict] = None) -> None:
-    """Triton tree_attention_mla (arguments as the op; eagle3_ops.reference.tree_attention_mla is the spec).
-    `config` overrides tile sizes and the split count (benchmarks and tests only). The kernel is
-    triton_kernels/mla_decode.py's (whole prefix tiles unmasked, read with TMA where page_size allows;
-    config "tma": False forces gathered tiles): 1.7-1.9x this file's kernel on the H200 at 5180f72
-    (bench/results/tree_attention_tma_h200.log); used for Dv >= 256 unless config names it ("tma": ...).
-    {"kernel": "v1"} runs this file's kernel instead (the default below Dv = 256), and {"v_split": 2} its
-    variant splitting the 512 V dims across two programs per row block."""
+    """tree_attention_mla's CUDA launcher (arguments as the op; eagle3_ops.reference.tree_attention_mla is the
+    spec). `config` overrides the kernel, tile sizes and the split count (benchmarks and tests only).
+    On a Hopper GPU in bf16 / fp16 at 576 / 512 dims the kernel is csrc/mla_decode_sm90.cu's (wgmma, 1.5x
+    the Triton kernel below: bench/results/tree_attention_sm90_pipelined_h200.log; mla_decode.sm90_supported
+    says when; {"kernel": "sm90"} insists). Otherwise, for Dv >= 256, triton_kernels/mla_decode.py's (whole
+    prefix tiles unmasked, read with TMA where page_size allows; {"kernel": "mla_decode"} or a "tma" key
+    selects it, "tma": False forces gathered tiles): 1.7-1.9x this file's kernel at 5180f72
+    (bench/results/tree_attention_tma_h200.log). {"kernel": "v1"} runs this file's kernel (the default below
+    Dv = 256), and {"v_split": 2} its variant splitting the 512 V dims across two programs per row block."""
     _check_float(q)
     D, Dv = q.shape[2], out.shape[2]
     if Dv > MLA_MAX_DV or D - Dv > MLA_MAX_ROPE:
