@@ -200,6 +200,8 @@ __global__ void __launch_bounds__(kThreads, 1) fc_stream_kernel(const __grid_con
       *reinterpret_cast<float2*>(dst + 8 * N + 8 * j) = make_float2(d[4 * j + 2], d[4 * j + 3]);
     }
   }
+#elif defined(__CUDA_ARCH__)
+  __trap();  // built for another architecture (TORCH_CUDA_ARCH_LIST without 9.0a): fail, never return garbage
 #endif
 }
 

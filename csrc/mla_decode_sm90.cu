@@ -142,7 +142,8 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
   const bool bad = prefix_raw < 0 || prefix_raw > capacity - p.N;
   const int64_t clamp_hi = capacity - p.N;
   const int prefix = static_cast<int>(clamp_hi < 0 ? 0 : (prefix_raw < clamp_hi ? (prefix_raw < 0 ? 0 : prefix_raw) : clamp_hi));
-  const int64_t chunk = static_cast<int64_t>(cdiv(cdiv(prefix, p.num_splits), kKeys)) * kKeys;
+  const int64_t per_split = (static_cast<int64_t>(prefix) + p.num_splits - 1) / p.num_splits;  // (no int overflow)
+  const int64_t chunk = (per_split + kKeys - 1) / kKeys * kKeys;
   const int64_t start = split * chunk;
   const int64_t end = start + chunk < prefix ? start + chunk : static_cast<int64_t>(prefix);
   const int n_prefix_tiles = end > start ? static_cast<int>((end - start + kKeys - 1) / kKeys) : 0;
@@ -160,7 +161,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
       valid = pos < end;
     } else {
       const int j = (t - n_prefix_tiles) * kKeys + r;
-      pos = prefix + j;
+      pos = static_cast<int64_t>(prefix) + j;
       valid = j < p.N && pos < capacity;
     }
     // positions < capacity < 2^31 (the launcher checks): 32-bit division
@@ -431,6 +432,8 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
       if (p.lse != nullptr && wg == 0 && quad == 0) p.lse[token * p.G + head] = lse2 * 0.6931471805599453f;
     }
   }
+#elif defined(__CUDA_ARCH__)
+  __trap();  // built for another architecture (TORCH_CUDA_ARCH_LIST without 9.0a): fail, never return garbage
 #endif
 }
 
