@@ -150,12 +150,16 @@ __global__ void __launch_bounds__(kThreads, 1) fc_stream_kernel(const __grid_con
               a[s][2] = sm90::e4m3x2_to_f16x2(static_cast<uint16_t>(lo >> 16));
               a[s][3] = sm90::e4m3x2_to_f16x2(static_cast<uint16_t>(hi >> 16));
             } else {
+              // (the copies into fragment order as instructions here, at the point of use: as plain
+              // assignments ptxas kept the ring in fragment order and copied each refill right after its
+              // load, so every k-block waited a whole load latency; this way a refill is read kRing
+              // k-blocks later, as intended)
               const uint32_t* lo = reinterpret_cast<const uint32_t*>(&ring[slot][0][0]);
               const uint32_t* hi = reinterpret_cast<const uint32_t*>(&ring[slot][1][0]);
-              a[s][0] = lo[2 * s];
-              a[s][1] = hi[2 * s];
-              a[s][2] = lo[2 * s + 1];
-              a[s][3] = hi[2 * s + 1];
+              asm volatile("mov.b32 %0, %1;" : "=r"(a[s][0]) : "r"(lo[2 * s]) : "memory");
+              asm volatile("mov.b32 %0, %1;" : "=r"(a[s][1]) : "r"(hi[2 * s]) : "memory");
+              asm volatile("mov.b32 %0, %1;" : "=r"(a[s][2]) : "r"(lo[2 * s + 1]) : "memory");
+              asm volatile("mov.b32 %0, %1;" : "=r"(a[s][3]) : "r"(hi[2 * s + 1]) : "memory");
             }
           }
           // refill the slot with k-block kk + kRing
@@ -287,6 +291,7 @@ void fc_proj_sm90_cuda(const at::Tensor& x, const at::Tensor& weight, const std:
     CHECK_DTYPE((*weight_scale), at::kFloat);
     CHECK_SHAPE((*weight_scale), Hd);
     TORCH_CHECK_VALUE(weight_scale->is_contiguous(), "weight_scale must be contiguous");
+    CHECK_SAME_DEVICE((*weight_scale), x);
   }
   for (const at::Tensor* t : {&weight, &out}) CHECK_SAME_DEVICE((*t), x);
   const c10::cuda::OptionalCUDAGuard guard(x.device());
