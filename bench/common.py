@@ -96,7 +96,8 @@ class Recorder:
 
     def add(self, bench: str, shape: str, provider: str, us: float, bytes: int, flops: int = 0, **extra) -> Row:
         floor = max(bytes / self.ceilings.copy_bw, flops / self.ceilings.mm_rate) * 1e6
-        row = Row(bench, shape, provider, us, bytes, flops, floor, floor / us, extra)
+        # (a derived row - a difference of two medians - can be 0 us: no fraction of the floor then)
+        row = Row(bench, shape, provider, us, bytes, flops, floor, floor / us if us > 0 else float("nan"), extra)
         self.rows.append(row)
         return row
 
@@ -107,9 +108,13 @@ class Recorder:
         base = {(r.bench, r.shape): r.us for r in self.rows if r.provider == "torch"}
         for r in self.rows:
             ref = base.get((r.bench, r.shape))
-            speedup = f"{ref / r.us:.2f}x" if ref else "-"
+            if "share_of_torch" in r.extra:  # a derived cost: its share of the torch path, not a speed-up
+                speedup, of_floor = f"{100 * r.extra['share_of_torch']:.0f}%", "-"
+            else:
+                speedup = f"{ref / r.us:.2f}x" if ref and r.us > 0 else "-"
+                of_floor = f"{100 * r.fraction:.1f}%" if r.fraction == r.fraction else "-"
             out.append(f"{r.bench:<16} {r.shape:<28} {r.provider:<14} {r.us:>9.2f} {speedup:>9} {r.floor_us:>9.2f} "
-                       f"{100 * r.fraction:>7.1f}%")
+                       f"{of_floor:>8}")
         return "\n".join(out)
 
     def write(self, path: str) -> None:
