@@ -555,3 +555,21 @@ def test_cuda_sm90_stream_small_shapes(gen, monkeypatch, R, wdt):
     torch.ops.eagle3.fc_proj(aux, w, scale, None, 1e-6, "none", None, out)
     truth = _truth64(aux.cpu(), w.float().cpu(), None if scale is None else scale.cpu(), None, 1e-6, "none", None)
     _check(out.cpu(), truth, f"sm90 small R={R} {wdt}")
+
+
+@pytest.mark.gpu
+def test_cuda_sm90_stream_internal_op_refuses_bad_input():
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the sm90 kernel needs a Hopper GPU")
+    op = torch.ops.eagle3._fc_proj_sm90
+    x = torch.zeros(65, 192, dtype=torch.float16, device="cuda")
+    w = torch.zeros(256, 192, device="cuda").to(FP8)
+    with pytest.raises(ValueError, match="x must have 1 to 64 rows"):
+        op(x, w, None, 256.0, torch.empty(65, 256, dtype=torch.bfloat16, device="cuda"))
+    with pytest.raises(ValueError, match="Hd % 128"):
+        op(x[:4], w[:100], None, 256.0, torch.empty(4, 100, dtype=torch.bfloat16, device="cuda"))
+    with pytest.raises(ValueError, match="K % 64"):
+        op(x[:4, :100].contiguous(), w[:, :100].contiguous(), None, 256.0,
+           torch.empty(4, 256, dtype=torch.bfloat16, device="cuda"))
+    with pytest.raises(TypeError, match="x must have dtype"):
+        op(x[:4].bfloat16(), w, None, 256.0, torch.empty(4, 256, dtype=torch.bfloat16, device="cuda"))

@@ -782,3 +782,23 @@ def test_gpu_sm90_is_the_hopper_default():
     assert sm90_supported(c.q, c.k_cache, out, c.page_table, c.tree_mask)
     # rows not 16-byte aligned: the Triton kernel
     assert not sm90_supported(c.q[:, :, 1:], c.k_cache, out, c.page_table, c.tree_mask)
+
+
+@pytest.mark.gpu
+def test_gpu_sm90_internal_op_refuses_bad_input():
+    # The internal op checks what its kernel relies on, whatever its (only) caller already checked.
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("not a Hopper GPU")
+    c = GpuCase(5, B=2, prefix=100, N=4, kind="chain", page_size=16, **KIMI_MLA)
+    out = torch.empty(c.q.shape[0], 64, 512, dtype=c.dtype, device="cuda")
+    po, plse = torch.empty(2, 2, 4 * 64, 512, device="cuda"), torch.empty(2, 2, 4 * 64, device="cuda")
+    op = torch.ops.eagle3._tree_attention_mla_sm90
+    common = (c.page_table, c.prefix_lens, c.tree_mask, c.scale)
+    with pytest.raises(ValueError, match="q must have shape"):
+        op(c.q[..., :512].contiguous(), c.k_cache, *common, out, None, po, plse, 2)
+    with pytest.raises(ValueError, match="num_splits must be in"):
+        op(c.q, c.k_cache, *common, out, None, po, plse, 0)
+    with pytest.raises(ValueError, match="part_out must have shape"):
+        op(c.q, c.k_cache, *common, out, None, po[:1], plse, 2)
+    with pytest.raises(TypeError, match="kv_cache must have dtype"):
+        op(c.q, c.k_cache.half(), *common, out, None, po, plse, 2)
