@@ -35,6 +35,8 @@ import triton.language as tl
 from torch import Tensor
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from ._device import hopper_kernel
+
 # "BN,BK,SPLIT,warps,stages[,PER_SM[,TMA]]" replaces stream_config's choice (tuning runs: bench/sweep_fc.py
 # sets it). PER_SM > 0 selects the persistent stream-K kernel with PER_SM programs per SM (SPLIT is then
 # unused); TMA=1 loads its weight tiles through a host-side tensor descriptor.
@@ -423,8 +425,7 @@ def sm90_stream_supported(aux: Tensor, weight: Tensor, R: int, K: int, Hd: int) 
     fp8 = weight.dtype == torch.float8_e4m3fn and aux.dtype in (torch.bfloat16, torch.float16)
     if not (fp8 or (weight.dtype == torch.bfloat16 and aux.dtype == torch.bfloat16)):
         return False
-    return (torch._C._dispatch_has_kernel_for_dispatch_key("eagle3::_fc_proj_sm90", "CUDA")
-            and torch.cuda.get_device_capability(aux.device)[0] == 9 and weight.data_ptr() % 16 == 0)
+    return weight.data_ptr() % 16 == 0 and hopper_kernel(aux.device, "_fc_proj_sm90")
 
 
 def fc_proj(aux: Tensor, weight: Tensor, weight_scale: Optional[Tensor], norm_weight: Optional[Tensor], eps: float,

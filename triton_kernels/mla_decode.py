@@ -37,6 +37,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from ._device import hopper_kernel
 from .tree_attention import _LOG2E, _pow2, _request_span, _sm_count, merge_splits, num_splits_for
 
 try:  # triton >= 3.3 (host-side descriptors; the H200's triton 3.6 and this machine's 3.8 have it)
@@ -381,25 +382,13 @@ def tree_attention_mla(q: Tensor, kv_cache: Tensor, page_table: Tensor, prefix_l
         merge_splits(po, plse, out, lse, N, 1, G)
 
 
-_SM90_DEVICE: dict = {}
-
-
-def _sm90_device(device: torch.device) -> bool:
-    """A Hopper GPU and a build with csrc/mla_decode_sm90.cu (asked once per device: calls are on the hot path)."""
-    if device.index not in _SM90_DEVICE:
-        _SM90_DEVICE[device.index] = (
-            torch._C._dispatch_has_kernel_for_dispatch_key("eagle3::_tree_attention_mla_sm90", "CUDA")
-            and torch.cuda.get_device_capability(device)[0] == 9)
-    return _SM90_DEVICE[device.index]
-
-
 def sm90_supported(q: Tensor, kv_cache: Tensor, out: Tensor, page_table: Tensor, tree_mask: Tensor) -> bool:
     """Whether csrc/mla_decode_sm90.cu's kernel serves this call: a Hopper GPU, a build that compiled it,
     bf16 / fp16 at Kimi's widths (576-dim keys, 512-dim V), 16-byte aligned rows of q and the cache, and
     sizes inside its 32-bit position arithmetic and grid (else the Triton kernel takes the call)."""
     if not (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and q.shape[2] == 576 and out.shape[2] == 512):
         return False
-    if not _sm90_device(q.device):
+    if not hopper_kernel(q.device, "_tree_attention_mla_sm90"):
         return False
     B, N, _ = tree_mask.shape
     if (page_table.shape[1] * kv_cache.shape[1] >= 2**31 or kv_cache.shape[0] >= 2**31 or B > 65535

@@ -386,6 +386,10 @@ def tree_attention_mla(q: Tensor, kv_cache: Tensor, page_table: Tensor, prefix_l
 
     if "kernel" in config:
         kernel = config.pop("kernel")
+        if kernel == "sm90" and not sm90_supported(q, kv_cache, out, page_table, tree_mask):
+            raise ValueError("config kernel 'sm90' needs a Hopper GPU, a build with csrc/mla_decode_sm90.cu, bf16 or "
+                             "fp16 q with D = 576 and Dv = 512, 16-byte aligned rows of q and kv_cache, and sizes "
+                             "within the kernel's range (page table capacity < 2**31, B <= 65535)")
     elif Dv < 256 and "tma" not in config:
         kernel = "v1"
     else:
@@ -394,9 +398,6 @@ def tree_attention_mla(q: Tensor, kv_cache: Tensor, page_table: Tensor, prefix_l
     if kernel not in ("v1", "mla_decode", "sm90"):
         raise ValueError(f"config kernel must be 'v1', 'mla_decode' or 'sm90', got {kernel!r}")
     if kernel == "sm90":
-        if not sm90_supported(q, kv_cache, out, page_table, tree_mask):
-            raise ValueError("config kernel 'sm90' needs a Hopper GPU, a build with csrc/mla_decode_sm90.cu, bf16 or "
-                             "fp16 q with D = 576 and Dv = 512, and 16-byte aligned rows of q and kv_cache")
         tree_attention_mla_sm90(q, kv_cache, page_table, prefix_lens, tree_mask, scale, out, lse, config)
         return
     if kernel == "v1" or config.get("v_split", 1) != 1:
