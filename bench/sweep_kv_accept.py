@@ -2,7 +2,7 @@
 benchmark): python bench/sweep_kv_accept.py [--ncu]. Same caches and patterns as bench_kv_accept.py;
 prints us per (setting, shape) and, for reference, a plain device copy of the same bytes in the same run.
 Settings are EAGLE3_KV_ACCEPT_TUNE="staging_kb,stages,max_cluster" (csrc/kv_accept.cu: bulk_tuning) and
-EAGLE3_KV_ACCEPT_PDL=1 (programmatic dependent launch, off by default until measured).
+EAGLE3_KV_ACCEPT_PDL=1 (programmatic dependent launch, off by default: it lost at B 64, results/kv_accept_sweep_h200.log).
 --ncu: a few calls of the default setting at B 64, for `ncu -k regex:kv_accept`."""
 
 from __future__ import annotations

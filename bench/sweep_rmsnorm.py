@@ -28,7 +28,8 @@ from common import Ceilings, graph_time_us  # noqa: E402
 TS = [1, 512, 1024, 4096]
 ROUNDS = 3  # medians over rounds, each round visiting every variant (drift hits all alike)
 # (fec4ec8's run, results/add_rmsnorm_sweep_h200.log: pdl=1,shape=lean became the default below T = 2048.)
-# occ=N caps the blocks an SM: T = 512 as two waves of 2 rows an SM (reads of one overlapping writes of the other)
+# occ=N caps the blocks an SM: T = 512 as two waves of 2 rows an SM (reads of one overlapping writes of the other);
+# at 6501455 every occ variant lost (results/add_rmsnorm_occ_h200.log)
 VARIANTS = ["pdl=1,shape=wide", "pdl=1,shape=lean,occ=2", "pdl=1,shape=lean,occ=3", "pdl=1,shape=wide,occ=2",
             "pdl=1,shape=lean"]  # the last: default
 

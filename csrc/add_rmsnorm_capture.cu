@@ -30,6 +30,7 @@
 #include <type_traits>
 
 #include "eagle3/checks.h"
+#include "eagle3/launch.h"
 #include "eagle3/pdl.cuh"
 #include "eagle3/vec.cuh"
 
@@ -227,7 +228,8 @@ struct Variant {
                      // 'a'uto: lean below T = 2048, wide from there
   int occ = 0;       // > 0: at most occ blocks an SM (unused dynamic shared memory caps residency), so that
                      // T = 512 runs as two waves whose reads and writes overlap rather than one wave that
-                     // reads everything, then writes everything (a candidate: bench/sweep_rmsnorm.py)
+                     // reads everything, then writes everything (bench/sweep_rmsnorm.py; it lost at every T
+                     // at 6501455: results/add_rmsnorm_occ_h200.log)
 };
 
 Variant variant() {
@@ -277,28 +279,19 @@ void launch(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& w
     const int64_t nvec = H / S::VEC;
     int64_t threads = (nvec + S::MAXV - 1) / S::MAXV;
     threads = std::min<int64_t>(S::THREADS, std::max<int64_t>(32, (threads + 31) / 32 * 32));
-    cudaLaunchConfig_t config = {};
-    config.gridDim = dim3(static_cast<unsigned>(T));
-    config.blockDim = dim3(static_cast<unsigned>(threads));
-    config.stream = stream;
+    const auto kernel = add_rmsnorm_capture_kernel<x_t, r_t, w_t, acc_t, S>;
+    size_t smem = 0;
     if (occ > 0) {  // residency cap (Variant::occ): shared memory the kernel does not use
       const auto* prop = at::cuda::getDeviceProperties(x.get_device());
       const int dyn = static_cast<int>(prop->sharedMemPerMultiprocessor / occ) - 3072;
       if (dyn > 0) {
-        const auto kernel = add_rmsnorm_capture_kernel<x_t, r_t, w_t, acc_t, S>;
         C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, dyn));
-        config.dynamicSmemBytes = static_cast<size_t>(dyn);
+        smem = static_cast<size_t>(dyn);
       }
     }
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[0].val.programmaticStreamSerializationAllowed = 1;
-    config.attrs = attr;
-    config.numAttrs = pdl ? 1 : 0;
-    C10_CUDA_CHECK(cudaLaunchKernelEx(&config, add_rmsnorm_capture_kernel<x_t, r_t, w_t, acc_t, S>, x.data_ptr<x_t>(),
-                                      x.stride(0), residual.data_ptr<r_t>(), residual.stride(0), weight.data_ptr<w_t>(),
-                                      aux_ptr, as, rows, T, H, static_cast<acc_t>(eps)));
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    launch_ex(kernel, dim3(static_cast<unsigned>(T)), dim3(static_cast<unsigned>(threads)), smem, stream, 0, pdl,
+              x.data_ptr<x_t>(), x.stride(0), residual.data_ptr<r_t>(), residual.stride(0), weight.data_ptr<w_t>(),
+              aux_ptr, as, rows, T, H, static_cast<acc_t>(eps));
   };
   if (!vec_ok) {
     go(Shape<1, 8, kIsDouble<acc_t> ? 512 : 1024, 1>{});  // fp64 sums spilled under 64 registers

@@ -44,6 +44,7 @@
 
 #include "eagle3/checks.h"
 #include "eagle3/device.h"
+#include "eagle3/launch.h"
 #include "eagle3/pdl.cuh"
 
 namespace eagle3 {
@@ -340,33 +341,11 @@ __global__ void __launch_bounds__(kBulkThreads) kv_accept_bulk_kernel(
 #endif
 }
 
-// Programmatic dependent launch with the cluster launch: off by default until it is measured on the H200
-// (EAGLE3_KV_ACCEPT_PDL=1 turns it on, sm_90+; bench/sweep_kv_accept.py compares both).
+// Programmatic dependent launch with the cluster launch: off by default, measured slower at B 64 (above;
+// EAGLE3_KV_ACCEPT_PDL=1 turns it on for sweeps, sm_90+; bench/sweep_kv_accept.py compares both).
 bool pdl_enabled(int device) {
   const char* env = std::getenv("EAGLE3_KV_ACCEPT_PDL");
   return env != nullptr && env[0] == '1' && sm_major(device) >= 9;
-}
-
-// A cluster launch of C blocks per cluster, with programmatic dependent launch when `pdl` (both kernels).
-template <typename Kernel, typename... Args>
-void launch_clustered(Kernel kernel, int64_t blocks, int threads, size_t smem, int C, bool pdl, cudaStream_t stream,
-                      Args... args) {
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(static_cast<unsigned>(blocks));
-  config.blockDim = dim3(threads);
-  config.dynamicSmemBytes = smem;
-  config.stream = stream;
-  cudaLaunchAttribute attr[2];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = C;
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
-  attr[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[1].val.programmaticStreamSerializationAllowed = 1;
-  config.attrs = attr;
-  config.numAttrs = pdl ? 2 : 1;
-  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, args...));
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 struct Group {
@@ -381,11 +360,11 @@ void launch(const Group& g, size_t first, size_t count, int C, bool pdl, int64_t
             int64_t page_size, int64_t num_pages, bool advance, cudaStream_t stream) {
   LayerBases bases{};
   for (size_t i = 0; i < count; ++i) bases.base[i] = g.bases[first + i];
-  launch_clustered(kv_accept_kernel<unit_t>, B * C, kThreads, 2 * static_cast<size_t>(N) * sizeof(int64_t), C, pdl,
-                   stream, bases, static_cast<int>(count), static_cast<uint32_t>(g.vpr),
-                   1.0f / static_cast<float>(g.vpr), C, page_table.data_ptr<int32_t>(), page_table.stride(0),
-                   page_table.size(1), prefix_lens.data_ptr<int32_t>(), accept_nodes.data_ptr<int32_t>(),
-                   accept_len.data_ptr<int32_t>(), N, page_size, num_pages, advance);
+  launch_ex(kv_accept_kernel<unit_t>, dim3(static_cast<unsigned>(B * C)), dim3(kThreads),
+            2 * static_cast<size_t>(N) * sizeof(int64_t), stream, C, pdl, bases, static_cast<int>(count),
+            static_cast<uint32_t>(g.vpr), 1.0f / static_cast<float>(g.vpr), C, page_table.data_ptr<int32_t>(),
+            page_table.stride(0), page_table.size(1), prefix_lens.data_ptr<int32_t>(),
+            accept_nodes.data_ptr<int32_t>(), accept_len.data_ptr<int32_t>(), N, page_size, num_pages, advance);
 }
 
 // cp.async.bulk and mbarrier transaction counts need sm_90, in the device and in the binary the runtime
@@ -430,11 +409,11 @@ void launch_bulk(const Group& g, size_t first, size_t count, int C, bool pdl, co
     C10_CUDA_CHECK(cudaFuncSetAttribute(kv_accept_bulk_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                         static_cast<int>(smem)));
   }
-  launch_clustered(kv_accept_bulk_kernel, B * C, kBulkThreads, smem, C, pdl, stream, bases, static_cast<int>(count),
-                   static_cast<uint32_t>(row_bytes), static_cast<uint32_t>(W), static_cast<uint32_t>(q), C,
-                   page_table.data_ptr<int32_t>(), page_table.stride(0), page_table.size(1),
-                   prefix_lens.data_ptr<int32_t>(), accept_nodes.data_ptr<int32_t>(), accept_len.data_ptr<int32_t>(),
-                   N, page_size, num_pages, advance, static_cast<uint32_t>(slot), static_cast<uint32_t>(stages));
+  launch_ex(kv_accept_bulk_kernel, dim3(static_cast<unsigned>(B * C)), dim3(kBulkThreads), smem, stream, C, pdl,
+            bases, static_cast<int>(count), static_cast<uint32_t>(row_bytes), static_cast<uint32_t>(W),
+            static_cast<uint32_t>(q), C, page_table.data_ptr<int32_t>(), page_table.stride(0), page_table.size(1),
+            prefix_lens.data_ptr<int32_t>(), accept_nodes.data_ptr<int32_t>(), accept_len.data_ptr<int32_t>(), N,
+            page_size, num_pages, advance, static_cast<uint32_t>(slot), static_cast<uint32_t>(stages));
 }
 
 // caches        list of contiguous [num_pages, page_size, ...] tensors, any dtype; per layer the row

@@ -36,6 +36,7 @@
 
 #include "eagle3/checks.h"
 #include "eagle3/device.h"
+#include "eagle3/launch.h"
 #include "eagle3/vec.cuh"
 
 namespace eagle3 {
@@ -385,21 +386,11 @@ void launch(const at::Tensor& logits, const at::Tensor& tokens, const at::Tensor
     C10_CUDA_CHECK(cudaFuncSetAttribute(walk_kernel<acc_t>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                         static_cast<int>(smem)));
   }
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(static_cast<unsigned>(B));
-  config.blockDim = dim3(kWalkThreads);
-  config.dynamicSmemBytes = smem;
-  config.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  config.attrs = attr;
-  config.numAttrs = 1;
-  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, walk_kernel<acc_t>, static_cast<const Partial<acc_t>*>(part),
-                                    static_cast<int>(S), tokens.data_ptr<int64_t>(), parents.data_ptr<int32_t>(),
-                                    static_cast<int>(N), accept_nodes.data_ptr<int32_t>(),
-                                    accept_len.data_ptr<int32_t>(), emitted.data_ptr<int64_t>()));
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  // a programmatic dependent of phase 1 (its launch overlaps phase 1's tail)
+  launch_ex(walk_kernel<acc_t>, dim3(static_cast<unsigned>(B)), dim3(kWalkThreads), smem, stream, 0, true,
+            static_cast<const Partial<acc_t>*>(part), static_cast<int>(S), tokens.data_ptr<int64_t>(),
+            parents.data_ptr<int32_t>(), static_cast<int>(N), accept_nodes.data_ptr<int32_t>(),
+            accept_len.data_ptr<int32_t>(), emitted.data_ptr<int64_t>());
 }
 
 // logits   [B * N, V]  bf16 | fp16 | fp32 | fp64, last dim contiguous

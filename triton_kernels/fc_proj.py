@@ -49,7 +49,8 @@ FP8_VIA_F16 = os.environ.get("EAGLE3_FC_FP8_F16", "1") == "1"
 # conversion is redone for every output-channel block (56 times at Kimi shape): at R = 64 the loop body was 897
 # sm_90a instructions a step against 393 at R = 1 (FMUL / F2FP.PACK / HMUL2 / STS of the activation tile), and
 # fp8 ran at 65 us against 42 us at R = 1 (bench/results/fc_sweep_fp8_h200.log).
-# Off (0) until measured on the H200: bench/sweep_fc.py times it through the environment variable.
+# Off (0): measured on the H200 at 6501455 it lost at every R (45.6 vs 42.8 us at R = 1, 98.5 vs 65.1 at R = 64;
+# bench/results/fc_sweep_prep_h200.log). Kept for sweeps through the environment variable.
 FP8_PREP_ROWS = int(os.environ.get("EAGLE3_FC_FP8_PREP_ROWS", "0")) or 1 << 62
 # EAGLE3_FC_SM90=1: R <= 64 through csrc/fc_stream_sm90.cu (weight in registers, swap-AB wgmma), where it applies
 # (sm90_stream_supported). Off by default: compiled for sm_90a, not yet run on a GPU.
