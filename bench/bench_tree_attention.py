@@ -245,9 +245,9 @@ def test_tree_attention(recorder, shape, provider):
 
 
 def compile_report(variants=None):
-    """Compile the first MLA kernel (kernel=v1) for sm_90a as the JIT would specialise it for mla B1 P32768 N16 (pointers and
-    multiples of 16 marked divisible by 16, ints equal to 1 made constants) and print ptxas's registers and
-    spills, the shared memory and the wgmma count of each variant."""
+    """Compile the first MLA kernel (kernel=v1) for sm_90a as the JIT would specialise it for mla B1 P32768
+    N16 (pointers and multiples of 16 marked divisible by 16, ints equal to 1 made constants) and print
+    ptxas's registers and spills, the shared memory and the wgmma count of each variant."""
     from common import compile_sm90a
     from eagle3_ops.triton_kernels import tree_attention as ta
 

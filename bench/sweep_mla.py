@@ -149,10 +149,10 @@ def compile_report():
     ints = dict(N=16, W=1, NUM_PAGES=pages, MAX_PAGES=pages, PAGE_SIZE=64, NUM_SPLITS=9, stride_qt=NH * D,
                 stride_qh=D, stride_kp=64 * D, stride_ks=D, stride_pt=pages, stride_ot=NH * DV, stride_oh=DV)
     for name, cfg in CANDIDATES.items():
-        if "tma" not in cfg:
+        if "tma" not in cfg and cfg.get("kernel") != "mla_decode":  # (the CUDA candidates: ptxas -v of the build)
             continue
-        full = md.default_config(torch.bfloat16)
-        full.update(cfg)
+        full = dict(md.default_config(torch.bfloat16), tma=True)  # as tree_attention.tree_attention_mla calls it
+        full.update({k: v for k, v in cfg.items() if k != "kernel"})
         bn, tma = full["BLOCK_N"], full["tma"]
         const = dict(G=NH, DV=DV, DR=D - DV, BLOCK_H=DV // 2, BLOCK_R=D - DV, BLOCK_M=full["BLOCK_M"], BLOCK_N=bn,
                      SPLIT=True, HAS_LSE=True, TMA=tma, TAU=float(full["rescale_tau"]), DOT_PREC="tf32",
