@@ -489,6 +489,11 @@ void tree_attention_mla_sm90_cuda(const at::Tensor& q, const at::Tensor& kv_cach
     TORCH_CHECK_VALUE(part_lse.is_contiguous(), "part_lse must be contiguous");
   }
   for (const at::Tensor* t : {&kv_cache, &page_table, &prefix_lens, &tree_mask, &out}) CHECK_SAME_DEVICE((*t), q);
+  if (lse.has_value()) CHECK_SAME_DEVICE((*lse), q);
+  if (num_splits > 1) {
+    CHECK_SAME_DEVICE(part_out, q);
+    CHECK_SAME_DEVICE(part_lse, q);
+  }
   // 16-byte cp.async of every 576-wide row
   auto aligned = [](const at::Tensor& t, int64_t s0, int64_t s1) {
     return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0 && s0 % 8 == 0 && s1 % 8 == 0;

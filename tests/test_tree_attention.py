@@ -802,3 +802,5 @@ def test_gpu_sm90_internal_op_refuses_bad_input():
         op(c.q, c.k_cache, *common, out, None, po[:1], plse, 2)
     with pytest.raises(TypeError, match="kv_cache must have dtype"):
         op(c.q, c.k_cache.half(), *common, out, None, po, plse, 2)
+    with pytest.raises(ValueError, match="part_lse must be on the same device"):
+        op(c.q, c.k_cache, *common, out, None, po, plse.cpu(), 2)
