@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything that needs the H200, in one call (GPU.md): build for sm_90a, run the GPU tests, run the
 # benchmarks, and leave logs, JSON and the table under $OUT (the table printed last).
-#   usage: [SANITIZE='-k expr'] bash bench/gpu_run.sh [pytest -k expression for the GPU tests] [bench files...]
+#   usage: [SANITIZE='-k expr'] bash bench/gpu_run.sh [pytest -k expression for the GPU tests] [bench files... | none]
 #   SANITIZE runs the GPU tests matching that expression under compute-sanitizer memcheck.
 #   TESTS='tests/test_x.py ...' selects the test files (their GPU tests run in chunks of TEST_CHUNK node ids,
 #   TEST_JOBS pytest processes at once); EAGLE3_CUDA_ONLY=a,b
@@ -21,6 +21,7 @@ KEXPR=${1:-}
 shift || true
 BENCHES=("$@")
 [ ${#BENCHES[@]} -eq 0 ] && BENCHES=(bench/bench_*.py)
+[ "${BENCHES[*]}" = none ] && BENCHES=()  # "none": tests only (a sweep follows in the same call)
 
 {
   echo "== machine"; nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv
@@ -88,9 +89,12 @@ if [ -n "${SANITIZE:-}" ]; then
   sanitize_rc=$?
 fi
 
-echo "== benchmarks: ${BENCHES[*]}"
-python3 -m pytest "${BENCHES[@]}" -q -p no:cacheprovider --benchmark-json="$OUT/pytest_benchmark.json" \
-  --benchmark-columns=median 2>&1 | tee "$OUT/bench.log" | tail -n 60
-bench_rc=$?
+bench_rc=0
+if [ ${#BENCHES[@]} -gt 0 ]; then
+  echo "== benchmarks: ${BENCHES[*]}"
+  python3 -m pytest "${BENCHES[@]}" -q -p no:cacheprovider --benchmark-json="$OUT/pytest_benchmark.json" \
+    --benchmark-columns=median 2>&1 | tee "$OUT/bench.log" | tail -n 60
+  bench_rc=$?
+fi
 echo "tests rc=$tests_rc selfcheck rc=$selfcheck_rc sanitizer rc=${sanitize_rc:-not run} bench rc=$bench_rc"
 exit $(( tests_rc || selfcheck_rc || ${sanitize_rc:-0} || bench_rc ))
