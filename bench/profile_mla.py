@@ -21,7 +21,7 @@ from sweep_mla import KIMI_SCALE, _counts, _inputs  # noqa: E402
 # (B, prefix, N, page_size) -> configs ({} = default: on Hopper the CUDA kernel csrc/mla_decode_sm90.cu;
 # {"kernel": "mla_decode"} is the Triton kernel with 64-key TMA tiles, cut + fill)
 CASES = {
-    (1, 32768, 1, 64): [{}, dict(splits=128), dict(cluster=2), dict(cluster=4), dict(cluster=8), dict(cluster=16)],
+    (1, 32768, 1, 64): [{}, dict(splits=128), dict(cluster=4), dict(cluster=8), dict(cluster=16)],
     (1, 32768, 16, 64): [{}, dict(cluster=8)],
 }
 
@@ -35,10 +35,6 @@ def main():
     ceil = Ceilings.measure()
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  copy {ceil.copy_bw / 1e12:.2f} TB/s, "
           f"bf16 matmul {ceil.mm_rate / 1e12:.0f} TFLOP/s")
-    from eagle3_ops.triton_kernels.mla_decode import max_clusters
-    probe = torch.empty(0, device="cuda")
-    print("sm90 kernel, clusters resident at once: " + ", ".join(f"{c} blocks: {max_clusters(probe, c)}"
-                                                            for c in (1, 2, 4, 8, 16)))
     g = torch.Generator(device="cuda").manual_seed(0)
     for (B, P, N, ps), cfgs in CASES.items():
         nbytes, flops = _counts(B, P, N)

@@ -43,7 +43,6 @@ CANDIDATES = {
     # splits reduced on chip in clusters (the most splits in one wave, a multiple of the cluster; shapes with too
     # many blocks for that keep the fill rule): N1 B1 128 splits = 16 / 8 partials, N16 B1 8 splits = no merge
     # (a7c24b9's "makespan" rule, 129 splits of <= 4 tiles at N1 B1, lost: results/mla_sweep_makespan_h200.log)
-    "sm90.c2": dict(kernel="sm90", cluster=2),
     "sm90.c4": dict(kernel="sm90", cluster=4),
     "sm90.c8": dict(kernel="sm90", cluster=8),
     "sm90.c16": dict(kernel="sm90", cluster=16),

@@ -654,37 +654,7 @@ void tree_attention_mla_sm90_cuda(const at::Tensor& q, const at::Tensor& kv_cach
   }
 }
 
-// How many clusters of `cluster` blocks of this kernel the GPU of q holds at once (cudaOccupancyMaxActiveClusters;
-// not every GPC fits the same number, so a grid sized by SM count alone can spill into a second wave: on the
-// H200, 16 clusters of 8 did). The launcher sizes the split count by it. 0: clusters of that size never fit.
-int64_t tree_attention_mla_sm90_max_clusters(const at::Tensor& q, int64_t cluster) {
-  CHECK_CUDA(q);
-  TORCH_CHECK_VALUE(cluster == 1 || cluster == 2 || cluster == 4 || cluster == 8 || cluster == 16,
-                    "cluster must be 1, 2, 4, 8 or 16, got ", cluster);
-  const c10::cuda::OptionalCUDAGuard guard(q.device());
-  auto kernel = mla_decode_kernel<__nv_bfloat16>;  // (both dtypes: the same registers and shared memory)
-  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
-  if (cluster > 8) C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(1, 1, static_cast<unsigned>(cluster));
-  config.blockDim = dim3(kThreads);
-  config.dynamicSmemBytes = kSmemBytes;
-  cudaLaunchAttribute attr;
-  attr.id = cudaLaunchAttributeClusterDimension;
-  attr.val.clusterDim.x = 1;
-  attr.val.clusterDim.y = 1;
-  attr.val.clusterDim.z = static_cast<unsigned>(cluster);
-  config.attrs = &attr;
-  config.numAttrs = 1;
-  int n = 0;
-  C10_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&n, kernel, &config));
-  return n;
-}
-
 }  // namespace
 }  // namespace eagle3
 
-TORCH_LIBRARY_IMPL(eagle3, CUDA, m) {
-  m.impl("_tree_attention_mla_sm90", &eagle3::tree_attention_mla_sm90_cuda);
-  m.impl("_tree_attention_mla_sm90_max_clusters", &eagle3::tree_attention_mla_sm90_max_clusters);
-}
+TORCH_LIBRARY_IMPL(eagle3, CUDA, m) { m.impl("_tree_attention_mla_sm90", &eagle3::tree_attention_mla_sm90_cuda); }

@@ -51,8 +51,6 @@ TORCH_LIBRARY(eagle3, m) {
       "_tree_attention_mla_sm90(Tensor q, Tensor kv_cache, Tensor page_table, Tensor prefix_lens, "
       "Tensor tree_mask, float scale, Tensor(a!) out, Tensor(b!)? lse, Tensor(c!) part_out, "
       "Tensor(d!) part_lse, int num_splits, int cluster=1) -> ()");
-  // internal: how many clusters of `cluster` blocks of that kernel q's GPU runs at once (its launcher's grid)
-  m.def("_tree_attention_mla_sm90_max_clusters(Tensor q, int cluster) -> int");
   m.def(
       "tree_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor page_table, Tensor prefix_lens, "
       "Tensor tree_mask, float scale, Tensor(a!) out, Tensor(b!)? lse) -> ()");

@@ -30,8 +30,6 @@ What differs from tree_attention's kernel (FlashMLA's shape as far as Triton rea
 
 from __future__ import annotations
 
-import functools
-
 from typing import Optional
 
 import torch
@@ -388,16 +386,6 @@ def sm90_supported(q: Tensor, kv_cache: Tensor, out: Tensor, page_table: Tensor,
             and out.stride(2) == 1 and out.data_ptr() % 4 == 0)
 
 
-@functools.lru_cache(maxsize=None)
-def _max_clusters(device: torch.device, cluster: int) -> int:
-    return int(torch.ops.eagle3._tree_attention_mla_sm90_max_clusters(torch.empty(0, device=device), cluster))
-
-
-def max_clusters(q: Tensor, cluster: int) -> int:
-    """Clusters of `cluster` blocks of the sm90 kernel that q's GPU holds at once (cached per device)."""
-    return _max_clusters(q.device, cluster)
-
-
 def tree_attention_mla_sm90(q: Tensor, kv_cache: Tensor, page_table: Tensor, prefix_lens: Tensor,
                             tree_mask: Tensor, scale: float, out: Tensor, lse: Optional[Tensor], config: dict) -> None:
     """The sm_90a CUDA kernel's launcher (checks done by tree_attention.tree_attention_mla): the split count
@@ -414,10 +402,11 @@ def tree_attention_mla_sm90(q: Tensor, kv_cache: Tensor, page_table: Tensor, pre
     cluster = int(config.get("cluster", 1))
     splits = config.get("splits")
     if cluster > 1 and not splits:
-        # the most splits, a multiple of the cluster, whose clusters run as one wave (at most one split per
+        # the most splits, a multiple of the cluster, whose blocks run as one wave (at most one split per
         # min_chunk keys); too few for one cluster: no clusters, the fill rule
-        per = min(max_clusters(q, cluster) // (m_blocks * B), -(-max_len // min_chunk) // cluster)
-        cluster, splits = (cluster, per * cluster) if per > 0 else (1, None)
+        splits = min(sms // (m_blocks * B), -(-max_len // min_chunk)) // cluster * cluster
+        if splits < cluster:
+            cluster, splits = 1, None
     splits = splits or splits_fill(m_blocks * B, max_len, sms, min_chunk)
     splits = max(1, min(int(splits), 65535 // cluster * cluster))
     if splits % cluster:
