@@ -21,8 +21,9 @@ from sweep_mla import KIMI_SCALE, _counts, _inputs  # noqa: E402
 # (B, prefix, N, page_size) -> configs ({} = default: on Hopper the CUDA kernel csrc/mla_decode_sm90.cu;
 # {"kernel": "mla_decode"} is the Triton kernel with 64-key TMA tiles, cut + fill)
 CASES = {
-    (1, 32768, 1, 64): [{}, dict(splits=128), dict(cluster=4), dict(cluster=8), dict(cluster=16)],
-    (1, 32768, 16, 64): [{}, dict(cluster=8)],
+    (1, 32768, 1, 64): [{}, dict(splits=64), dict(splits=128), dict(splits=132), dict(BLOCK_N=32)],
+    (32, 32768, 1, 64): [{}, dict(BLOCK_N=32)],
+    (1, 32768, 16, 64): [{}, dict(BLOCK_N=32)],
 }
 
 

@@ -40,12 +40,7 @@ CANDIDATES = {
     "triton": dict(kernel="mla_decode"),  # tma64, cut + fill (results/mla_sweep_cut_h200.log)
     "sm90.mc128": dict(kernel="sm90", min_chunk=128),  # more, shorter splits
     "sm90.mc512": dict(kernel="sm90", min_chunk=512),
-    # splits reduced on chip in clusters (the most splits in one wave, a multiple of the cluster; shapes with too
-    # many blocks for that keep the fill rule): N1 B1 128 splits = 16 / 8 partials, N16 B1 8 splits = no merge
-    # (a7c24b9's "makespan" rule, 129 splits of <= 4 tiles at N1 B1, lost: results/mla_sweep_makespan_h200.log)
-    "sm90.c4": dict(kernel="sm90", cluster=4),
-    "sm90.c8": dict(kernel="sm90", cluster=8),
-    "sm90.c16": dict(kernel="sm90", cluster=16),
+    "sm90.makespan": dict(kernel="sm90", split_rule="makespan"),  # N1 B1: 129 splits of <= 4 tiles, not 119 of 5
 }
 # (B, prefix, N, page_size)
 SHAPES = [(1, 32768, 16, 64), (8, 8192, 16, 64), (1, 4096, 16, 64), (1, 32768, 1, 64), (32, 32768, 1, 64),

@@ -31,15 +31,12 @@
 #include <cuda_fp16.h>
 #include <torch/library.h>
 
-#include <cooperative_groups.h>
-
 #include <cmath>
 #include <cstdint>
 #include <optional>
 
 #include "eagle3/checks.h"
 #include "eagle3/device.h"
-#include "eagle3/launch.h"
 #include "eagle3/wgmma.cuh"
 
 namespace eagle3 {
@@ -54,8 +51,6 @@ constexpr int kChunkBytes = kRows * 128;             // one [64 x 64] swizzled c
 constexpr int kTileBytes = kChunks * kChunkBytes;    // Q, and each key stage: 73,728 bytes
 constexpr int kPBytes = kRows * kKeys * 2;           // P: one chunk
 constexpr int kThreads = 256;                        // two warpgroups
-constexpr int kOStride = kDv + 8;                    // fp32 row stride of O staged for the cluster reduction
-static_assert(kRows * kOStride * 4 <= 2 * kTileBytes, "O, staged, must fit in the two key stages");
 constexpr int kSmemBytes = 3 * kTileBytes + kPBytes + 3 * kRows * 4 + 1024;  // + alpha, l, m; + alignment
 static_assert(kKeys == 64 && kRows == 64, "the tile code assumes 64 x 64 score tiles");
 
@@ -67,11 +62,10 @@ struct Params {
   const int32_t* tree_mask;   // [B, N, W] contiguous
   void* out;                  // [B * N, G, 512] strides (stride_ot, stride_oh, 1)   (one split)
   float* lse;                 // [B * N, G] contiguous, natural log, or nullptr          (one split)
-  float* part_out;            // [splits / cluster, B, N * G, 512] fp32 contiguous    (splits > cluster)
-  float* part_lse;            // [splits / cluster, B, N * G] fp32, log2 units        (splits > cluster)
+  float* part_out;            // [splits, B, N * G, 512] fp32 contiguous              (splits > 1)
+  float* part_lse;            // [splits, B, N * G] fp32, log2 units                  (splits > 1)
   float scale_log2;
   int B, N, W, G, num_pages, max_pages, page_size, num_splits;
-  int cluster;                // splits reduced on chip by a thread-block cluster (1: none); divides num_splits
   int64_t stride_qt, stride_qh, stride_kp, stride_ks, stride_pt, stride_ot, stride_oh;
 };
 
@@ -118,85 +112,6 @@ __device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
 }
 __device__ __forceinline__ void named_barrier_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
-}
-
-// The splits of one cluster (consecutive, p.cluster of them) reduced on chip, in place of p.cluster fp32
-// partials written and merged: every block publishes its rows' (m, l) in shared memory; after a cluster barrier
-// each reads all of them, so it knows the cluster's max M and sum L, and stages its O scaled by
-// 2^(m - M) / L in its own shared memory (the key stages, idle now); after a second barrier block `rank` sums
-// columns [rank, rank + 1) * 512 / cluster of all the cluster's staged O through distributed shared memory and
-// writes them: the output itself when the cluster is every split, else the cluster's partial (log2-sum-exp2
-// M + log2 L), merged by the caller. A poisoned block turns its l into NaN, which reaches every row it reduces
-// into. A third barrier keeps each block's shared memory alive until the others have read it.
-template <typename T>
-__device__ __forceinline__ void cluster_epilogue(const Params& p, const float (&o)[128], uint8_t* smem, float* s_l,
-                                                 float* s_m, float* s_lse, bool poisoned, int m_block, int b,
-                                                 int split, int r0, int quad, int wg) {
-#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
-  namespace cg = cooperative_groups;
-  const cg::cluster_group cl = cg::this_cluster();
-  const int C = p.cluster;
-  const int rank = static_cast<int>(cl.block_rank());
-  const int tid = threadIdx.x;
-  const int rows_total = p.N * p.G;
-  if (poisoned && tid < kRows) s_l[tid] = NAN;
-  cl.sync();  // every block's (m, l) published
-
-  float* s_o = reinterpret_cast<float*>(smem + kTileBytes);  // the two key stages
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int r = r0 + 8 * h;
-    float M = -INFINITY;
-    for (int c = 0; c < C; ++c) M = fmaxf(M, *cl.map_shared_rank(s_m + r, c));
-    const float M_use = M == -INFINITY ? 0.f : M;
-    float L = 0.f;
-    for (int c = 0; c < C; ++c) L += *cl.map_shared_rank(s_l + r, c) * exp2f(*cl.map_shared_rank(s_m + r, c) - M_use);
-    const float f = L > 0.f ? exp2f(s_m[r] - M_use) / L : (L == L ? 0.f : NAN);
-    if (wg == 0 && quad == 0) s_lse[r] = L > 0.f ? M_use + log2f(L) : (L == L ? -INFINITY : NAN);
-    float* dst = s_o + r * kOStride + wg * (kDv / 2) + 2 * quad;
-#pragma unroll
-    for (int j = 0; j < 32; ++j) *reinterpret_cast<float2*>(dst + 8 * j) = make_float2(o[4 * j + 2 * h] * f, o[4 * j + 2 * h + 1] * f);
-  }
-  cl.sync();  // every block's scaled O staged
-
-  // This block's column slice, float4 by float4: 64 rows x (512 / C) columns, summed over the C blocks.
-  const int cols = kDv / C, quads = cols / 4;
-  const bool whole = C == p.num_splits;
-  for (int i = tid; i < kRows * quads; i += kThreads) {
-    const int r = i / quads, col = rank * cols + (i % quads) * 4;
-    const int row = m_block * kRows + r;
-    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-    for (int c = 0; c < C; ++c) {
-      const float4 v = *reinterpret_cast<const float4*>(cl.map_shared_rank(s_o + r * kOStride + col, c));
-      acc.x += v.x;
-      acc.y += v.y;
-      acc.z += v.z;
-      acc.w += v.w;
-    }
-    if (row >= rows_total) continue;
-    if (whole) {
-      const int node = row / p.G, head = row % p.G;
-      T* dst = static_cast<T*>(p.out) + (static_cast<int64_t>(b) * p.N + node) * p.stride_ot + head * p.stride_oh + col;
-      reinterpret_cast<uint32_t*>(dst)[0] = Pack2<T>::pack(acc.x, acc.y);
-      reinterpret_cast<uint32_t*>(dst)[1] = Pack2<T>::pack(acc.z, acc.w);
-    } else {
-      const int64_t prow = (static_cast<int64_t>(split / C) * p.B + b) * rows_total + row;
-      *reinterpret_cast<float4*>(p.part_out + prow * kDv + col) = acc;
-    }
-  }
-  if (rank == 0 && tid < kRows) {
-    const int row = m_block * kRows + tid;
-    if (row < rows_total) {
-      if (!whole) {
-        p.part_lse[(static_cast<int64_t>(split / C) * p.B + b) * rows_total + row] = s_lse[tid];
-      } else if (p.lse != nullptr) {
-        const int node = row / p.G, head = row % p.G;
-        p.lse[(static_cast<int64_t>(b) * p.N + node) * p.G + head] = s_lse[tid] * 0.6931471805599453f;
-      }
-    }
-  }
-  cl.sync();  // no block leaves while another may still read its shared memory
-#endif
 }
 
 template <typename T>
@@ -488,10 +403,6 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
   }
   const bool poisoned = __syncthreads_or(unreal) || bad;
   const float poison = poisoned ? NAN : 0.f;
-  if (p.cluster > 1) {
-    cluster_epilogue<T>(p, o, smem, s_l, s_m, s_alpha, poisoned, m_block, b, split, r0, quad, wg);
-    return;
-  }
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int r = r0 + 8 * h;
@@ -531,14 +442,12 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
 // page_table  [B, max_pages] int32, last dim contiguous;  prefix_lens [B] int32
 // tree_mask   [B, N, W] int32 contiguous
 // out         [B * N, G, 512]  q's dtype, last dim contiguous;  lse [B * N, G] fp32 contiguous, optional
-// part_out    [P, B, N * G, 512] fp32 contiguous;  part_lse [P, B, N * G] fp32 contiguous, P = num_splits / cluster
-//             (written when P > 1, then merged by the caller; unused otherwise)
-// cluster     1, 2, 4, 8 or 16, dividing num_splits: clusters of that many splits reduce on chip
+// part_out    [num_splits, B, N * G, 512] fp32 contiguous;  part_lse [num_splits, B, N * G] fp32 contiguous
+//             (written when num_splits > 1, then merged by the caller; unused otherwise)
 void tree_attention_mla_sm90_cuda(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& page_table,
                                   const at::Tensor& prefix_lens, const at::Tensor& tree_mask, double scale,
                                   const at::Tensor& out, const std::optional<at::Tensor>& lse,
-                                  const at::Tensor& part_out, const at::Tensor& part_lse, int64_t num_splits,
-                                  int64_t cluster) {
+                                  const at::Tensor& part_out, const at::Tensor& part_lse, int64_t num_splits) {
   TORCH_CHECK_TYPE(q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf,
                    "q must have dtype bfloat16 | float16, got ", q.scalar_type());
   CHECK_CUDA(q);
@@ -571,21 +480,17 @@ void tree_attention_mla_sm90_cuda(const at::Tensor& q, const at::Tensor& kv_cach
     TORCH_CHECK_VALUE(lse->is_contiguous(), "lse must be contiguous");
   }
   TORCH_CHECK_VALUE(num_splits >= 1 && num_splits <= 65535, "num_splits must be in [1, 65535], got ", num_splits);
-  TORCH_CHECK_VALUE((cluster == 1 || cluster == 2 || cluster == 4 || cluster == 8 || cluster == 16) &&
-                        num_splits % cluster == 0,
-                    "cluster must be 1, 2, 4, 8 or 16 and divide num_splits = ", num_splits, ", got ", cluster);
-  const int64_t parts = num_splits / cluster;
-  if (parts > 1) {
+  if (num_splits > 1) {
     CHECK_DTYPE(part_out, at::kFloat);
-    CHECK_SHAPE(part_out, parts, B, N * G, kDv);
+    CHECK_SHAPE(part_out, num_splits, B, N * G, kDv);
     TORCH_CHECK_VALUE(part_out.is_contiguous(), "part_out must be contiguous");
     CHECK_DTYPE(part_lse, at::kFloat);
-    CHECK_SHAPE(part_lse, parts, B, N * G);
+    CHECK_SHAPE(part_lse, num_splits, B, N * G);
     TORCH_CHECK_VALUE(part_lse.is_contiguous(), "part_lse must be contiguous");
   }
   for (const at::Tensor* t : {&kv_cache, &page_table, &prefix_lens, &tree_mask, &out}) CHECK_SAME_DEVICE((*t), q);
   if (lse.has_value()) CHECK_SAME_DEVICE((*lse), q);
-  if (parts > 1) {
+  if (num_splits > 1) {
     CHECK_SAME_DEVICE(part_out, q);
     CHECK_SAME_DEVICE(part_lse, q);
   }
@@ -613,8 +518,8 @@ void tree_attention_mla_sm90_cuda(const at::Tensor& q, const at::Tensor& kv_cach
   p.tree_mask = tree_mask.data_ptr<int32_t>();
   p.out = out.data_ptr();
   p.lse = lse.has_value() ? lse->data_ptr<float>() : nullptr;
-  p.part_out = parts > 1 ? part_out.data_ptr<float>() : nullptr;
-  p.part_lse = parts > 1 ? part_lse.data_ptr<float>() : nullptr;
+  p.part_out = num_splits > 1 ? part_out.data_ptr<float>() : nullptr;
+  p.part_lse = num_splits > 1 ? part_lse.data_ptr<float>() : nullptr;
   p.scale_log2 = static_cast<float>(scale * 1.4426950408889634);
   p.B = static_cast<int>(B);
   p.N = static_cast<int>(N);
@@ -624,7 +529,6 @@ void tree_attention_mla_sm90_cuda(const at::Tensor& q, const at::Tensor& kv_cach
   p.max_pages = static_cast<int>(page_table.size(1));
   p.page_size = static_cast<int>(kv_cache.size(1));
   p.num_splits = static_cast<int>(num_splits);
-  p.cluster = static_cast<int>(cluster);
   p.stride_qt = q.stride(0);
   p.stride_qh = q.stride(1);
   p.stride_kp = kv_cache.stride(0);
@@ -642,10 +546,8 @@ void tree_attention_mla_sm90_cuda(const at::Tensor& q, const at::Tensor& kv_cach
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   auto launch = [&](auto kernel) {
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
-    if (cluster > 8) C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
-    // (clusters along the split axis; cluster 1 is an ordinary launch)
-    launch_ex(kernel, grid, dim3(kThreads), kSmemBytes, stream,
-              cluster > 1 ? dim3(1, 1, static_cast<unsigned>(cluster)) : dim3(0), false, p);
+    kernel<<<grid, kThreads, kSmemBytes, stream>>>(p);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
   };
   if (q.scalar_type() == at::kBFloat16) {
     launch(mla_decode_kernel<__nv_bfloat16>);

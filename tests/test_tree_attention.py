@@ -638,7 +638,7 @@ def test_gpu_dtypes(shape, dtype):
 # sm90 is csrc/mla_decode_sm90.cu's CUDA kernel (the bf16 / fp16 default on Hopper; no fp32).
 GPU_TMA = {"tma64": dict(tma=True), "tma64.nocut": dict(tma=True, cut=False, fill=False),
            "tma32.eager": dict(tma=True, BLOCK_N=32, rescale_tau=0.0, cut=False), "gather64": dict(tma=False),
-           "sm90": dict(kernel="sm90"), "sm90.cluster8": dict(kernel="sm90", cluster=8)}
+           "sm90": dict(kernel="sm90")}
 
 
 @pytest.mark.gpu
@@ -753,30 +753,21 @@ def test_gpu_sm90_against_float64(case):
     assert_equal(without, out, "out without lse")
 
 
-# Splits reduced on chip by thread-block clusters: partials from clusters (N1 B1 at Kimi's prefix, 8 and 16
-# blocks), one cluster of every split (out and lse written by the kernel, no merge), a partial row block with
-# ragged prefixes, and clusters whose splits are all or partly empty (more splits than tiles).
-SM90_CLUSTER_CASES = [  # (N, prefix, B, page_size, kind, NH, splits, cluster, dtype)
-    (1, 32768, 1, 64, "chain", 64, 128, 8, torch.bfloat16),
-    (1, 32768, 1, 64, "chain", 64, 128, 16, torch.bfloat16),
-    (16, 4096, 3, 16, "bushy", 64, 4, 4, torch.float16),
-    (7, 777, 5, 16, "bushy", 16, 8, 2, torch.bfloat16),
-    (1, 100, 2, 1, "chain", 64, 32, 16, torch.bfloat16),
-]
+def test_splits_makespan_counts():
+    # (programs, max_len) at the shapes on 132 SMs, page table sized to prefix + N (64-key tiles):
+    # N1 B1 gets 129 splits of <= 4 tiles (splits_fill: 119 of 5); the others keep splits_fill's counts.
+    from eagle3_ops.triton_kernels.mla_decode import splits_fill, splits_makespan
+
+    assert splits_makespan(1, 32832, 132) == 129 and splits_fill(1, 32832, 132, 256) == 119
+    for programs, max_len, want in [(16, 32832, 8), (128, 8256, 1), (16, 4160, 8), (32, 32832, 4)]:
+        assert splits_makespan(programs, max_len, 132) == want == splits_fill(programs, max_len, 132, 256)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", SM90_CLUSTER_CASES, ids=lambda c: f"N{c[0]}-prefix{c[1]}-B{c[2]}-ps{c[3]}-{c[4]}"
-                         f"-NH{c[5]}-splits{c[6]}-cluster{c[7]}-{str(c[8])[6:]}")
-def test_gpu_sm90_cluster_against_float64(case):
-    N, prefix, B, page_size, kind, NH, splits, cluster, dtype = case
-    c = GpuCase(zlib.crc32(repr(case).encode()), B=B, prefix=prefix, N=N, kind=kind, page_size=page_size,
-                dtype=dtype, mla=True, NH=NH, D=576, Dv=512)
-    cfg = dict(kernel="sm90", splits=splits, cluster=cluster)
-    out, lse = _kernel(c, config=cfg)
+def test_gpu_sm90_makespan_split_rule_against_float64():
+    c = GpuCase(31, B=1, prefix=32768, N=1, kind="chain", page_size=64, **KIMI_MLA)
+    out, lse = _kernel(c, config=dict(kernel="sm90", split_rule="makespan"))
     _check_against(c, out, lse, *c.truth())
-    without, _ = _kernel(c, config=cfg, with_lse=False)
-    assert_equal(without, out, "out without lse")
 
 
 @pytest.mark.gpu
@@ -813,9 +804,3 @@ def test_gpu_sm90_internal_op_refuses_bad_input():
         op(c.q, c.k_cache.half(), *common, out, None, po, plse, 2)
     with pytest.raises(ValueError, match="part_lse must be on the same device"):
         op(c.q, c.k_cache, *common, out, None, po, plse.cpu(), 2)
-    with pytest.raises(ValueError, match="cluster must be 1, 2, 4, 8 or 16 and divide num_splits"):
-        op(c.q, c.k_cache, *common, out, None, po, plse, 2, 3)
-    with pytest.raises(ValueError, match="cluster must be 1, 2, 4, 8 or 16 and divide num_splits"):
-        op(c.q, c.k_cache, *common, out, None, po, plse, 6, 4)
-    with pytest.raises(ValueError, match="part_out must have shape"):  # 4 splits in clusters of 2: 2 partials
-        op(c.q, c.k_cache, *common, out, None, po[:1], plse[:1], 4, 2)

@@ -9,10 +9,10 @@
 
 namespace eagle3 {
 
-// cluster.x > 0: thread-block clusters of that shape (an int n converts to dim3(n, 1, 1): n blocks along x); pdl: the launch may overlap the previous kernel in the
+// cluster > 0: clusters of `cluster` blocks along x; pdl: the launch may overlap the previous kernel in the
 // stream (the kernel waits in wait_previous_grid before touching memory). On the current stream given.
 template <typename Kernel, typename... Args>
-void launch_ex(Kernel kernel, dim3 grid, dim3 block, size_t smem, cudaStream_t stream, dim3 cluster, bool pdl,
+void launch_ex(Kernel kernel, dim3 grid, dim3 block, size_t smem, cudaStream_t stream, int cluster, bool pdl,
                Args&&... args) {
   cudaLaunchConfig_t config = {};
   config.gridDim = grid;
@@ -21,11 +21,11 @@ void launch_ex(Kernel kernel, dim3 grid, dim3 block, size_t smem, cudaStream_t s
   config.stream = stream;
   cudaLaunchAttribute attr[2];
   unsigned n = 0;
-  if (cluster.x > 0) {
+  if (cluster > 0) {
     attr[n].id = cudaLaunchAttributeClusterDimension;
-    attr[n].val.clusterDim.x = cluster.x;
-    attr[n].val.clusterDim.y = cluster.y;
-    attr[n].val.clusterDim.z = cluster.z;
+    attr[n].val.clusterDim.x = static_cast<unsigned>(cluster);
+    attr[n].val.clusterDim.y = 1;
+    attr[n].val.clusterDim.z = 1;
     ++n;
   }
   if (pdl) {
