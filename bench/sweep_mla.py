@@ -40,8 +40,9 @@ CANDIDATES = {
     "triton": dict(kernel="mla_decode"),  # tma64, cut + fill (results/mla_sweep_cut_h200.log)
     "sm90.mc128": dict(kernel="sm90", min_chunk=128),  # more, shorter splits
     "sm90.mc512": dict(kernel="sm90", min_chunk=512),
-    "sm90.makespan": dict(kernel="sm90", split_rule="makespan"),  # N1 B1: 129 splits of <= 4 tiles, not 119 of 5
 }
+# (lost at N1 B1 and gone: 129 splits of <= 4 tiles, results/mla_sweep_makespan_h200.log; splits reduced on chip in
+# thread-block clusters, results/mla_sm90_cluster_h200.log)
 # (B, prefix, N, page_size)
 SHAPES = [(1, 32768, 16, 64), (8, 8192, 16, 64), (1, 4096, 16, 64), (1, 32768, 1, 64), (32, 32768, 1, 64),
           (1, 32768, 16, 16)]

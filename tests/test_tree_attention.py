@@ -753,23 +753,6 @@ def test_gpu_sm90_against_float64(case):
     assert_equal(without, out, "out without lse")
 
 
-def test_splits_makespan_counts():
-    # (programs, max_len) at the shapes on 132 SMs, page table sized to prefix + N (64-key tiles):
-    # N1 B1 gets 129 splits of <= 4 tiles (splits_fill: 119 of 5); the others keep splits_fill's counts.
-    from eagle3_ops.triton_kernels.mla_decode import splits_fill, splits_makespan
-
-    assert splits_makespan(1, 32832, 132) == 129 and splits_fill(1, 32832, 132, 256) == 119
-    for programs, max_len, want in [(16, 32832, 8), (128, 8256, 1), (16, 4160, 8), (32, 32832, 4)]:
-        assert splits_makespan(programs, max_len, 132) == want == splits_fill(programs, max_len, 132, 256)
-
-
-@pytest.mark.gpu
-def test_gpu_sm90_makespan_split_rule_against_float64():
-    c = GpuCase(31, B=1, prefix=32768, N=1, kind="chain", page_size=64, **KIMI_MLA)
-    out, lse = _kernel(c, config=dict(kernel="sm90", split_rule="makespan"))
-    _check_against(c, out, lse, *c.truth())
-
-
 @pytest.mark.gpu
 def test_gpu_sm90_is_the_hopper_default():
     # bf16 at Kimi's widths on a Hopper GPU must not fall back to the Triton kernel silently.

@@ -304,20 +304,6 @@ def splits_fill(programs: int, max_len: int, sms: int, min_chunk: int) -> int:
     return num_splits_for(programs, max_len, sms, min_chunk)
 
 
-def splits_makespan(programs: int, max_len: int, sms: int, block_n: int = 64, fixed: int = 1) -> int:
-    """The split count minimising the slowest SM's work in tiles, waves x (ceil(tiles / splits) + fixed), with
-    waves = ceil(programs * splits / sms) and `fixed` a block's own cost (Q, the partial) in tiles; ties: the
-    fewest splits. At N1 B1 P32768 (1 program, 513 tiles, 132 SMs): 129 splits of <= 4 tiles where splits_fill
-    takes 119 of 5; at the 16-node shapes and N1 B32 the same counts as splits_fill (8, 1, 8, 4)."""
-    tiles = max(1, -(-max_len // block_n))
-    best = None
-    for s in range(1, tiles + 1):
-        cost = -(-programs * s // sms) * (-(-tiles // s) + fixed)
-        if best is None or cost < best[0]:
-            best = (cost, s)
-    return best[1]
-
-
 def _descriptors(kv_cache: Tensor, DV: int, BLOCK_N: int, BLOCK_H: int, BLOCK_R: int):
     """TMA descriptors of the cache's latent and rope columns as [num_pages * page_size, .] matrices, or
     None where TMA cannot read whole tiles: a tile must lie on one page and the rows must form one matrix
@@ -403,18 +389,16 @@ def sm90_supported(q: Tensor, kv_cache: Tensor, out: Tensor, page_table: Tensor,
 def tree_attention_mla_sm90(q: Tensor, kv_cache: Tensor, page_table: Tensor, prefix_lens: Tensor,
                             tree_mask: Tensor, scale: float, out: Tensor, lse: Optional[Tensor], config: dict) -> None:
     """The sm_90a CUDA kernel's launcher (checks done by tree_attention.tree_attention_mla): the split count
-    as this file's fill rule (config: min_chunk, splits; split_rule "makespan": splits_makespan, not yet
-    measured), then the kernel, then merge_splits."""
+    as this file's fill rule (config: min_chunk, splits), then the kernel, then merge_splits. (Two other ways
+    lost on the H200 at N1 B1: 129 splits of <= 4 tiles, results/mla_sweep_makespan_h200.log, and splits
+    reduced on chip by thread-block clusters, results/mla_sm90_cluster_h200.log.)"""
     B, N, _ = tree_mask.shape
     G = q.shape[1]
     rows = N * G
     m_blocks = -(-rows // 64)
     max_len = page_table.shape[1] * kv_cache.shape[1]
-    if config.get("split_rule") == "makespan":
-        splits = config.get("splits") or splits_makespan(m_blocks * B, max_len, _sm_count(q.device))
-    else:
-        splits = config.get("splits") or splits_fill(m_blocks * B, max_len, _sm_count(q.device),
-                                                     config.get("min_chunk", 256))
+    splits = config.get("splits") or splits_fill(m_blocks * B, max_len, _sm_count(q.device),
+                                                 config.get("min_chunk", 256))
     splits = max(1, min(int(splits), 65535))
     if splits > 1:
         po = torch.empty((splits, B, rows, 512), dtype=torch.float32, device=q.device)
