@@ -38,21 +38,19 @@ TS = (1, 4, 16, 32, 64)  # issue 4's T <= 64 grid
 # Now: the fp8 neighbourhood of its default 128,128,0,4,4,2,1 (42.1 / 44.8 / 65.1 us at T = 1 / 16 / 64, where
 # 1.9x bf16 F.linear needs ~40.5 us): deeper pipelines, 8 warps (half the converted tile per thread), wider K.
 # 6501455's run (results/fc_sweep_prep_h200.log): "+prep" lost at every T and no tile config beat the defaults.
-# Now the CUDA kernel csrc/fc_stream_sm90.cu ("sm90": the weight as wgmma's register operand, straight from
-# global memory; fc_proj.SM90), beside the best fp8 tiles of that run.
+# The CUDA kernel csrc/fc_stream_sm90.cu (the weight as wgmma's register operand, straight from global memory)
+# was run at a7c24b9 (results/fc_sweep_sm90_h200.log): correct, but 0.47-0.73x F.linear at every T, so it is
+# gone. Left: the best fp8 tiles of 6501455's run.
 CANDIDATES = {
-    "bf16": ["sm90"],
-    "fp8": ["sm90", "256,128,0,8,4,1,1"],
+    "bf16": [],
+    "fp8": ["256,128,0,8,4,1,1"],
 }
 
 
 def _apply(kernels, c):
-    """Select candidate c: "sm90" (fc_proj.SM90: the CUDA kernel), else its config string, and with a "+prep"
-    suffix the fp8 prepared-rows path (fc_proj.FP8_PREP_ROWS: rows gathered / normalised / converted to fp16
-    once, before the stream-K kernel)."""
-    kernels.SM90 = c == "sm90"
-    if c == "sm90":
-        c = None
+    """Select candidate c: its config string (None: the default), and with a "+prep" suffix the fp8
+    prepared-rows path (fc_proj.FP8_PREP_ROWS: rows gathered / normalised / converted to fp16 once, before the
+    stream-K kernel)."""
     prep = c is not None and c.endswith("+prep")
     kernels.CONFIG_OVERRIDE = (c[:-len("+prep")] or None) if prep else c
     kernels.FP8_PREP_ROWS = 1 if prep else 1 << 62
@@ -208,7 +206,6 @@ def compile_report():
 
     kernels = _kernels_module()
     for name, cs in CANDIDATES.items():
-        cs = [c for c in cs if c != "sm90"]  # (CUDA: its ptxas report comes with the build, PTXAS_VERBOSE=1)
         wty = "*bf16" if name == "bf16" else "*fp8e4nv"
         for c in cs:
             prep = c.endswith("+prep")

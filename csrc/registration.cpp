@@ -29,10 +29,6 @@ TORCH_LIBRARY(eagle3, m) {
       "fc_proj(Tensor aux, Tensor weight, Tensor? weight_scale, Tensor? norm_weight, float eps, "
       "str norm_mode, Tensor? rows, Tensor(a!) out) -> ()");
 
-  // internal, Hopper only: fc_proj's sm_90a weight-streaming kernel for R <= 64 (csrc/fc_stream_sm90.cu), called
-  // by its CUDA launcher with x = norm(aux[rows]) written once, K permuted inside 64-blocks
-  m.def("_fc_proj_sm90(Tensor x, Tensor weight, Tensor? weight_scale, float out_scale, Tensor(a!) out) -> ()");
-
   // ---- tree -------------------------------------------------------------------------------------
   // draft steps' top-k candidates -> canonical tree (tokens, parents), positions, tree_mask
   m.def(

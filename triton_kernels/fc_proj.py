@@ -35,8 +35,6 @@ import triton.language as tl
 from torch import Tensor
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from ._device import hopper_kernel
-
 # "BN,BK,SPLIT,warps,stages[,PER_SM[,TMA]]" replaces stream_config's choice (tuning runs: bench/sweep_fc.py
 # sets it). PER_SM > 0 selects the persistent stream-K kernel with PER_SM programs per SM (SPLIT is then
 # unused); TMA=1 loads its weight tiles through a host-side tensor descriptor.
@@ -52,9 +50,6 @@ FP8_VIA_F16 = os.environ.get("EAGLE3_FC_FP8_F16", "1") == "1"
 # Off (0): measured on the H200 at 6501455 it lost at every R (45.6 vs 42.8 us at R = 1, 98.5 vs 65.1 at R = 64;
 # bench/results/fc_sweep_prep_h200.log). Kept for sweeps through the environment variable.
 FP8_PREP_ROWS = int(os.environ.get("EAGLE3_FC_FP8_PREP_ROWS", "0")) or 1 << 62
-# EAGLE3_FC_SM90=1: R <= 64 through csrc/fc_stream_sm90.cu (weight in registers, swap-AB wgmma), where it applies
-# (sm90_stream_supported). Off by default: compiled for sm_90a, not yet run on a GPU.
-SM90 = os.environ.get("EAGLE3_FC_SM90", "0") == "1"
 _NORM_CODE = {"none": 0, "norm_before_fc": 1, "fc_norm": 2}
 
 
@@ -258,19 +253,11 @@ def _fc_fixup_kernel(part, rows, T, R, Hd, ipn, ITERS, scale, out, stride_o,
 
 
 @triton.jit
-def _perm64(k):
-    """csrc/fc_stream_sm90.cu's K order: physical p = 16 q + 4 s + 2 j + i of a 64-block at 16 s + 8 j + 2 q + i."""
-    p = k % 64
-    return k - p + (p % 16 // 4) * 16 + (p % 4 // 2) * 8 + (p // 16) * 2 + p % 2
-
-
-@triton.jit
 def _normalise_rows_kernel(aux, stride_a, rows, T, K, CHUNK, n_chunks, rstd, nw, dst,
                            HAS_ROWS: tl.constexpr, NORM: tl.constexpr, HAS_NW: tl.constexpr, BLOCK: tl.constexpr,
-                           SCALE: tl.constexpr = 1.0, PERM64: tl.constexpr = False):
+                           SCALE: tl.constexpr = 1.0):
     """dst[r] = SCALE * norm(aux[rows[r]]) in dst's dtype (the prefill path's one pass before cuBLAS: aux's dtype,
-    SCALE 1; the fp8 stream path's: fp16, SCALE 2^-8); NaN rows for indices outside [0, T). PERM64: the columns
-    in the sm90 kernel's order (_perm64; K % 64 == 0)."""
+    SCALE 1; the fp8 stream path's: fp16, SCALE 2^-8); NaN rows for indices outside [0, T)."""
     r = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < K
@@ -287,11 +274,7 @@ def _normalise_rows_kernel(aux, stride_a, rows, T, K, CHUNK, n_chunks, rstd, nw,
     if SCALE != 1.0:
         a *= SCALE
     a = tl.where(valid, a, float("nan"))
-    if PERM64:
-        col = _perm64(offs)
-    else:
-        col = offs
-    tl.store(dst + r.to(tl.int64) * K + col, a.to(dst.dtype.element_ty), mask=ok)
+    tl.store(dst + r.to(tl.int64) * K + offs, a.to(dst.dtype.element_ty), mask=ok)
 
 
 def _compute_dtype(aux: Tensor, weight: Tensor) -> torch.dtype:
@@ -405,28 +388,15 @@ def _persistent(aux, weight, weight_scale, nw, rstd, norm, n_chunks, rows, out, 
         HAS_SCALE=weight_scale is not None, BLOCK_N=bn, S_MAX=s_max)
 
 
-def _prepared_rows(aux, rows, T, R, K, n_chunks, norm, rstd, nw, dtype, scale, perm64=False) -> Tensor:
-    """[R, K] of dtype: scale * norm(aux[rows]) with nw applied, written once (NaN rows for bad indices);
-    perm64: columns in the sm90 kernel's order inside every 64-block."""
+def _prepared_rows(aux, rows, T, R, K, n_chunks, norm, rstd, nw, dtype, scale) -> Tensor:
+    """[R, K] of dtype: scale * norm(aux[rows]) with nw applied, written once (NaN rows for bad indices)."""
     a = torch.empty(R, K, dtype=dtype, device=aux.device)
     block = 1024
     _normalise_rows_kernel[(R, triton.cdiv(K, block))](
         aux, aux.stride(0), rows if rows is not None else aux, T, K, K // n_chunks, n_chunks,
         rstd if rstd is not None else aux, nw if nw is not None else aux, a,
-        HAS_ROWS=rows is not None, NORM=norm, HAS_NW=nw is not None, BLOCK=block, SCALE=scale, PERM64=perm64)
+        HAS_ROWS=rows is not None, NORM=norm, HAS_NW=nw is not None, BLOCK=block, SCALE=scale)
     return a
-
-
-def sm90_stream_supported(aux: Tensor, weight: Tensor, R: int, K: int, Hd: int) -> bool:
-    """Whether csrc/fc_stream_sm90.cu serves this call (used when SM90 is set): a Hopper GPU and a build that
-    compiled it, R <= 64, K % 64 == 0, Hd % 128 == 0, an fp8-e4m3 weight with bf16 / fp16 aux or a bf16 weight
-    with bf16 aux, the weight contiguous."""
-    if not (SM90 and aux.is_cuda and 1 <= R <= 64 and K % 64 == 0 and Hd % 128 == 0 and weight.is_contiguous()):
-        return False
-    fp8 = weight.dtype == torch.float8_e4m3fn and aux.dtype in (torch.bfloat16, torch.float16)
-    if not (fp8 or (weight.dtype == torch.bfloat16 and aux.dtype == torch.bfloat16)):
-        return False
-    return weight.data_ptr() % 16 == 0 and hopper_kernel(aux.device, "_fc_proj_sm90")
 
 
 def fc_proj(aux: Tensor, weight: Tensor, weight_scale: Optional[Tensor], norm_weight: Optional[Tensor], eps: float,
@@ -451,12 +421,7 @@ def fc_proj(aux: Tensor, weight: Tensor, weight_scale: Optional[Tensor], norm_we
     on_device = torch.cuda.device(aux.device) if aux.is_cuda else contextlib.nullcontext()
     with on_device:
         rstd = _norm_rstd(aux, rows, T, R, K, n_chunks, eps) if norm else None
-        if sm90_stream_supported(aux, weight, R, K, Hd):
-            fp8 = weight.element_size() == 1
-            x = _prepared_rows(aux, rows, T, R, K, n_chunks, norm, rstd, nw, torch.float16 if fp8 else torch.bfloat16,
-                               0.00390625 if fp8 else 1.0, perm64=True)
-            torch.ops.eagle3._fc_proj_sm90(x, weight, weight_scale, 256.0 if fp8 else 1.0, out)
-        elif R <= STREAM_MAX_ROWS:
+        if R <= STREAM_MAX_ROWS:
             block_t = max(16, triton.next_power_of_2(R))
             cfg = stream_config(R, Hd, K, n_chunks, weight)
             if (cfg["per_sm"] > 0 and R >= FP8_PREP_ROWS and weight.element_size() == 1 and FP8_VIA_F16
