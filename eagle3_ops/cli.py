@@ -116,8 +116,10 @@ def _load_pair(preset: str, device: str, dtype: torch.dtype, seed: int = 0):
                                num_layers=target.cfg.num_layers, dtype=dtype, device=device)
         return target.eval(), drafter.eval(), "the shipped pair, trained on CPU (eagle3_ops/assets/byte-small)"
     cfg = TargetConfig.from_preset(preset)
-    target = Target.synthesize(cfg, seed, dtype).to(device)
-    drafter = Drafter.synthesize(DrafterConfig.for_target(cfg), target.model.embed_tokens, seed + 1, dtype).to(device)
+    # drawn on the device itself: kimi-k2-slice is ~74 GB in bf16, never staged in host memory
+    target = Target.synthesize(cfg, seed, dtype, device=device)
+    drafter = Drafter.synthesize(DrafterConfig.for_target(cfg), target.model.embed_tokens, seed + 1, dtype,
+                                 device=device)
     return target.eval(), drafter.eval(), (f"preset {preset}, SYNTHESISED weights: the drafter does not predict "
                                            "this target, acceptance is meaningless here")
 

@@ -15,7 +15,7 @@ from eagle3_ops.models.config import TargetConfig
 from eagle3_ops.models.loading import load_target, read_config, save_pretrained
 from eagle3_ops.models.rope import apply_rope, yarn_inv_freq
 from eagle3_ops.models.target import MoE, Target, route
-from tests.conftest import rel_err
+from tests.conftest import capture_graph, rel_err
 
 TINY = TargetConfig.from_preset("tiny")  # 8 layers, MoE with 2 groups, a dense first layer, q compression
 L, H = TINY.num_layers, TINY.hidden_size
@@ -199,8 +199,8 @@ def test_moe_layer_equals_a_per_token_brute_force(model):
     assert isinstance(moe, MoE)
     x = torch.randn(23, H, generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
-        y = moe(x)
-        y_dense = moe(x, sync_free=True)  # the graph-capturable path: same sums
+        y = moe(x)  # no gradient, fp32: the grouped GEMMs
+        y_loop = moe(x, grouped=False)  # the per-expert gather (training, fp64): same sums
         E, G, K = TINY.n_routed_experts, TINY.n_group, TINY.num_experts_per_tok
         bias = moe.gate.e_score_correction_bias.tolist()
         for t in range(x.shape[0]):
@@ -214,7 +214,42 @@ def test_moe_layer_equals_a_per_token_brute_force(model):
             want = sum(s[e] / total * TINY.routed_scaling_factor * moe.experts[e](x[t]).double() for e in cand)
             want = want + moe.shared_experts(x[t]).double()
             assert rel_err(y[t], want) < 1e-5, f"token {t}"
-    assert rel_err(y_dense, y) < 1e-6
+    assert rel_err(y_loop, y) < 1e-6
+
+
+def test_moe_experts_keep_hugging_face_names_as_views_of_the_stacks(model):
+    moe = model.model.layers[1].mlp
+    sd = moe.state_dict()
+    I = TINY.moe_intermediate_size
+    assert "experts.gate_up" not in sd and sd["experts.3.up_proj.weight"].shape == (I, H)
+    assert sd["experts.3.up_proj.weight"].data_ptr() == moe.experts.gate_up[3, I:].data_ptr()
+    assert list(sd)[2:5] == ["experts.0.gate_proj.weight", "experts.0.up_proj.weight",
+                                    "experts.0.down_proj.weight"]  # HF's order, after the gate's two
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 8, 64])
+def test_gpu_moe_grouped_path_in_a_cuda_graph(T):
+    # The inference MoE (grouped GEMMs, bf16) against the per-expert loop, then captured in a CUDA graph
+    # (no host sync) and replayed on new tokens in the same buffer. Kimi's routing: 384 experts, top 8.
+    cfg = TargetConfig.from_preset("tiny", n_routed_experts=384, num_experts_per_tok=8, n_group=8, topk_group=4,
+                                   hidden_size=128, moe_intermediate_size=64)
+    moe = MoE(cfg)
+    for p in moe.parameters():
+        torch.nn.init.normal_(p, std=p.shape[-1] ** -0.5)
+    moe = moe.to("cuda", torch.bfloat16)
+    g = torch.Generator(device="cuda").manual_seed(T)
+    x = torch.randn(T, 128, generator=g, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        want = moe(x, grouped=False)
+        got = moe(x)
+        assert rel_err(got, want) < 2e-2
+        graph, out = capture_graph(lambda: moe(x))
+        x.copy_(torch.randn(T, 128, generator=g, device="cuda", dtype=torch.bfloat16))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, moe(x))
 
 
 # ---- (e) Hugging Face names and the save / load round trip ------------------------------------------

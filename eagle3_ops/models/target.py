@@ -133,36 +133,111 @@ class Gate(_KeepFp32):
         return route(s, self.e_score_correction_bias.float(), self.cfg)
 
 
+class Experts(nn.Module):
+    """The routed experts, stacked for a grouped GEMM: ``gate_up`` [E, 2I, H] (expert e's gate_proj rows, then
+    its up_proj rows) and ``down`` [E, H, I]. ``state_dict()`` gives, and ``load_state_dict`` takes, Hugging
+    Face's per-expert names (``{e}.gate_proj.weight`` [I, H], ``{e}.up_proj.weight``, ``{e}.down_proj.weight``
+    [H, I]), as views into the stacks. ``experts[e](x)`` is expert e's SwiGLU MLP."""
+
+    def __init__(self, num: int, hidden: int, intermediate: int):
+        super().__init__()
+        self.num, self.intermediate = num, intermediate
+        self.gate_up = nn.Parameter(torch.empty(num, 2 * intermediate, hidden))
+        self.down = nn.Parameter(torch.empty(num, hidden, intermediate))
+        self.register_state_dict_post_hook(Experts._to_per_expert)
+        self.register_load_state_dict_pre_hook(Experts._from_per_expert)
+
+    def __len__(self) -> int:
+        return self.num
+
+    def weights(self, e: int) -> tuple[Tensor, Tensor, Tensor]:
+        """Expert e's (gate_proj, up_proj, down_proj) weights, views."""
+        I = self.intermediate
+        return self.gate_up[e, :I], self.gate_up[e, I:], self.down[e]
+
+    def __getitem__(self, e: int):
+        g, u, d = self.weights(e)
+        return lambda x: F.linear(F.silu(F.linear(x, g)) * F.linear(x, u), d)
+
+    @staticmethod
+    def _to_per_expert(module, state_dict, prefix, local_metadata):
+        gate_up, down = state_dict.pop(prefix + "gate_up"), state_dict.pop(prefix + "down")
+        I = module.intermediate
+        for e in range(module.num):
+            state_dict[f"{prefix}{e}.gate_proj.weight"] = gate_up[e, :I]
+            state_dict[f"{prefix}{e}.up_proj.weight"] = gate_up[e, I:]
+            state_dict[f"{prefix}{e}.down_proj.weight"] = down[e]
+
+    @staticmethod
+    def _from_per_expert(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                         error_msgs):
+        names = [(f"{prefix}{e}.gate_proj.weight", f"{prefix}{e}.up_proj.weight", f"{prefix}{e}.down_proj.weight")
+                 for e in range(module.num)]
+        if not all(k in state_dict for trio in names for k in trio):
+            return  # left as they are: load_state_dict reports the missing stacks and the stray keys
+        first = state_dict[names[0][0]]
+        I, H = module.intermediate, module.gate_up.shape[2]
+        gate_up = torch.empty(module.num, 2 * I, H, dtype=first.dtype, device=first.device)
+        down = torch.empty(module.num, H, I, dtype=first.dtype, device=first.device)
+        for e, (g, u, d) in enumerate(names):
+            for name, dst in ((g, gate_up[e, :I]), (u, gate_up[e, I:]), (d, down[e])):
+                src = state_dict.pop(name)
+                if tuple(src.shape) != tuple(dst.shape):
+                    error_msgs.append(f"size mismatch for {name}: copying a param with shape {tuple(src.shape)}, "
+                                      f"the shape in the current model is {tuple(dst.shape)}.")
+                    return
+                dst.copy_(src)
+        state_dict[prefix + "gate_up"], state_dict[prefix + "down"] = gate_up, down
+
+
+def grouped_mm(a: Tensor, b: Tensor, offs: Tensor) -> Tensor:
+    """out[r] = a[r] @ b[g] for the rows r of group g (rows [offs[g-1], offs[g])). a [M, K], b [G, K, N]."""
+    return torch._grouped_mm(a, b, offs=offs)
+
+
 class MoE(nn.Module):
     def __init__(self, cfg: TargetConfig):
         super().__init__()
         H = cfg.hidden_size
         self.gate = Gate(cfg)
-        self.experts = nn.ModuleList(MLP(H, cfg.moe_intermediate_size) for _ in range(cfg.n_routed_experts))
+        self.experts = Experts(cfg.n_routed_experts, H, cfg.moe_intermediate_size)
         self.shared_experts = (MLP(H, cfg.moe_intermediate_size * cfg.n_shared_experts)
                                if cfg.n_shared_experts > 0 else None)
 
-    def forward(self, x: Tensor, sync_free: bool = False) -> Tensor:
-        """x [..., H] -> [..., H]. Routed outputs accumulate in fp32 (expert order), then the shared expert.
+    def forward(self, x: Tensor, grouped: Optional[bool] = None) -> Tensor:
+        """x [..., H] -> [..., H]. Each token's K routed outputs (model dtype) are weighted and summed in fp32,
+        then the shared expert is added.
 
-        sync_free: run every expert on every token with a zero weight where not routed (no host sync, so
-        a CUDA graph can hold it; cheap while the token count is small). Otherwise each expert gathers
-        its tokens (a `nonzero` per expert): fewer flops, differentiable, same sums.
+        grouped: the inference path, two grouped GEMMs over the tokens sorted by expert (torch._grouped_mm:
+        each expert's weights read once, no host sync, so a CUDA graph can hold it). The default where it
+        applies: no gradient wanted and fp32 / bf16 / fp16. Otherwise each expert gathers its tokens (a
+        `nonzero` per expert, a host sync): differentiable, and the only path for fp64.
         """
         shape = x.shape
         x = x.reshape(-1, shape[-1])  # [T, H]
         idx, w = self.gate(x)  # [T, K]
-        acc = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # [T, H]
-        if sync_free:
-            dense_w = torch.zeros(x.shape[0], len(self.experts), dtype=torch.float32, device=x.device)
-            dense_w.scatter_(1, idx, w)  # [T, E]
-            for e, expert in enumerate(self.experts):
-                acc += dense_w[:, e:e + 1] * expert(x).float()
+        if grouped is None:
+            grouped = not (torch.is_grad_enabled() and self.experts.gate_up.requires_grad)
+            grouped = grouped and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
+        if grouped:
+            T, K = idx.shape
+            E, I = self.experts.num, self.experts.intermediate
+            flat = idx.reshape(-1)  # [T * K]
+            order = torch.argsort(flat, stable=True)  # slots sorted by expert
+            counts = torch.zeros(E, dtype=torch.int32, device=x.device).scatter_add_(
+                0, flat, torch.ones_like(flat, dtype=torch.int32))
+            offs = counts.cumsum(0, dtype=torch.int32)
+            h = grouped_mm(x[order // K], self.experts.gate_up.transpose(1, 2), offs)  # [T * K, 2I]
+            y = grouped_mm(F.silu(h[:, :I]) * h[:, I:], self.experts.down.transpose(1, 2), offs)  # [T * K, H]
+            routed = torch.empty_like(y)
+            routed[order] = y  # back to (token, k) order
+            acc = (routed.view(T, K, -1).float() * w[..., None]).sum(1)  # [T, H]
         else:
-            for e, expert in enumerate(self.experts):
+            acc = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # [T, H]
+            for e in range(self.experts.num):
                 tok, k = (idx == e).nonzero(as_tuple=True)
                 if tok.numel():
-                    acc.index_add_(0, tok, expert(x[tok]).float() * w[tok, k, None])
+                    acc.index_add_(0, tok, self.experts[e](x[tok]).float() * w[tok, k, None])
         y = acc.to(x.dtype)
         if self.shared_experts is not None:
             y = y + self.shared_experts(x)
@@ -270,8 +345,6 @@ class Target(_KeepFp32):
     """DeepSeek-V3 / Kimi-K2 causal LM: ``model`` (Backbone) and an untied ``lm_head``."""
 
     _fp32_buffers = ("inv_freq",)
-    # Steps of at most this many tokens run the MoE without host syncs (graph-capturable) on CUDA.
-    moe_sync_free_tokens = 128
 
     def __init__(self, cfg: TargetConfig):
         super().__init__()
@@ -305,13 +378,16 @@ class Target(_KeepFp32):
         """
         with torch.device("meta"):
             model = cls(cfg)
+        # allocated once in dtype (the routing bias stays fp32), then filled in place, tensor by tensor: the
+        # peak is the model plus one fp32 tensor (kimi-k2-slice is most of an H200)
+        model = model.to(dtype).to_empty(device=device)
         g = torch.Generator(device=device).manual_seed(seed)
-        state = {}
-        for name, t in model.state_dict().items():
-            shape, leaf = tuple(t.shape), name.rsplit(".", 1)[0].rsplit(".", 1)[-1]
-            if "norm" in leaf:
-                v = torch.ones(shape, device=device)
-            else:
+        with torch.no_grad():
+            for name, t in model.state_dict().items():  # (views of the parameters; experts: of their stacks)
+                shape, leaf = tuple(t.shape), name.rsplit(".", 1)[0].rsplit(".", 1)[-1]
+                if "norm" in leaf:
+                    t.fill_(1.0)
+                    continue
                 std = {"embed_tokens": 1.0, "lm_head": 2.0 / math.sqrt(cfg.hidden_size)}.get(leaf)
                 if cls.keeps_fp32(name):
                     std = 0.05
@@ -319,9 +395,7 @@ class Target(_KeepFp32):
                     std = shape[-1] ** -0.5
                     if leaf in ("o_proj", "down_proj"):
                         std /= math.sqrt(2 * cfg.num_layers)
-                v = torch.randn(shape, generator=g, device=device) * std
-            state[name] = v if cls.keeps_fp32(name) else v.to(dtype)
-        model.load_state_dict(state, assign=True)
+                t.copy_(torch.randn(shape, generator=g, device=device) * std)
         return model.reset_rope()
 
     def new_kv(self, batch: int, max_len: int, page_size: int = 16, dtype: Optional[torch.dtype] = None,
@@ -405,7 +479,6 @@ class Target(_KeepFp32):
             return (aux, sites[site]) if site in sites else (None, 0)
 
         pos = positions.reshape(T)
-        sync_free = tokens.is_cuda and T <= self.moe_sync_free_tokens
         residual = self.model.embed_tokens(tokens).view(T, cfg.hidden_size)  # [T, H]
         if 0 in sites:  # aux id -1: the embedding
             torch.ops.eagle3.capture_aux(residual, None, aux, sites[0], None)
@@ -417,10 +490,10 @@ class Target(_KeepFp32):
             x = layer.self_attn(x, pos, self.inv_freq, kv, i, tree_mask)
             torch.ops.eagle3.add_rmsnorm_capture(x, residual, layer.post_attention_layernorm.weight,
                                                  cfg.rms_norm_eps, None, 0, None)
-            x = layer.mlp(x, sync_free) if isinstance(layer.mlp, MoE) else layer.mlp(x)
+            x = layer.mlp(x)
         torch.ops.eagle3.add_rmsnorm_capture(x, residual, self.model.norm.weight, cfg.rms_norm_eps, *aux_at(L),
                                              None)  # site L: the output of layer L-1, pre-norm
         return self.lm_head(x).float()
 
 
-__all__ = ["Target", "route", "RMSNorm", "MLP", "MoE", "MLA", "Block", "LATENT_NORM_EPS"]
+__all__ = ["Target", "route", "RMSNorm", "MLP", "MoE", "Experts", "MLA", "Block", "LATENT_NORM_EPS"]
