@@ -191,6 +191,8 @@ def demo(args) -> int:
         print(f"  {name:<11} {sec * 1e3:9.1f} ms  {100 * sec / sstats.seconds:5.1f}%")
     print(f"  {'other':<11} {(sstats.seconds - accounted) * 1e3:9.1f} ms  "
           f"{100 * (sstats.seconds - accounted) / sstats.seconds:5.1f}%")
+    if str(args.device).startswith("cuda"):
+        print(f"GPU memory: peak {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB allocated")
     if spec.temperature == 0:
         print(f"\noutputs identical to plain greedy decoding: {'yes' if same else 'NO'}")
         return 0 if same else 1

@@ -152,6 +152,14 @@ TARGET_PRESETS: dict[str, TargetConfig] = {
 }
 
 
+def _slice_aux_ids(num_layers: int) -> list[int]:
+    """EAGLE-3's default (wiring.default_aux_ids) from 7 layers on; a shallower slice of a model (kimi-k2-slice:
+    3 layers) captures the outputs of its last three layers instead."""
+    from ..wiring import default_aux_ids
+
+    return default_aux_ids(num_layers) if num_layers >= 7 or num_layers < 3 else list(range(num_layers - 3, num_layers))
+
+
 @dataclass(frozen=True)
 class DrafterConfig:
     """EAGLE-3 head: one Llama decoder layer whose attention input is cat(input_layernorm(embed(tok)),
@@ -183,14 +191,12 @@ class DrafterConfig:
         """The Kimi EAGLE-3 drafter's shape scaled to a target (docs/KIMI.md): hidden = target hidden, the
         target's head count with KV heads = heads, head_dim 128 (hidden / heads on small targets), MLP
         18432/7168 of hidden, draft vocab 32000 (capped at the target's)."""
-        from ..wiring import default_aux_ids
-
         H, heads = target.hidden_size, target.num_heads
         base = dict(
             hidden_size=H, num_heads=heads, num_kv_heads=heads, head_dim=128 if H >= 1024 else H // heads,
             intermediate_size=H * 18432 // 7168, vocab_size=target.vocab_size,
             draft_vocab_size=min(32000, target.vocab_size), target_hidden_size=H,
-            aux_ids=tuple(aux_ids if aux_ids is not None else default_aux_ids(target.num_layers)),
+            aux_ids=tuple(aux_ids if aux_ids is not None else _slice_aux_ids(target.num_layers)),
             rope_theta=target.rope_theta, max_position=target.max_position, rms_norm_eps=target.rms_norm_eps,
             name=f"eagle3-{target.name}",
         )
