@@ -156,6 +156,17 @@ def demo(args) -> int:
     target, drafter, label = _load_pair(args.preset, args.device, dtype, args.seed)
     prompts, texts = _prompts(args, target)
     spec = _spec(args)
+    if args.oracle is not None:
+        from .engine.oracle import OracleDrafter
+
+        if spec.temperature != 0:
+            raise SystemExit("--oracle needs greedy decoding (--temperature 0)")
+        reference, _ = generate_plain(target, prompts, args.max_new)  # the answers the oracle reads
+        drafter = OracleDrafter(drafter, torch.cat([prompts, reference], 1), args.oracle, target.cfg.vocab_size,
+                                args.seed)
+        label += (f"\nORACLE drafter, p = {args.oracle}: it proposes the target's own greedy tokens, each corrupted "
+                  f"with probability {1 - args.oracle:g}; the drafter's forwards run at their real cost, but the "
+                  "acceptance is set by p, not by any trained drafter")
     print(f"models: {label}")
     print(f"target: {target.cfg.name}, {target.cfg.num_layers} layers, hidden {target.cfg.hidden_size}; drafter "
           f"aux ids {list(drafter.cfg.aux_ids)} (output of layer k); device {args.device}, {args.dtype}")
@@ -228,6 +239,9 @@ def _add_decode_args(p):
     p.add_argument("--tokens", type=int, default=4, help="verify tokens per round, root included")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--oracle", type=float, default=None, metavar="P",
+                   help="replace the drafter's proposals by a labelled ORACLE's: the target's own greedy tokens "
+                        "(from a plain run first), each corrupted with probability 1 - P (0 = adversarial); greedy only")
     p.add_argument("--threads", type=int, default=1, help="CPU threads (the small models gain nothing from more, "
                    "and OpenMP stalls when the cores are shared)")
 

@@ -1,0 +1,57 @@
+"""The labelled oracle drafter (eagle3_ops.engine.oracle): it controls acceptance (p = 1: every proposal
+accepted; p = 0, the adversarial drafter: none), the decode loop stays lossless with it, and its proposals
+are deterministic, never the reference token when corrupted, and about a fraction p correct."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from eagle3_ops.engine import SpecConfig, generate_plain, generate_speculative
+from eagle3_ops.engine.oracle import OracleDrafter
+from eagle3_ops.models.config import DrafterConfig, TargetConfig
+from eagle3_ops.models.drafter import Drafter
+from eagle3_ops.models.target import Target
+
+CFG = TargetConfig.from_preset("tiny")
+
+
+@pytest.fixture(scope="module")
+def pair():
+    target = Target.synthesize(CFG, seed=0).eval()
+    drafter = Drafter.synthesize(DrafterConfig.for_target(CFG), target.model.embed_tokens, seed=1).eval()
+    prompts = torch.randint(0, CFG.vocab_size, (3, 9), generator=torch.Generator().manual_seed(2))
+    plain, _ = generate_plain(target, prompts, 24)
+    return target, drafter, prompts, plain
+
+
+@pytest.mark.parametrize("p, spec", [(1.0, SpecConfig(steps=3, topk=1, num_tokens=4)),
+                                     (0.0, SpecConfig(steps=3, topk=1, num_tokens=4)),
+                                     (0.6, SpecConfig(steps=3, topk=1, num_tokens=4)),
+                                     (1.0, SpecConfig(steps=3, topk=2, num_tokens=6))])
+def test_oracle_controls_acceptance_and_stays_lossless(pair, p, spec):
+    target, drafter, prompts, plain = pair
+    oracle = OracleDrafter(drafter, torch.cat([prompts, plain], 1), p, CFG.vocab_size)
+    out, stats = generate_speculative(target, oracle, prompts, plain.shape[1], spec)
+    assert torch.equal(out, plain)
+    if p == 1.0:  # every round but the last (cut at max_new) emits the tree's depth + 1 tokens
+        assert stats.accept_hist[spec.steps + 1] >= sum(stats.accept_hist) - prompts.shape[0]
+    elif p == 0.0:
+        assert stats.acceptance_length == 1.0
+    else:
+        assert 1.0 < stats.acceptance_length < spec.steps + 1
+
+
+def test_oracle_proposals_are_deterministic_and_corrupt_at_rate_one_minus_p():
+    ref = torch.randint(0, 50, (4, 300), generator=torch.Generator().manual_seed(3))
+    oracle = OracleDrafter(None, ref, 0.7, 50, seed=5)
+    pos = torch.arange(290).expand(4, 290)
+    a, b = oracle.proposals(pos), oracle.proposals(pos)
+    assert torch.equal(a, b)
+    right = a == ref[:, 2:292]
+    assert 0.6 < right.float().mean() < 0.8
+    oracle.calls += 1  # a new draw next time
+    assert not torch.equal(oracle.proposals(pos), a)
+    assert ((oracle.proposals(pos) >= 0) & (oracle.proposals(pos) < 50)).all()
+    with pytest.raises(ValueError, match="p must be in"):
+        OracleDrafter(None, ref, 1.5, 50)
