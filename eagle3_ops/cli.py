@@ -156,6 +156,9 @@ def demo(args) -> int:
     target, drafter, label = _load_pair(args.preset, args.device, dtype, args.seed)
     prompts, texts = _prompts(args, target)
     spec = _spec(args)
+    if args.batch_invariant:
+        target.batch_invariant_rows = prompts.shape[0] * spec.num_tokens
+        label += f"\nbatch-invariant target: every step padded to {target.batch_invariant_rows} rows, float64 attention"
     if args.oracle is not None:
         from .engine.oracle import OracleDrafter
 
@@ -242,6 +245,10 @@ def _add_decode_args(p):
     p.add_argument("--oracle", type=float, default=None, metavar="P",
                    help="replace the drafter's proposals by a labelled ORACLE's: the target's own greedy tokens "
                         "(from a plain run first), each corrupted with probability 1 - P (0 = adversarial); greedy only")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="the target's batch-invariant mode (Target.batch_invariant_rows = batch x tokens): plain and "
+                        "verify steps give each token bit-identical logits, so greedy losslessness holds bit for "
+                        "bit in bf16 too; slower (float64 attention, host syncs in the MoE)")
     p.add_argument("--threads", type=int, default=1, help="CPU threads (the small models gain nothing from more, "
                    "and OpenMP stalls when the cores are shared)")
 

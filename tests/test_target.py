@@ -414,3 +414,41 @@ def test_forward_train_is_differentiable(model, prompt):
         grad = model.get_parameter(name).grad
         assert grad is not None and grad.abs().sum() > 0, name
     model.zero_grad(set_to_none=True)
+
+
+# ---- (g) batch-invariant mode: a token's logits do not depend on the step it is verified in -------------
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_batch_invariant_mode_gives_plain_and_verify_steps_bit_identical_logits(dtype):
+    # A 4-token chain verified in one step must give, row for row, the logits of 4 plain one-token steps,
+    # and capture the same aux rows: bit for bit with batch_invariant_rows = 4 (every step padded to 4 rows,
+    # float64 attention), whatever the GEMMs do with the row count.
+    cfg = TargetConfig.from_preset("tiny", num_layers=3)
+    m = Target.synthesize(cfg, seed=4, dtype=dtype).eval()
+    m.batch_invariant_rows = 4
+    g = torch.Generator().manual_seed(6)
+    prompt, chain = torch.randint(0, cfg.vocab_size, (1, 11), generator=g), torch.randint(0, cfg.vocab_size, (1, 4),
+                                                                                          generator=g)
+    ids = [0, 1, 2]
+    runs = []
+    for verify in (False, True):
+        kv = m.new_kv(1, 32, page_size=4)
+        m.forward(prompt, torch.arange(11)[None], kv, tree.tree_mask(tree.chain_parents(1, 11)))
+        kv.advance(11)
+        if verify:
+            aux = torch.empty(4, 3 * cfg.hidden_size, dtype=dtype)
+            logits = m.forward(chain, torch.arange(11, 15)[None], kv, tree.tree_mask(tree.chain_parents(1, 4)), aux,
+                               ids)
+        else:
+            rows, auxes = [], []
+            for i in range(4):
+                a = torch.empty(1, 3 * cfg.hidden_size, dtype=dtype)
+                rows.append(m.forward(chain[:, i:i + 1], torch.tensor([[11 + i]]), kv,
+                                      torch.ones(1, 1, 1, dtype=torch.int32), a, ids))
+                auxes.append(a)
+                kv.advance(1)
+            logits, aux = torch.cat(rows), torch.cat(auxes)
+        runs.append((logits, aux))
+    assert torch.equal(runs[0][0], runs[1][0])
+    assert torch.equal(runs[0][1], runs[1][1])

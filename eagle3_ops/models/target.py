@@ -204,7 +204,7 @@ class MoE(nn.Module):
         self.shared_experts = (MLP(H, cfg.moe_intermediate_size * cfg.n_shared_experts)
                                if cfg.n_shared_experts > 0 else None)
 
-    def forward(self, x: Tensor, grouped: Optional[bool] = None) -> Tensor:
+    def forward(self, x: Tensor, grouped: Optional[bool] = None, invariant: bool = False) -> Tensor:
         """x [..., H] -> [..., H]. Each token's K routed outputs (model dtype) are weighted and summed in fp32,
         then the shared expert is added.
 
@@ -212,6 +212,11 @@ class MoE(nn.Module):
         each expert's weights read once, no host sync, so a CUDA graph can hold it). The default where it
         applies: no gradient wanted and fp32 / bf16 / fp16. Otherwise each expert gathers its tokens (a
         `nonzero` per expert, a host sync): differentiable, and the only path for fp64.
+
+        invariant: Target.batch_invariant_rows' mode: each expert used runs on a block of exactly x's row
+        count (its tokens, then zero rows), so a token's output does not depend on how many others share its
+        experts (a grouped GEMM's per-group kernels, or the gather's, change with the group's size). Host
+        syncs; a correctness mode.
         """
         shape = x.shape
         x = x.reshape(-1, shape[-1])  # [T, H]
@@ -219,7 +224,14 @@ class MoE(nn.Module):
         if grouped is None:
             grouped = not (torch.is_grad_enabled() and self.experts.gate_up.requires_grad)
             grouped = grouped and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
-        if grouped:
+        if invariant:
+            acc = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # [T, H]
+            for e in idx.unique().tolist():  # ascending: each token adds its experts in the same order
+                tok, k = (idx == e).nonzero(as_tuple=True)
+                block = torch.zeros_like(x)
+                block[:tok.numel()] = x[tok]
+                acc.index_add_(0, tok, self.experts[e](block)[:tok.numel()].float() * w[tok, k, None])
+        elif grouped:
             T, K = idx.shape
             E, I = self.experts.num, self.experts.intermediate
             flat = idx.reshape(-1)  # [T * K]
@@ -293,25 +305,60 @@ class MLA(nn.Module):
         return self.o_proj(o.transpose(1, 2).reshape(B, T, NH * cfg.v_head_dim))
 
     def forward(self, x: Tensor, pos: Tensor, inv_freq: Tensor, kv: PagedKV, layer: int,
-                tree_mask: Tensor) -> Tensor:
-        """Absorbed MLA step. x [B*N, H] (input-normed), pos [B*N] -> [B*N, H]; writes this step's latent
-        rows into kv.caches[layer] at prefix_lens + node (prefix_lens unchanged)."""
+                tree_mask: Tensor, invariant: bool = False) -> Tensor:
+        """Absorbed MLA step. x [B*N (+ padding), H] (input-normed), pos [B*N (+ padding)] -> x's shape; writes
+        this step's latent rows into kv.caches[layer] at prefix_lens + node (prefix_lens unchanged).
+
+        invariant: Target.batch_invariant_rows' mode: attention through batch_invariant_mla_attention
+        instead of the kernel. Rows past B*N (padding) are projected but neither cached nor attended."""
         cfg = self.cfg
         T = x.shape[0]
         B, N = tree_mask.shape[0], tree_mask.shape[1]
         NH, nope, Dl = cfg.num_heads, cfg.qk_nope_head_dim, cfg.kv_lora_rank
         q_nope, q_pe = self._q(x, pos, inv_freq)  # [T, NH, nope], [T, NH, R]
         c_kv, k_pe = self._latent(x, pos, inv_freq)  # [T, Dl], [T, R]
-        kv.write(layer, torch.cat([c_kv, k_pe], -1).view(B, N, cfg.kv_dim))
+        kv.write(layer, torch.cat([c_kv, k_pe], -1)[:B * N].view(B, N, cfg.kv_dim))
         w_kvb = self.kv_b_proj.weight.view(NH, nope + cfg.v_head_dim, Dl)
         w_uk, w_uv = w_kvb[:, :nope], w_kvb[:, nope:]  # [NH, nope, Dl], [NH, v, Dl]
         q_abs = torch.einsum("thd,hdc->thc", q_nope, w_uk)  # [T, NH, Dl]
-        q = torch.cat([q_abs, q_pe], -1).contiguous()  # [T, NH, kv_dim]
-        out = q.new_empty(T, NH, Dl)  # [T, NH, Dl]: attention output in latent space
-        torch.ops.eagle3.tree_attention_mla(q, kv.caches[layer], kv.page_table, kv.prefix_lens, tree_mask,
-                                            cfg.softmax_scale, out, None)
+        q = torch.cat([q_abs, q_pe], -1)[:B * N].contiguous()  # [B*N, NH, kv_dim]
+        if invariant:
+            out = batch_invariant_mla_attention(q, kv.caches[layer], kv.page_table, kv.prefix_lens, tree_mask,
+                                                cfg.softmax_scale, Dl)
+        else:
+            out = q.new_empty(B * N, NH, Dl)  # [B*N, NH, Dl]: attention output in latent space
+            torch.ops.eagle3.tree_attention_mla(q, kv.caches[layer], kv.page_table, kv.prefix_lens, tree_mask,
+                                                cfg.softmax_scale, out, None)
+        if T > B * N:
+            out = F.pad(out, (0, 0, 0, 0, 0, T - B * N))
         o = torch.einsum("thc,hdc->thd", out, w_uv)  # [T, NH, v]
         return self.o_proj(o.reshape(T, NH * cfg.v_head_dim))
+
+
+def batch_invariant_mla_attention(q: Tensor, kv_cache: Tensor, page_table: Tensor, prefix_lens: Tensor,
+                                  tree_mask: Tensor, scale: float, dv: int = 512) -> Tensor:
+    """tree_attention_mla's values computed so that a row's result does not depend on the step it is in: in
+    float64, over every slot of the request's page table (positions past its keys masked to exact zeros), so
+    a token's output in a 4-node verify step and in a 1-token plain step agree to far below bf16's rounding.
+    (A kernel's split count, its tiling of tree keys apart from the prefix and its GEMMs chosen by row count
+    all change fp32 rounding with the step's shape.) [B * N, NH, D] -> [B * N, NH, dv] in q's dtype (Kimi: 576, 512).
+    Page ids must be valid; no host sync, but float64 over the whole capacity: a correctness mode."""
+    B, N, W = tree_mask.shape
+    NH, D = q.shape[1], q.shape[2]
+    page_size = kv_cache.shape[1]
+    cap = page_table.shape[1] * page_size
+    keys = kv_cache[page_table.long()].reshape(B, cap, D).double()  # [B, cap, D]
+    pos = torch.arange(cap, device=q.device)
+    j = pos[None, :] - prefix_lens.long()[:, None]  # [B, cap]: tree index of each slot (< 0: prefix)
+    in_tree = (j >= 0) & (j < N)
+    word = tree_mask.long().gather(2, (j.clamp(0, N - 1) // 32)[:, None, :].expand(B, N, cap))  # [B, N, cap]
+    bit = (word >> (j.clamp(0, N - 1) % 32)[:, None, :]) & 1
+    visible = (j < 0)[:, None, :] | (in_tree[:, None, :] & (bit == 1))  # [B, N, cap]
+    s = torch.einsum("bnhd,bcd->bnhc", q.view(B, N, NH, D).double(), keys) * scale
+    s = s.masked_fill(~visible[:, :, None, :], float("-inf"))
+    p = torch.softmax(s, dim=-1)
+    out = torch.einsum("bnhc,bcd->bnhd", p, keys[..., :dv])  # [B, N, NH, dv]
+    return out.reshape(B * N, NH, dv).to(q.dtype)
 
 
 # ---- blocks and the model -----------------------------------------------------------------------------
@@ -349,6 +396,11 @@ class Target(_KeepFp32):
     def __init__(self, cfg: TargetConfig):
         super().__init__()
         self.cfg = cfg
+        # > 0: batch-invariant mode. Every step of at most this many tokens is padded to exactly this many rows
+        # (the same GEMM kernels whatever the step's size: a plain step of B rows and a verify step of B * N
+        # rows give each token bit-identical values) and attends through batch_invariant_mla_attention. Set it
+        # to the verify step's B * N to check greedy losslessness bit for bit in bf16; 0 (default): off.
+        self.batch_invariant_rows = 0
         self.model = Backbone(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.register_buffer("inv_freq", yarn_inv_freq(cfg), persistent=False)
@@ -480,20 +532,30 @@ class Target(_KeepFp32):
 
         pos = positions.reshape(T)
         residual = self.model.embed_tokens(tokens).view(T, cfg.hidden_size)  # [T, H]
+        pad = self.batch_invariant_rows - T if 0 < T <= self.batch_invariant_rows else 0
+        invariant = self.batch_invariant_rows > 0
+        real = None
+        if pad:  # zero rows (and position 0) up to the fixed row count; captured and returned: the real rows
+            residual = torch.nn.functional.pad(residual, (0, 0, 0, pad))
+            pos = torch.nn.functional.pad(pos, (0, pad))
+            real = torch.arange(T, device=residual.device)
         if 0 in sites:  # aux id -1: the embedding
-            torch.ops.eagle3.capture_aux(residual, None, aux, sites[0], None)
+            torch.ops.eagle3.capture_aux(residual, None, aux, sites[0], real)
         x = layers[0].input_layernorm(residual)  # no add before the first norm
         for i, layer in enumerate(layers):
             if i > 0:  # residual += x (the output of layer i-1: site i), x = norm(residual)
+                aux_i, slot = aux_at(i)
                 torch.ops.eagle3.add_rmsnorm_capture(x, residual, layer.input_layernorm.weight, cfg.rms_norm_eps,
-                                                     *aux_at(i), None)
-            x = layer.self_attn(x, pos, self.inv_freq, kv, i, tree_mask)
+                                                     aux_i, slot, real if aux_i is not None else None)
+            x = layer.self_attn(x, pos, self.inv_freq, kv, i, tree_mask, invariant)
             torch.ops.eagle3.add_rmsnorm_capture(x, residual, layer.post_attention_layernorm.weight,
                                                  cfg.rms_norm_eps, None, 0, None)
-            x = layer.mlp(x)
-        torch.ops.eagle3.add_rmsnorm_capture(x, residual, self.model.norm.weight, cfg.rms_norm_eps, *aux_at(L),
-                                             None)  # site L: the output of layer L-1, pre-norm
-        return self.lm_head(x).float()
+            x = layer.mlp(x, invariant=invariant) if isinstance(layer.mlp, MoE) else layer.mlp(x)
+        aux_L, slot = aux_at(L)
+        torch.ops.eagle3.add_rmsnorm_capture(x, residual, self.model.norm.weight, cfg.rms_norm_eps, aux_L, slot,
+                                             real if aux_L is not None else None)  # site L: layer L-1's output
+        return self.lm_head(x)[:T].float()
 
 
-__all__ = ["Target", "route", "RMSNorm", "MLP", "MoE", "Experts", "MLA", "Block", "LATENT_NORM_EPS"]
+__all__ = ["Target", "route", "RMSNorm", "MLP", "MoE", "Experts", "MLA", "Block", "LATENT_NORM_EPS",
+           "batch_invariant_mla_attention"]
