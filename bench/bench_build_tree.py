@@ -15,40 +15,12 @@ import torch
 from common import graph_time_us, rotation
 
 import eagle3_ops  # noqa: F401
+from eagle3_ops.engine import torch_glue
 
 SHAPES = [(64, 8, 6, 64), (1, 8, 6, 64), (64, 4, 5, 16), (7, 2, 3, 8)]  # (B, topk, depth, N); first = the target
 
 
-def sglang_torch(root_tokens, draft_tokens, draft_scores, draft_parents, prefix_lens, tokens, parents, positions,
-                 tree_mask):
-    """SGLang's build (preprocess + build_tree_kernel_efficient), as plain PyTorch on our tensors."""
-    B, S, M = draft_scores.shape
-    N = tokens.shape[1]
-    C = S * M
-    dev = draft_scores.device
-    sel = torch.sort(draft_scores.view(B, C).topk(N - 1, dim=-1).indices, dim=-1).values          # [B, N - 1]
-    tokens[:, 0] = root_tokens
-    tokens[:, 1:] = draft_tokens.view(B, C).gather(1, sel)
-    d = torch.div(sel, M, rounding_mode="floor")
-    parent_cand = torch.where(d == 0, -1, (d - 1) * M + draft_parents.view(B, C).gather(1, sel).long())
-    match = sel[:, None, :] == parent_cand[:, :, None]                                              # search
-    pnode = torch.where(d == 0, 0, match.int().argmax(-1) + 1)
-    par = torch.cat([torch.full((B, 1), -1, dtype=torch.long, device=dev), pnode], 1)
-    parents.copy_(par)
-    hop = torch.where(par < 0, torch.arange(N, device=dev), par)
-    anc = torch.eye(N, dtype=torch.bool, device=dev).expand(B, N, N).clone()
-    depth = torch.zeros(B, N, dtype=torch.long, device=dev)
-    cur = torch.arange(N, device=dev).expand(B, N)
-    for _ in range(S):  # every node one level further up per round (the root points at itself)
-        nxt = hop.gather(1, cur)
-        depth += nxt != cur
-        anc.scatter_(2, nxt[:, :, None], True)
-        cur = nxt
-    positions.copy_(prefix_lens.long()[:, None] + depth)
-    W = tree_mask.shape[2]
-    bits = torch.nn.functional.pad(anc.long(), (0, W * 32 - N)).view(B, N, W, 32)
-    words = (bits << torch.arange(32, device=dev)).sum(-1)
-    tree_mask.copy_(torch.where(words >= 2**31, words - 2**32, words).int())
+sglang_torch = torch_glue.build_tree_into  # SGLang's algorithm in plain PyTorch (engine/torch_glue.py)
 
 
 def eagle3(*args):

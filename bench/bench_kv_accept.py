@@ -28,6 +28,7 @@ import torch
 from common import graph_time_us, rotation
 
 import eagle3_ops  # noqa: F401
+from eagle3_ops.engine import torch_glue
 
 LAYERS, D, PAGE, N = 61, 576, 16, 8
 PATTERNS = {"all_move": [0, 2, 4, 6, 7], "chain": [0, 1, 2, 3, 4]}
@@ -35,18 +36,7 @@ SHAPES = [(64, "all_move"), (1, "all_move"), (64, "chain"), (1, "chain")]
 EAGER_CALLS, GRAPH_REPLAYS, PER_GRAPH = 40, 35, 20  # graph_time_us: 5 warm-up + 30 timed replays
 
 
-def torch_accept(caches, page_table, prefix_lens, accept_nodes, accept_len):
-    B = accept_nodes.shape[0]
-    i = torch.arange(N, device=accept_nodes.device)
-    start = prefix_lens[:, None].long()
-    src = start + torch.where(i <= accept_len[:, None], accept_nodes, i)
-    dst = start + i
-    src = (page_table.gather(1, src // PAGE).long() * PAGE + src % PAGE).view(B * N)
-    dst = (page_table.gather(1, dst // PAGE).long() * PAGE + dst % PAGE).view(B * N)
-    for c in caches:
-        flat = c.view(-1, c.shape[-1])
-        flat.index_copy_(0, dst, flat.index_select(0, src))
-    prefix_lens += accept_len + 1
+torch_accept = torch_glue.kv_accept  # a gather and a scatter per layer (engine/torch_glue.py)
 
 
 def eagle3_accept(caches, page_table, prefix_lens, accept_nodes, accept_len):

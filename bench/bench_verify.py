@@ -26,6 +26,7 @@ import torch
 from common import graph_time_us, rotation
 
 import eagle3_ops  # noqa: F401
+from eagle3_ops.engine import torch_glue
 from eagle3_ops import tree
 
 V = 163840
@@ -34,25 +35,7 @@ SHAPES = [(64, 4, "chain", torch.bfloat16), (1, 8, "bushy", torch.bfloat16), (64
 EAGER_CALLS = 40
 
 
-def torch_verify(logits, tokens, parents):
-    B, N = tokens.shape
-    target = logits.argmax(-1).view(B, N)
-    carries = (parents >= 0) & (tokens == target.gather(1, parents.long().clamp(min=0)))  # j carries its parent's argmax
-    j = torch.arange(N, device=tokens.device)
-    cur = torch.zeros(B, 1, dtype=torch.long, device=tokens.device)
-    alive = torch.ones(B, 1, dtype=torch.bool, device=tokens.device)
-    nodes = [cur]
-    for _ in range(N - 1):
-        cand = carries & (parents == cur) & alive
-        alive = cand.any(1, keepdim=True)
-        cur = torch.where(alive, torch.where(cand, j, N).amin(1, keepdim=True), cur)
-        nodes.append(torch.where(alive, cur, -1))
-    accept_nodes = torch.cat(nodes, 1)
-    accept_len = (accept_nodes >= 0).sum(1) - 1
-    drafts = torch.where(accept_nodes[:, 1:] >= 0, tokens.gather(1, accept_nodes[:, 1:].clamp(min=0)), -1)
-    emitted = torch.cat([drafts, torch.full((B, 1), -1, dtype=tokens.dtype, device=tokens.device)], 1)
-    emitted.scatter_(1, accept_len[:, None], target.gather(1, cur))
-    return accept_nodes.int(), accept_len.int(), emitted
+torch_verify = torch_glue.verify_greedy  # argmax + the walk as tensor ops (engine/torch_glue.py)
 
 
 def eagle3_verify(logits, tokens, parents):

@@ -210,13 +210,55 @@ def _draft_candidates(drafter, dkv, last_logits: Tensor, g: Tensor, spec: SpecCo
     return draft_tokens, draft_scores, draft_parents
 
 
+class _Eagle3Glue:
+    """The step's glue through torch.ops.eagle3 (the default)."""
+
+    build_tree, verify_greedy, kv_accept = staticmethod(ops.build_tree), staticmethod(ops.verify_greedy), \
+        staticmethod(ops.kv_accept)
+
+    @staticmethod
+    def project(drafter, aux, rows=None):
+        return drafter.project(aux, rows)
+
+
+def _glue(name: str):
+    if name == "eagle3":
+        return _Eagle3Glue
+    if name == "torch":
+        from . import torch_glue
+        return torch_glue
+    raise ValueError(f"glue must be 'eagle3' or 'torch', got {name!r}")
+
+
+@contextmanager
+def _plain_capture(target, on: bool):
+    old = getattr(target, "plain_capture", False)
+    target.plain_capture = on
+    try:
+        yield
+    finally:
+        target.plain_capture = old
+
+
 @torch.no_grad()
 def generate_speculative(target, drafter, prompts: Tensor, max_new: int, spec: SpecConfig = SpecConfig(), *,
                          aux_ids: Optional[Sequence[int]] = None, page_size: int = 16,
-                         timer: Optional[Timer] = None, progress: bool = False) -> tuple[Tensor, DecodeStats]:
+                         timer: Optional[Timer] = None, progress: bool = False,
+                         glue: str = "eagle3") -> tuple[Tensor, DecodeStats]:
     """Speculative decoding (chain or tree, greedy or sampled). aux_ids: which target layers feed the
     drafter (ours, "output of layer k"; default the drafter's configured ids; eagle3_ops.wiring.diagnose
-    passes miswirings here). Returns (tokens [B, max_new] int64, stats)."""
+    passes miswirings here). glue: "eagle3" (torch.ops.eagle3) or "torch", the same loop with capture, fc,
+    build_tree, verify and kv_accept done the plain-PyTorch way engines do them (engine/torch_glue.py; greedy
+    only). Returns (tokens [B, max_new] int64, stats)."""
+    g_ops = _glue(glue)
+    if glue == "torch" and spec.temperature > 0:
+        raise ValueError("glue='torch' has greedy verification only (temperature 0)")
+    with _plain_capture(target, glue == "torch"):
+        return _generate_speculative(target, drafter, prompts, max_new, spec, aux_ids, page_size, timer, progress,
+                                     g_ops)
+
+
+def _generate_speculative(target, drafter, prompts, max_new, spec, aux_ids, page_size, timer, progress, g_ops):
     B, T0 = prompts.shape
     N, dev = spec.num_tokens, prompts.device
     aux_ids = list(drafter.cfg.aux_ids if aux_ids is None else aux_ids)
@@ -239,7 +281,7 @@ def generate_speculative(target, drafter, prompts: Tensor, max_new: int, spec: S
     with timer("target"):
         root = _pick(_prefill(target, prompts, tkv, aux, aux_ids), spec.temperature, gen)
     with timer("fc"):
-        hidden = drafter.project(aux)
+        hidden = g_ops.project(drafter, aux)
     with timer("draft"):
         logits, hidden = drafter.forward(torch.cat([prompts[:, 1:], root[:, None]], 1), hidden,
                                          torch.arange(T0, device=dev).expand(B, T0), dkv, _chain_mask(B, T0, dev))
@@ -263,12 +305,12 @@ def generate_speculative(target, drafter, prompts: Tensor, max_new: int, spec: S
         # 3-4. draft, build the tree, verify with capture
         cand = _draft_candidates(drafter, dkv, last_logits, g, spec, timer)
         with timer("build_tree"):
-            tokens, parents, positions, mask = ops.build_tree(root, *cand, tkv.prefix_lens, num_nodes=N)
+            tokens, parents, positions, mask = g_ops.build_tree(root, *cand, tkv.prefix_lens, num_nodes=N)
         with timer("target"):
             logits = target.forward(tokens, positions, tkv, mask, aux, aux_ids)
         with timer("verify"):
             if spec.temperature == 0:
-                accept_nodes, accept_len, emitted = ops.verify_greedy(logits, tokens, parents)
+                accept_nodes, accept_len, emitted = g_ops.verify_greedy(logits, tokens, parents)
             else:
                 accept_nodes, accept_len, emitted = ops.verify_sampling(logits, None, None, tokens, parents,
                                                                         temperature, seed, offset)
@@ -276,7 +318,7 @@ def generate_speculative(target, drafter, prompts: Tensor, max_new: int, spec: S
         # 5. accept: compact the target's KV, emit, freeze finished requests
         step = (accept_len.long() + 1) * active
         with timer("kv_accept"):
-            ops.kv_accept(tkv.caches, tkv.page_table, tkv.prefix_lens, accept_nodes, accept_len)
+            g_ops.kv_accept(tkv.caches, tkv.page_table, tkv.prefix_lens, accept_nodes, accept_len)
             tkv.prefix_lens -= (accept_len + 1) * ~active
         idx = (count[:, None] + arangeN).clamp(max=max_new + N - 1)  # frozen requests write nothing
         keep = (arangeN[None] <= accept_len[:, None]) & active[:, None]
@@ -286,7 +328,7 @@ def generate_speculative(target, drafter, prompts: Tensor, max_new: int, spec: S
         root = torch.where(active, emitted.gather(1, accept_len[:, None].long()).squeeze(1), root)
         # 6. catch-up: the drafter re-reads the accepted tokens with the target's features
         with timer("fc"):
-            hidden = drafter.project(aux, (rows_base + accept_nodes.clamp(min=0)).view(-1))
+            hidden = g_ops.project(drafter, aux, (rows_base + accept_nodes.clamp(min=0)).view(-1))
         with timer("draft"):
             logits, hidden = drafter.forward(emitted.clamp(min=0), hidden, dkv.prefix_lens[:, None].long() + arangeN,
                                              dkv, chainN)

@@ -64,6 +64,9 @@ class OracleDrafter:
     def project(self, *args, **kwargs):
         return self.drafter.project(*args, **kwargs)
 
+    def project_train(self, *args, **kwargs):
+        return self.drafter.project_train(*args, **kwargs)
+
     def to_target_ids(self, ids: Tensor) -> Tensor:
         return ids  # the oracle's vocabulary is the target's
 

@@ -401,6 +401,9 @@ class Target(_KeepFp32):
         # rows give each token bit-identical values) and attends through batch_invariant_mla_attention. Set it
         # to the verify step's B * N to check greedy losslessness bit for bit in bf16; 0 (default): off.
         self.batch_invariant_rows = 0
+        # True: capture the plain-PyTorch way, as engines do (h + r at each captured layer, torch.cat after the
+        # forward) instead of in the fused add + RMSNorm: issue 7's comparison (engine/torch_glue.py)
+        self.plain_capture = False
         self.model = Backbone(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.register_buffer("inv_freq", yarn_inv_freq(cfg), persistent=False)
@@ -539,10 +542,17 @@ class Target(_KeepFp32):
             residual = torch.nn.functional.pad(residual, (0, 0, 0, pad))
             pos = torch.nn.functional.pad(pos, (0, pad))
             real = torch.arange(T, device=residual.device)
+        plain = {} if self.plain_capture and sites else None  # slot -> captured rows (plain_capture)
+        if plain is not None:
+            sites, plain_sites = {}, sites
         if 0 in sites:  # aux id -1: the embedding
             torch.ops.eagle3.capture_aux(residual, None, aux, sites[0], real)
+        elif plain is not None and 0 in plain_sites:
+            plain[plain_sites[0]] = residual[:T].clone()
         x = layers[0].input_layernorm(residual)  # no add before the first norm
         for i, layer in enumerate(layers):
+            if plain is not None and i > 0 and i in plain_sites:
+                plain[plain_sites[i]] = (x + residual)[:T]
             if i > 0:  # residual += x (the output of layer i-1: site i), x = norm(residual)
                 aux_i, slot = aux_at(i)
                 torch.ops.eagle3.add_rmsnorm_capture(x, residual, layer.input_layernorm.weight, cfg.rms_norm_eps,
@@ -551,9 +561,13 @@ class Target(_KeepFp32):
             torch.ops.eagle3.add_rmsnorm_capture(x, residual, layer.post_attention_layernorm.weight,
                                                  cfg.rms_norm_eps, None, 0, None)
             x = layer.mlp(x, invariant=invariant) if isinstance(layer.mlp, MoE) else layer.mlp(x)
+        if plain is not None and L in plain_sites:
+            plain[plain_sites[L]] = (x + residual)[:T]
         aux_L, slot = aux_at(L)
         torch.ops.eagle3.add_rmsnorm_capture(x, residual, self.model.norm.weight, cfg.rms_norm_eps, aux_L, slot,
                                              real if aux_L is not None else None)  # site L: layer L-1's output
+        if plain is not None:
+            torch.cat([plain[j] for j in range(len(plain))], -1, out=aux)
         return self.lm_head(x)[:T].float()
 
 

@@ -1,0 +1,101 @@
+"""The plain-PyTorch glue (eagle3_ops.engine.torch_glue), issue 7's comparison: each function gives what the
+torch.ops.eagle3 call it stands for gives, and the decode loop with glue="torch" (plain capture, gathered fc,
+SGLang's build_tree, argmax + walk, per-layer KV copies) emits the same tokens as with our ops and as plain
+greedy decoding."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from eagle3_ops import ops, tree
+from eagle3_ops.engine import SpecConfig, generate_plain, generate_speculative, torch_glue
+from eagle3_ops.models.config import DrafterConfig, TargetConfig
+from eagle3_ops.models.drafter import Drafter
+from eagle3_ops.models.target import Target
+
+CFG = TargetConfig.from_preset("tiny")
+
+
+def test_build_tree_builds_the_same_tree_as_the_op():
+    # SGLang orders the nodes by candidate index, ours by score: the same nodes, at the same depths.
+    g = torch.Generator().manual_seed(0)
+    B, topk, depth, N = 3, 3, 3, 7
+    M = topk * topk
+    scores = torch.full((B, depth, M), float("-inf"))
+    parents = torch.full((B, depth, M), -1, dtype=torch.int64)
+    scores[:, 0, :topk] = torch.log_softmax(torch.randn(B, 100, generator=g), -1).topk(topk).values
+    for d in range(1, depth):  # EAGLE's beams: each step's top-k, their top-k children
+        beams = scores[:, d - 1].topk(topk).indices
+        child = torch.log_softmax(torch.randn(B, topk, 100, generator=g), -1).topk(topk).values
+        scores[:, d] = (scores[:, d - 1].gather(1, beams)[:, :, None] + child).reshape(B, M)
+        parents[:, d] = beams.repeat_interleave(topk, 1)
+    draft = torch.randperm(B * depth * M, generator=g).view(B, depth, M)  # distinct tokens
+    args = (torch.full((B,), 10**6), draft, scores, parents, torch.tensor([5, 0, 9], dtype=torch.int32))
+    (t1, p1, pos1, _), (t2, p2, pos2, _) = torch_glue.build_tree(*args, num_nodes=N), ops.build_tree(*args, num_nodes=N)
+    assert torch.equal(t1.sort(1).values, t2.sort(1).values)
+    for b in range(B):  # the same depth for each token
+        assert dict(zip(t1[b].tolist(), pos1[b].tolist())) == dict(zip(t2[b].tolist(), pos2[b].tolist()))
+        # the same parent token for each token
+        par1 = {t1[b, i].item(): (t1[b, p1[b, i]].item() if p1[b, i] >= 0 else None) for i in range(N)}
+        par2 = {t2[b, i].item(): (t2[b, p2[b, i]].item() if p2[b, i] >= 0 else None) for i in range(N)}
+        assert par1 == par2
+
+
+def test_verify_and_kv_accept_match_the_ops():
+    g = torch.Generator().manual_seed(1)
+    B, N, V = 4, 6, 40
+    parents = tree.random_parents(B, N, g, "bushy")
+    tokens = torch.randint(0, V, (B, N), generator=g)
+    logits = torch.randn(B * N, V, generator=g)
+    logits.view(B, N, V)[:, :, 7] += 5.0  # argmax 7 mostly: some drafts accepted
+    tokens[:, 1::2] = 7
+    want = ops.verify_greedy(logits, tokens, parents)
+    got = torch_glue.verify_greedy(logits, tokens, parents)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    accept_nodes, accept_len, _ = want
+    caches = [torch.randn(12, 4, 5, generator=g) for _ in range(3)]
+    page_table = torch.randperm(12, generator=g).view(B, 3).int()
+    prefix = torch.tensor([1, 0, 5, 2], dtype=torch.int32)
+    mine = [c.clone() for c in caches], prefix.clone()
+    ops.kv_accept(caches, page_table, prefix, accept_nodes, accept_len)
+    torch_glue.kv_accept(mine[0], page_table, mine[1], accept_nodes, accept_len)
+    assert all(torch.equal(a, b) for a, b in zip(caches, mine[0])) and torch.equal(prefix, mine[1])
+
+
+@pytest.fixture(scope="module")
+def pair():
+    target = Target.synthesize(CFG, seed=0).eval()
+    drafter = Drafter.synthesize(DrafterConfig.for_target(CFG), target.model.embed_tokens, seed=1).eval()
+    return target, drafter
+
+
+def test_plain_capture_fills_aux_as_the_fused_capture_does(pair):
+    target, _ = pair
+    tokens = torch.randint(0, CFG.vocab_size, (2, 5), generator=torch.Generator().manual_seed(2))
+    ids = [-1, 3, CFG.num_layers - 1]  # the embedding, a middle layer, the last (captured at the final norm)
+    auxes = []
+    for plain in (False, True):
+        target.plain_capture = plain
+        kv = target.new_kv(2, 8, page_size=4)
+        aux = torch.full((10, 3 * CFG.hidden_size), float("nan"))
+        logits = target.forward(tokens, torch.arange(5).expand(2, 5), kv, tree.tree_mask(tree.chain_parents(2, 5)),
+                                aux, ids)
+        auxes.append((aux, logits))
+    target.plain_capture = False
+    assert torch.equal(auxes[0][0], auxes[1][0]) and torch.equal(auxes[0][1], auxes[1][1])
+
+
+@pytest.mark.parametrize("spec", [SpecConfig(steps=3, topk=1, num_tokens=4), SpecConfig(steps=3, topk=2, num_tokens=6)])
+def test_loop_with_torch_glue_emits_the_same_tokens(pair, spec):
+    target, drafter = pair
+    prompts = torch.randint(0, CFG.vocab_size, (2, 7), generator=torch.Generator().manual_seed(3))
+    plain, _ = generate_plain(target, prompts, 20)
+    ours, s1 = generate_speculative(target, drafter, prompts, 20, spec)
+    theirs, s2 = generate_speculative(target, drafter, prompts, 20, spec, glue="torch")
+    assert torch.equal(ours, plain) and torch.equal(theirs, plain)
+    assert s1.accept_hist == s2.accept_hist
+    assert target.plain_capture is False
+    with pytest.raises(ValueError, match="glue must be"):
+        generate_speculative(target, drafter, prompts, 4, spec, glue="sglang")
