@@ -99,3 +99,18 @@ def test_loop_with_torch_glue_emits_the_same_tokens(pair, spec):
     assert target.plain_capture is False
     with pytest.raises(ValueError, match="glue must be"):
         generate_speculative(target, drafter, prompts, 4, spec, glue="sglang")
+
+
+def test_chunked_prefill_keeps_the_loop_lossless(pair, monkeypatch):
+    # Prompts of 9 tokens prefilled 3 positions at a time (PREFILL_TOKENS 6 over 2 requests): target and
+    # drafter extend chunk by chunk; plain and speculative decoding agree, and with the unchunked prefill.
+    from eagle3_ops.engine import decode
+
+    target, drafter = pair
+    prompts = torch.randint(0, CFG.vocab_size, (2, 9), generator=torch.Generator().manual_seed(4))
+    whole, _ = generate_plain(target, prompts, 12)
+    monkeypatch.setattr(decode, "PREFILL_TOKENS", 6)
+    assert decode._prefill_chunks(2, 9) == [(0, 3), (3, 3), (6, 3)]
+    plain, _ = generate_plain(target, prompts, 12)
+    spec, _ = generate_speculative(target, drafter, prompts, 12, SpecConfig(steps=3, topk=1, num_tokens=4))
+    assert torch.equal(plain, whole) and torch.equal(spec, plain)

@@ -118,13 +118,26 @@ def _pick(logits: Tensor, temperature: float, generator: Optional[torch.Generato
     return torch.multinomial(probs, 1, generator=generator).squeeze(1)
 
 
-def _prefill(target, prompts: Tensor, kv, aux: Optional[Tensor], aux_ids: Sequence[int]) -> Tensor:
-    """Target forward over whole prompts (equal lengths); returns the last position's logits [B, V]."""
+# A prefill runs in chunks of at most this many tokens over the batch (a chunk per request of
+# PREFILL_TOKENS // B positions): the MoE's grouped rows, the drafter's logits and the capture buffer stay a
+# few GB at Kimi width, whatever the prompt length. Plain and speculative decoding chunk alike.
+PREFILL_TOKENS = 8192
+
+
+def _prefill_chunks(B: int, T0: int):
+    """(start, length) of each prefill chunk."""
+    C = max(1, PREFILL_TOKENS // B)
+    return [(s, min(C, T0 - s)) for s in range(0, T0, C)]
+
+
+def _prefill(target, prompts: Tensor, kv) -> Tensor:
+    """Target forward over whole prompts (equal lengths), chunk by chunk; the last position's logits [B, V]."""
     B, T0 = prompts.shape
-    positions = torch.arange(T0, device=prompts.device).expand(B, T0)
-    logits = target.forward(prompts, positions, kv, _chain_mask(B, T0, prompts.device), aux, aux_ids)
-    kv.advance(T0)
-    return logits.view(B, T0, -1)[:, -1]
+    for s, n in _prefill_chunks(B, T0):
+        positions = torch.arange(s, s + n, device=prompts.device).expand(B, n)
+        logits = target.forward(prompts[:, s:s + n], positions, kv, _chain_mask(B, n, prompts.device), last_only=True)
+        kv.advance(n)
+    return logits
 
 
 @torch.no_grad()
@@ -139,7 +152,7 @@ def generate_plain(target, prompts: Tensor, max_new: int, *, temperature: float 
     kv = target.new_kv(B, T0 + max_new + 1, page_size=page_size, device=prompts.device)
     out = torch.empty(B, max_new, dtype=torch.int64, device=prompts.device)
     with timer("target"):
-        tok = _pick(_prefill(target, prompts, kv, None, ()), temperature, gen)
+        tok = _pick(_prefill(target, prompts, kv), temperature, gen)
     out[:, 0] = tok
     self_only = torch.ones(B, 1, 1, dtype=torch.int32, device=prompts.device)
     bar = _progress(progress, max_new, "plain")
@@ -276,17 +289,27 @@ def _generate_speculative(target, drafter, prompts, max_new, spec, aux_ids, page
     seed = torch.arange(B, dtype=torch.int64, device=dev) + spec.seed * 1_000_003
     offset = torch.zeros(B, dtype=torch.int64, device=dev)
 
-    # 1-2. prefill with capture, then the drafter's extend on (embed(x_{i+1}), fc(F_i))
-    aux = torch.empty(B * T0, len(aux_ids) * H, dtype=dtype, device=dev)
-    with timer("target"):
-        root = _pick(_prefill(target, prompts, tkv, aux, aux_ids), spec.temperature, gen)
-    with timer("fc"):
-        hidden = g_ops.project(drafter, aux)
-    with timer("draft"):
-        logits, hidden = drafter.forward(torch.cat([prompts[:, 1:], root[:, None]], 1), hidden,
-                                         torch.arange(T0, device=dev).expand(B, T0), dkv, _chain_mask(B, T0, dev))
-        dkv.advance(T0)
-    last_logits, g = logits.view(B, T0, -1)[:, -1], hidden.view(B, T0, -1)[:, -1]
+    # 1-2. prefill with capture, then the drafter's extend on (embed(x_{i+1}), fc(F_i)), chunk by chunk (each
+    # chunk's features go straight to the drafter: the capture buffer is one chunk's)
+    chunks = _prefill_chunks(B, T0)
+    aux_chunk = torch.empty(B * chunks[0][1], len(aux_ids) * H, dtype=dtype, device=dev)
+    for s, n in chunks:
+        final = s + n == T0
+        positions = torch.arange(s, s + n, device=dev).expand(B, n)
+        aux = aux_chunk[:B * n]
+        with timer("target"):
+            logits = target.forward(prompts[:, s:s + n], positions, tkv, _chain_mask(B, n, dev), aux, aux_ids,
+                                    last_only=True)
+            tkv.advance(n)
+        if final:
+            root = _pick(logits, spec.temperature, gen)
+        nxt = torch.cat([prompts[:, s + 1:], root[:, None]], 1) if final else prompts[:, s + 1:s + n + 1]
+        with timer("fc"):
+            hidden = g_ops.project(drafter, aux)
+        with timer("draft"):
+            logits, hidden = drafter.forward(nxt, hidden, positions, dkv, _chain_mask(B, n, dev))
+            dkv.advance(n)
+    last_logits, g = logits.view(B, n, -1)[:, -1], hidden.view(B, n, -1)[:, -1]
 
     out = torch.full((B, max_new + N), -1, dtype=torch.int64, device=dev)
     out[:, 0] = root

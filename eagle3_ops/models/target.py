@@ -494,7 +494,7 @@ class Target(_KeepFp32):
     # ---- the inference step -------------------------------------------------------------------------
     @torch.no_grad()
     def forward(self, tokens: Tensor, positions: Tensor, kv: PagedKV, tree_mask: Tensor,
-                aux: Optional[Tensor] = None, aux_ids: Sequence[int] = ()) -> Tensor:
+                aux: Optional[Tensor] = None, aux_ids: Sequence[int] = (), last_only: bool = False) -> Tensor:
         """One inference step over N new tokens per request (a prefill or chain is a causal tree).
 
         Writes the step's latent rows into every layer's cache at kv.prefix_lens + node and attends to
@@ -515,10 +515,13 @@ class Target(_KeepFp32):
         aux_ids : sequence of int
             Ours (id k = output of layer k, -1 = the embedding: validate with wiring.validate_aux_ids,
             allow_embedding=True, before passing it), slot order.
+        last_only : bool
+            Only each request's last row through lm_head (a prefill: [B * N, V] fp32 logits of a 32768-token
+            prompt would not fit).
 
         Returns
         -------
-        logits : Tensor [B * N, V] fp32
+        logits : Tensor [B * N, V] fp32 ([B, V] with last_only)
         """
         cfg, layers = self.cfg, self.model.layers
         B, N = tokens.shape
@@ -568,6 +571,8 @@ class Target(_KeepFp32):
                                              real if aux_L is not None else None)  # site L: layer L-1's output
         if plain is not None:
             torch.cat([plain[j] for j in range(len(plain))], -1, out=aux)
+        if last_only:
+            return self.lm_head(x[:T].view(B, N, -1)[:, -1]).float()
         return self.lm_head(x)[:T].float()
 
 
