@@ -13,8 +13,8 @@ torch.ops.eagle3 (docs/KIMI.md "One speculative round"):
    giving the next round's d_1 scores.
 
 Shapes are static within a round (N verify tokens, (steps - 1) * topk draft-block rows, N catch-up
-rows); finished requests are frozen rather than removed. The only host sync is the loop's stopping
-test between rounds, and the optional timer's, when timing is on.
+rows); finished requests are frozen rather than removed. The host syncs are the loop's stopping test
+between rounds, one after the prefill (its time, DecodeStats.prefill_seconds), and the optional timer's.
 """
 
 from __future__ import annotations
@@ -64,10 +64,19 @@ class DecodeStats:
     rounds: int = 0
     accept_hist: list = field(default_factory=list)  # accept_hist[k] = verify steps that emitted k tokens
     times: dict = field(default_factory=dict)  # component -> seconds (when timed)
+    prefill_seconds: float = 0.0  # of `seconds`: the prefill (and the drafter's extend), up to the first token
+    prefill_times: dict = field(default_factory=dict)  # of `times`: the prefill's share (when timed)
+    batch: int = 0
 
     @property
     def tokens_per_s(self) -> float:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """Tokens after the first per request, over the time after the prefill: the decode phase alone."""
+        t = self.seconds - self.prefill_seconds
+        return (self.tokens - self.batch) / t if t > 0 and self.batch else 0.0
 
     @property
     def acceptance_length(self) -> float:
@@ -95,6 +104,13 @@ class Timer:
         if self.cuda:
             torch.cuda.synchronize()
         self.times[name] += time.perf_counter() - t0
+
+
+def _elapsed(start: float, device) -> float:
+    """Seconds since start, the device drained first (one host sync, between the prefill and the decode)."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
 
 
 def _progress(enabled: bool, total: int, desc: str):
@@ -154,6 +170,7 @@ def generate_plain(target, prompts: Tensor, max_new: int, *, temperature: float 
     with timer("target"):
         tok = _pick(_prefill(target, prompts, kv), temperature, gen)
     out[:, 0] = tok
+    prefill_seconds, prefill_times = _elapsed(start, prompts.device), dict(timer.times)
     self_only = torch.ones(B, 1, 1, dtype=torch.int32, device=prompts.device)
     bar = _progress(progress, max_new, "plain")
     for i in range(1, max_new):
@@ -170,7 +187,8 @@ def generate_plain(target, prompts: Tensor, max_new: int, *, temperature: float 
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start
     return out, DecodeStats(tokens=B * max_new, seconds=seconds, rounds=max_new, accept_hist=[0, max_new * B],
-                            times=dict(timer.times))
+                            times=dict(timer.times), prefill_seconds=prefill_seconds,
+                            prefill_times=prefill_times, batch=B)
 
 
 def _draft_candidates(drafter, dkv, last_logits: Tensor, g: Tensor, spec: SpecConfig, timer: Timer):
@@ -310,6 +328,7 @@ def _generate_speculative(target, drafter, prompts, max_new, spec, aux_ids, page
             logits, hidden = drafter.forward(nxt, hidden, positions, dkv, _chain_mask(B, n, dev))
             dkv.advance(n)
     last_logits, g = logits.view(B, n, -1)[:, -1], hidden.view(B, n, -1)[:, -1]
+    prefill_seconds, prefill_times = _elapsed(start, dev), dict(timer.times)
 
     out = torch.full((B, max_new + N), -1, dtype=torch.int64, device=dev)
     out[:, 0] = root
@@ -367,5 +386,6 @@ def _generate_speculative(target, drafter, prompts, max_new, spec, aux_ids, page
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start
     stats = DecodeStats(tokens=B * max_new, seconds=seconds, rounds=rounds, accept_hist=hist.tolist(),
-                        times=dict(timer.times))
+                        times=dict(timer.times), prefill_seconds=prefill_seconds,
+                            prefill_times=prefill_times, batch=B)
     return out[:, :max_new], stats
