@@ -127,7 +127,7 @@ setup(
     ext_modules=[extension()],
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
     install_requires=["torch>=2.11", "numpy", "safetensors", "tqdm"],
-    extras_require={"test": ["pytest", "pytest-benchmark", "hypothesis"]},
+    extras_require={"test": ["pytest", "pytest-benchmark", "hypothesis"], "plot": ["matplotlib"]},
     entry_points={"console_scripts": ["eagle3=eagle3_ops.cli:main"]},
     zip_safe=False,
 )

@@ -146,7 +146,8 @@ def plot(path: str) -> str:
         ax.set_xlabel("p (oracle proposal correct)")
         ax.set_ylabel("speculative / plain decode tok/s")
         ax.legend(fontsize=7)
-    fig.suptitle(f"{data.get('preset')} on {data.get('device_name')}, commit {data.get('commit')}", fontsize=9)
+    fig.suptitle(f"{data.get('preset')}, {data.get('dtype')}, {'eager' if data.get('eager') else 'CUDA graphs'}, "
+                 f"{data.get('device_name')}, commit {str(data.get('commit'))[:7]}", fontsize=8)
     out = os.path.splitext(path)[0] + ".png"
     fig.tight_layout()
     fig.savefig(out, dpi=120)
