@@ -13,7 +13,8 @@ with each component fenced by device syncs (the breakdown; those syncs make it s
 used). Every speculative run's tokens are compared with the plain run's ("identical"): in bf16 they can differ
 unless --batch-invariant (Target.batch_invariant_rows, a correctness mode, not a speed figure).
 
-Eager, no CUDA graphs yet: host launch costs are in every figure. Rows go to $EAGLE3_BENCH_OUT/e2e.json (or
+Eager unless --graphs (the static steps replayed from CUDA graphs: engine/graphs.py; the graph of each step is
+captured once per run, inside the timed runs' first round). Rows go to $EAGLE3_BENCH_OUT/e2e.json (or
 --json), with the commit, the GPU and the versions.
 """
 
@@ -27,6 +28,7 @@ import sys
 import time
 
 import torch
+from torch import Tensor
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -59,12 +61,108 @@ def _pair(preset: str, device: str, dtype: torch.dtype):
     return target, drafter
 
 
+def _time_ms(fn, device: str, reps: int = 7) -> float:
+    """Median wall time of fn() in ms, the device drained around each call (eager: launches included)."""
+    ts = []
+    for _ in range(reps + 1):
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        ts.append((time.perf_counter() - t0) * 1e3)
+    return sorted(ts[1:])[reps // 2]
+
+
+def forward_profile(target, prompts: Tensor, N: int, aux_ids, device: str) -> dict:
+    """At this prefix, a decode step's (N = 1) and a verify step's (N nodes, a chain) target forward: the whole
+    forward, each layer's attention + FFN (module hooks, device synced at each boundary, so the parts are a
+    little slower than inside the forward), what is outside the layers (embedding, norms, lm_head: the
+    remainder), and the verify forward with the capture fused (add_rmsnorm_capture) and the plain way (h + r,
+    torch.cat), whose differences from no capture are the capture's cost."""
+    from eagle3_ops import tree
+    from eagle3_ops.engine.decode import _prefill
+
+    B, T0 = prompts.shape
+    kv = target.new_kv(B, T0 + N + 1, page_size=16)
+    _prefill(target, prompts, kv)
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    out = {}
+    for name, n in (("decode", 1), ("verify", N)):
+        tokens = torch.randint(0, target.cfg.vocab_size, (B, n), device=device)
+        positions = kv.prefix_lens[:, None].long() + torch.arange(n, device=device)
+        mask = tree.tree_mask(tree.chain_parents(B, n, device=device))
+        aux = torch.empty(B * n, len(aux_ids) * target.cfg.hidden_size, dtype=target.lm_head.weight.dtype,
+                          device=device)
+
+        def fwd(capture=False):
+            return target.forward(tokens, positions, kv, mask, aux if capture else None, aux_ids if capture else ())
+
+        row = dict(forward_ms=_time_ms(fwd, device))
+        if name == "verify":
+            row["capture_fused_ms"] = _time_ms(lambda: fwd(True), device) - row["forward_ms"]
+            target.plain_capture = True
+            try:
+                row["capture_plain_ms"] = _time_ms(lambda: fwd(True), device) - row["forward_ms"]
+            finally:
+                target.plain_capture = False
+        per_layer = [0.0] * target.cfg.num_layers
+        hooks, t0 = [], {}
+        for i, layer in enumerate(target.model.layers):
+            for mod in (layer.self_attn, layer.mlp):
+                def pre(m, a, i=i):
+                    sync()
+                    t0[i] = time.perf_counter()
+
+                def post(m, a, o, i=i):
+                    sync()
+                    per_layer[i] += (time.perf_counter() - t0[i]) * 1e3
+                hooks += [mod.register_forward_pre_hook(pre), mod.register_forward_hook(post)]
+        reps = 5
+        try:
+            fwd()
+            per_layer[:] = [0.0] * len(per_layer)
+            for _ in range(reps):
+                fwd()
+        finally:
+            for h in hooks:
+                h.remove()
+        per_layer = [t / reps for t in per_layer]
+        dense = [t for i, t in enumerate(per_layer) if not target.cfg.is_moe(i)]
+        moe = [t for i, t in enumerate(per_layer) if target.cfg.is_moe(i)]
+        row.update(layer_ms=per_layer, dense_layer_ms=sum(dense) / max(len(dense), 1),
+                   moe_layer_ms=sum(moe) / max(len(moe), 1),
+                   outside_layers_ms=max(0.0, row["forward_ms"] - sum(per_layer)))
+        out[name] = row
+    return out
+
+
+def extrapolate(profile: dict, cfg_full, step_ms: float, accept_len: float, B: int) -> dict:
+    """EXTRAPOLATED to the full model: each forward's layers scaled to cfg_full's dense / MoE counts (the
+    outside-the-layers part kept), the rest of a speculative step (drafts, glue, other) as measured."""
+    dense_n = cfg_full.first_k_dense_replace
+    moe_n = cfg_full.num_layers - dense_n
+
+    def full(p):
+        return p["outside_layers_ms"] + dense_n * p["dense_layer_ms"] + moe_n * p["moe_layer_ms"]
+
+    plain_step = full(profile["decode"])
+    spec_step = step_ms - profile["verify"]["forward_ms"] + full(profile["verify"])
+    return dict(layers=cfg_full.num_layers, plain_step_ms=plain_step, spec_step_ms=spec_step,
+                plain_tok_s=B / plain_step * 1e3, spec_tok_s=B * accept_len / spec_step * 1e3,
+                speedup=(B * accept_len / spec_step) / (B / plain_step))
+
+
 def run(args) -> list[dict]:
     from eagle3_ops.engine import SpecConfig, Timer, generate_plain, generate_speculative
     from eagle3_ops.engine.oracle import OracleDrafter
 
+    from eagle3_ops.models.config import TargetConfig
+
     dtype = getattr(torch, args.dtype)
     target, drafter = _pair(args.preset, args.device, dtype)
+    full_cfg = TargetConfig.from_preset(args.full)  # what the per-layer times are extrapolated to
     V = target.cfg.vocab_size
     rows = []
     for B in args.batch:
@@ -73,20 +171,28 @@ def run(args) -> list[dict]:
             prompts = torch.randint(0, V, (B, prefix), generator=g).to(args.device)
             specs = {k: SpecConfig(**v) for k, v in SPECS.items() if k in args.spec}
             target.batch_invariant_rows = B * max(s.num_tokens for s in specs.values()) if args.batch_invariant else 0
-            generate_plain(target, prompts, min(4, args.max_new))  # warm-up (compiles, allocator)
-            reference, plain = generate_plain(target, prompts, args.max_new)
+            generate_plain(target, prompts, min(4, args.max_new), graphs=args.graphs)  # warm-up (compiles, allocator)
+            reference, plain = generate_plain(target, prompts, args.max_new, graphs=args.graphs)
             print(f"B {B} prefix {prefix}: plain {plain.decode_tokens_per_s:.1f} tok/s decode "
                   f"(prefill {plain.prefill_seconds * 1e3:.0f} ms)", flush=True)
+            profile = forward_profile(target, prompts, max(s.num_tokens for s in specs.values()),
+                                      drafter.cfg.aux_ids, args.device)
+            v = profile["verify"]
+            print(f"  target forward: decode {profile['decode']['forward_ms']:.2f} ms, verify {v['forward_ms']:.2f} ms "
+                  f"(dense layer {v['dense_layer_ms']:.2f}, MoE layer {v['moe_layer_ms']:.2f}, outside the layers "
+                  f"{v['outside_layers_ms']:.2f}); capture fused {v['capture_fused_ms']:.3f} ms, plain "
+                  f"{v['capture_plain_ms']:.3f} ms", flush=True)
             for name, spec in specs.items():
                 for p in args.p:
                     oracle = OracleDrafter(drafter, torch.cat([prompts, reference], 1), p, V)
                     for glue in args.glue:
                         generate_speculative(target, oracle, prompts, min(2 * spec.num_tokens, args.max_new), spec,
-                                             glue=glue)  # warm-up at these shapes
-                        out, st = generate_speculative(target, oracle, prompts, args.max_new, spec, glue=glue)
+                                             glue=glue, graphs=args.graphs)  # warm-up at these shapes
+                        out, st = generate_speculative(target, oracle, prompts, args.max_new, spec, glue=glue,
+                                                       graphs=args.graphs)
                         timer = Timer(device=args.device)
                         _, timed = generate_speculative(target, oracle, prompts, args.max_new, spec, glue=glue,
-                                                        timer=timer)
+                                                        timer=timer, graphs=args.graphs)
                         decode_s = timed.seconds - timed.prefill_seconds
                         parts = {k: v - timed.prefill_times.get(k, 0.0) for k, v in timed.times.items()}  # decode only
                         other = max(0.0, decode_s - sum(parts.values()))
@@ -100,6 +206,8 @@ def run(args) -> list[dict]:
                                    timed_step_ms={k: v / max(timed.rounds, 1) * 1e3 for k, v in parts.items()},
                                    timed_other_ms=other / max(timed.rounds, 1) * 1e3,
                                    glue_share=sum(parts.get(k, 0.0) for k in GLUE_PARTS) / max(decode_s, 1e-12))
+                        row["forward_profile"] = profile
+                        row["extrapolated"] = extrapolate(profile, full_cfg, row["step_ms"], row["accept_len"], B)
                         rows.append(row)
                         print(f"  {name:<12} p {p:<4} glue {glue:<6} {row['spec_tok_s']:8.1f} tok/s "
                               f"{row['speedup']:5.2f}x  accept {row['accept_len']:.2f}  step {row['step_ms']:.2f} ms  "
@@ -110,15 +218,18 @@ def run(args) -> list[dict]:
 
 def _table(rows: list[dict]) -> str:
     head = ("| B | prefix | spec | p | glue | plain tok/s | spec tok/s | speed-up | accept | step ms | "
-            "target / draft / fc / build_tree / verify / kv_accept / other ms (fenced run) | glue share | identical |")
-    lines = [head, "|" + "---|" * 13]
+            "target / draft / fc / build_tree / verify / kv_accept / other ms (fenced run) | glue share | identical | "
+            "EXTRAPOLATED full model: plain / spec tok/s |")
+    lines = [head, "|" + "---|" * 14]
     for r in rows:
         t = r["timed_step_ms"]
         parts = " / ".join(f"{t.get(k, 0.0):.2f}" for k in ("target", "draft", "fc", "build_tree", "verify",
                                                                "kv_accept")) + f" / {r['timed_other_ms']:.2f}"
         lines.append(f"| {r['batch']} | {r['prefix']} | {r['spec']} | {r['p']} | {r['glue']} | {r['plain_tok_s']:.1f} | "
                      f"{r['spec_tok_s']:.1f} | {r['speedup']:.2f}x | {r['accept_len']:.2f} | {r['step_ms']:.2f} | "
-                     f"{parts} | {100 * r['glue_share']:.1f}% | {'yes' if r['identical'] else 'NO'} |")
+                     f"{parts} | {100 * r['glue_share']:.1f}% | {'yes' if r['identical'] else 'NO'} | "
+                     f"{r['extrapolated']['plain_tok_s']:.1f} / {r['extrapolated']['spec_tok_s']:.1f} "
+                     f"({r['extrapolated']['layers']} layers) |")
     return "\n".join(lines)
 
 
@@ -166,6 +277,8 @@ def main(argv=None) -> int:
     ap.add_argument("--glue", nargs="+", default=["eagle3", "torch"], choices=["eagle3", "torch"])
     ap.add_argument("--max-new", type=int, default=32)
     ap.add_argument("--batch-invariant", action="store_true")
+    ap.add_argument("--graphs", action="store_true", help="decode, verify, draft and catch-up steps from CUDA graphs")
+    ap.add_argument("--full", default="kimi-k2", help="the preset the per-layer times are extrapolated to")
     ap.add_argument("--json", default=None)
     ap.add_argument("--plot", default=None, metavar="JSON", help="only draw the chart of a results file")
     args = ap.parse_args(argv)
@@ -177,7 +290,7 @@ def main(argv=None) -> int:
     meta = dict(commit=_commit(), preset=args.preset, dtype=args.dtype, device=args.device,
                 device_name=torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
                 torch=torch.__version__, max_new=args.max_new, batch_invariant=args.batch_invariant,
-                eager=True, drafter="ORACLE (engine/oracle.py): acceptance set by p, not by a trained drafter",
+                eager=not args.graphs, drafter="ORACLE (engine/oracle.py): acceptance set by p, not by a trained drafter",
                 seconds=time.time() - start)
     print(_table(rows))
     path = args.json or os.path.join(os.environ.get("EAGLE3_BENCH_OUT", "."), "e2e.json")

@@ -178,14 +178,15 @@ def demo(args) -> int:
           f"{args.max_new} new tokens each\n")
     # warm-up at the timed shapes: first-call costs (Triton compiles a kernel per shape on CUDA) stay out
     # of the timings
-    generate_plain(target, prompts, min(args.max_new, 4), temperature=spec.temperature, seed=args.seed)
-    generate_speculative(target, drafter, prompts, min(args.max_new, 2 * spec.num_tokens), spec)
+    generate_plain(target, prompts, min(args.max_new, 4), temperature=spec.temperature, seed=args.seed,
+                   graphs=args.graphs)
+    generate_speculative(target, drafter, prompts, min(args.max_new, 2 * spec.num_tokens), spec, graphs=args.graphs)
     plain_timer, spec_timer = Timer(device=args.device), Timer(device=args.device)
     long_run = args.max_new * prompts.shape[0] >= 512
     plain, pstats = generate_plain(target, prompts, args.max_new, temperature=spec.temperature, seed=args.seed,
-                                   timer=plain_timer, progress=long_run)
+                                   graphs=args.graphs, timer=plain_timer, progress=long_run)
     fast, sstats = generate_speculative(target, drafter, prompts, args.max_new, spec, timer=spec_timer,
-                                        progress=long_run)
+                                        graphs=args.graphs, progress=long_run)
     if target.cfg.vocab_size == 256:
         print(f"prompt: {texts[0][-160:]!r}")
         print(f"speculative continuation: {data.decode(fast[0])!r}\n")
@@ -249,6 +250,8 @@ def _add_decode_args(p):
                    help="the target's batch-invariant mode (Target.batch_invariant_rows = batch x tokens): plain and "
                         "verify steps give each token bit-identical logits, so greedy losslessness holds bit for "
                         "bit in bf16 too; slower (float64 attention, host syncs in the MoE)")
+    p.add_argument("--graphs", action="store_true",
+                   help="replay the decode, verify, draft and catch-up steps from CUDA graphs (CUDA only)")
     p.add_argument("--threads", type=int, default=1, help="CPU threads (the small models gain nothing from more, "
                    "and OpenMP stalls when the cores are shared)")
 

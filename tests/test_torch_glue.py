@@ -114,3 +114,45 @@ def test_chunked_prefill_keeps_the_loop_lossless(pair, monkeypatch):
     plain, _ = generate_plain(target, prompts, 12)
     spec, _ = generate_speculative(target, drafter, prompts, 12, SpecConfig(steps=3, topk=1, num_tokens=4))
     assert torch.equal(plain, whole) and torch.equal(spec, plain)
+
+
+@pytest.mark.parametrize("spec", [SpecConfig(steps=3, topk=1, num_tokens=4), SpecConfig(steps=3, topk=2, num_tokens=6)])
+@pytest.mark.parametrize("glue", ["eagle3", "torch"])
+def test_graph_steps_give_the_same_tokens(pair, spec, glue):
+    # graphs=True: every static step through engine/graphs.StepGraph. On the CPU it runs eagerly but its
+    # outputs are static tensors overwritten at each call, as a CUDA graph's are: the loop must not read an
+    # output after the step's next call.
+    target, drafter = pair
+    prompts = torch.randint(0, CFG.vocab_size, (2, 7), generator=torch.Generator().manual_seed(5))
+    plain, _ = generate_plain(target, prompts, 16)
+    plain_g, _ = generate_plain(target, prompts, 16, graphs=True)
+    spec_g, st = generate_speculative(target, drafter, prompts, 16, spec, glue=glue, graphs=True)
+    spec_e, se = generate_speculative(target, drafter, prompts, 16, spec, glue=glue)
+    assert torch.equal(plain_g, plain) and torch.equal(spec_g, plain) and torch.equal(spec_e, plain)
+    assert st.accept_hist == se.accept_hist
+
+
+def test_graphs_refuse_the_batch_invariant_mode(pair):
+    target, drafter = pair
+    target.batch_invariant_rows = 8
+    try:
+        with pytest.raises(ValueError, match="batch-invariant mode"):
+            generate_plain(target, torch.zeros(1, 3, dtype=torch.long), 2, graphs=True)
+    finally:
+        target.batch_invariant_rows = 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("spec", [SpecConfig(steps=3, topk=1, num_tokens=4), SpecConfig(steps=3, topk=2, num_tokens=6)])
+def test_gpu_graphed_loop_matches_eager(spec):
+    # The same loop with real CUDA graphs (capture, then replays with new inputs in the static buffers).
+    target = Target.synthesize(CFG, seed=0, device="cuda").eval()
+    drafter = Drafter.synthesize(DrafterConfig.for_target(CFG), target.model.embed_tokens, seed=1,
+                                 device="cuda").eval()
+    prompts = torch.randint(0, CFG.vocab_size, (3, 9), generator=torch.Generator().manual_seed(6)).cuda()
+    plain, _ = generate_plain(target, prompts, 20)
+    plain_g, _ = generate_plain(target, prompts, 20, graphs=True)
+    spec_g, st = generate_speculative(target, drafter, prompts, 20, spec, graphs=True)
+    spec_e, se = generate_speculative(target, drafter, prompts, 20, spec)
+    assert torch.equal(plain_g, plain) and torch.equal(spec_e, plain) and torch.equal(spec_g, plain)
+    assert st.accept_hist == se.accept_hist

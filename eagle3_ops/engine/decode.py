@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from .. import ops, tree
+from .graphs import StepGraph, new_pool
 
 
 @dataclass(frozen=True)
@@ -157,10 +158,17 @@ def _prefill(target, prompts: Tensor, kv) -> Tensor:
 
 
 @torch.no_grad()
+def _check_graphs(target, graphs: bool) -> None:
+    if graphs and getattr(target, "batch_invariant_rows", 0):
+        raise ValueError("graphs=True needs the fast path: the batch-invariant mode syncs the host in its MoE")
+
+
 def generate_plain(target, prompts: Tensor, max_new: int, *, temperature: float = 0.0, seed: int = 0,
                    page_size: int = 16, timer: Optional[Timer] = None,
-                   progress: bool = False) -> tuple[Tensor, DecodeStats]:
-    """Plain decoding: one target forward per token. Returns (tokens [B, max_new] int64, stats)."""
+                   progress: bool = False, graphs: bool = False) -> tuple[Tensor, DecodeStats]:
+    """Plain decoding: one target forward per token. graphs: each decode step replayed from a CUDA graph
+    (engine/graphs.py). Returns (tokens [B, max_new] int64, stats)."""
+    _check_graphs(target, graphs)
     B, T0 = prompts.shape
     timer = timer or Timer(enabled=False)
     gen = torch.Generator(device=prompts.device).manual_seed(seed) if temperature > 0 else None
@@ -172,12 +180,14 @@ def generate_plain(target, prompts: Tensor, max_new: int, *, temperature: float 
     out[:, 0] = tok
     prefill_seconds, prefill_times = _elapsed(start, prompts.device), dict(timer.times)
     self_only = torch.ones(B, 1, 1, dtype=torch.int32, device=prompts.device)
+    step = StepGraph(lambda t, p: target.forward(t, p, kv, self_only), new_pool(prompts.device)) if graphs else \
+        (lambda t, p: target.forward(t, p, kv, self_only))
     bar = _progress(progress, max_new, "plain")
     for i in range(1, max_new):
         if bar is not None:
             bar.update(1)
         with timer("target"):
-            logits = target.forward(tok[:, None], kv.prefix_lens[:, None].long(), kv, self_only)
+            logits = step(tok[:, None], kv.prefix_lens[:, None].long())
             kv.advance(1)
         tok = _pick(logits.view(B, -1), temperature, gen)
         out[:, i] = tok
@@ -191,7 +201,8 @@ def generate_plain(target, prompts: Tensor, max_new: int, *, temperature: float 
                             prefill_times=prefill_times, batch=B)
 
 
-def _draft_candidates(drafter, dkv, last_logits: Tensor, g: Tensor, spec: SpecConfig, timer: Timer):
+def _draft_candidates(draft_step, last_logits: Tensor, g: Tensor, prefix_lens: Tensor, spec: SpecConfig,
+                      timer: Timer, to_target_ids):
     """EAGLE-2/3 dynamic drafting: depth 0 = top-k of d_1's scores; each further step runs the drafter on
     the k beams and keeps the top-k of their k * k children by cumulative log-probability.
 
@@ -205,7 +216,7 @@ def _draft_candidates(drafter, dkv, last_logits: Tensor, g: Tensor, spec: SpecCo
     draft_scores = torch.full((B, S, M), float("-inf"), dtype=torch.float32, device=dev)
     draft_parents = torch.full((B, S, M), -1, dtype=torch.int64, device=dev)
     top_lp, top_id = torch.log_softmax(last_logits.float(), -1).topk(K, dim=-1)  # [B, K]
-    beam_tok = drafter.to_target_ids(top_id)
+    beam_tok = to_target_ids(top_id)
     draft_tokens[:, 0, :K], draft_scores[:, 0, :K] = beam_tok, top_lp
     beam_score, beam_cand = top_lp, torch.arange(K, device=dev).expand(B, K)
     beam_hidden = g[:, None, :].expand(B, K, H)
@@ -216,7 +227,7 @@ def _draft_candidates(drafter, dkv, last_logits: Tensor, g: Tensor, spec: SpecCo
     blk_hidden = torch.zeros(B, NB, H, dtype=g.dtype, device=dev)
     blk_anc = torch.eye(NB, dtype=torch.bool, device=dev).repeat(B, 1, 1)  # ancestor-or-self within the block
     beam_slot = torch.full((B, K), -1, dtype=torch.int64, device=dev)  # block slot of each beam's parent
-    positions = dkv.prefix_lens[:, None].long() + torch.arange(NB, device=dev) // K  # depth-d node at n + d - 1
+    positions = prefix_lens[:, None].long() + torch.arange(NB, device=dev) // K  # depth-d node at n + d - 1
     for s in range(1, S):
         lo = (s - 1) * K
         blk_tok[:, lo:lo + K], blk_hidden[:, lo:lo + K] = beam_tok, beam_hidden
@@ -225,12 +236,12 @@ def _draft_candidates(drafter, dkv, last_logits: Tensor, g: Tensor, spec: SpecCo
         blk_anc[:, lo:lo + K] = (parent_rows & has_parent[:, :, None]) | torch.eye(NB, dtype=torch.bool,
                                                                                     device=dev)[lo:lo + K]
         with timer("draft"):
-            logits, hidden = drafter.forward(blk_tok, blk_hidden.reshape(B * NB, H), positions, dkv,
-                                             tree.dense_to_mask(blk_anc))
+            logits, hidden = draft_step(blk_tok, blk_hidden.reshape(B * NB, H), positions,
+                                        tree.dense_to_mask(blk_anc))
         lp = torch.log_softmax(logits.view(B, NB, -1)[:, lo:lo + K].float(), -1)
         lp_top, id_top = lp.topk(K, dim=-1)  # [B, K beams, K children]
         scores = (beam_score[:, :, None] + lp_top).reshape(B, M)
-        cand_tok = drafter.to_target_ids(id_top).reshape(B, M)
+        cand_tok = to_target_ids(id_top).reshape(B, M)
         draft_tokens[:, s], draft_scores[:, s] = cand_tok, scores
         draft_parents[:, s] = beam_cand[:, :, None].expand(B, K, K).reshape(B, M)
         beam_score, beam_cand = scores.topk(K, dim=-1)
@@ -275,21 +286,25 @@ def _plain_capture(target, on: bool):
 def generate_speculative(target, drafter, prompts: Tensor, max_new: int, spec: SpecConfig = SpecConfig(), *,
                          aux_ids: Optional[Sequence[int]] = None, page_size: int = 16,
                          timer: Optional[Timer] = None, progress: bool = False,
-                         glue: str = "eagle3") -> tuple[Tensor, DecodeStats]:
+                         glue: str = "eagle3", graphs: bool = False) -> tuple[Tensor, DecodeStats]:
     """Speculative decoding (chain or tree, greedy or sampled). aux_ids: which target layers feed the
     drafter (ours, "output of layer k"; default the drafter's configured ids; eagle3_ops.wiring.diagnose
     passes miswirings here). glue: "eagle3" (torch.ops.eagle3) or "torch", the same loop with capture, fc,
     build_tree, verify and kv_accept done the plain-PyTorch way engines do them (engine/torch_glue.py; greedy
-    only). Returns (tokens [B, max_new] int64, stats)."""
+    only). graphs: the verify forward, each draft step, the catch-up's fc and forward replayed from CUDA graphs
+    (engine/graphs.py; build_tree, verify and kv_accept run eagerly between them, as engines run them).
+    Returns (tokens [B, max_new] int64, stats)."""
+    _check_graphs(target, graphs)
     g_ops = _glue(glue)
     if glue == "torch" and spec.temperature > 0:
         raise ValueError("glue='torch' has greedy verification only (temperature 0)")
     with _plain_capture(target, glue == "torch"):
         return _generate_speculative(target, drafter, prompts, max_new, spec, aux_ids, page_size, timer, progress,
-                                     g_ops)
+                                     g_ops, graphs)
 
 
-def _generate_speculative(target, drafter, prompts, max_new, spec, aux_ids, page_size, timer, progress, g_ops):
+def _generate_speculative(target, drafter, prompts, max_new, spec, aux_ids, page_size, timer, progress, g_ops,
+                          graphs):
     B, T0 = prompts.shape
     N, dev = spec.num_tokens, prompts.device
     aux_ids = list(drafter.cfg.aux_ids if aux_ids is None else aux_ids)
@@ -337,6 +352,23 @@ def _generate_speculative(target, drafter, prompts, max_new, spec, aux_ids, page
     aux = torch.empty(B * N, len(aux_ids) * H, dtype=dtype, device=dev)
     arangeN, rows_base = torch.arange(N, device=dev), torch.arange(B, device=dev)[:, None] * N
     chainN = _chain_mask(B, N, dev)
+
+    def verify_fwd(tokens, positions, mask):
+        return target.forward(tokens, positions, tkv, mask, aux, aux_ids)
+
+    def draft_fwd(tok, hidden, positions, mask):
+        return drafter.forward(tok, hidden, positions, dkv, mask)
+
+    def fc_rows(rows):
+        return g_ops.project(drafter, aux, rows)
+
+    def catch_up_fwd(tok, hidden, positions):
+        return drafter.forward(tok, hidden, positions, dkv, chainN)
+
+    if graphs:
+        pool = new_pool(dev)
+        verify_fwd, draft_fwd, fc_rows, catch_up_fwd = (StepGraph(f, pool) for f in (verify_fwd, draft_fwd, fc_rows,
+                                                                                         catch_up_fwd))
     rounds = 0
     bar = _progress(progress, max_new, "speculative")
     while bool((count < max_new).any()):  # the one host sync per round
@@ -345,11 +377,11 @@ def _generate_speculative(target, drafter, prompts, max_new, spec, aux_ids, page
             bar.update(int(count.clamp(max=max_new).min()) - bar.n)
         active = count < max_new
         # 3-4. draft, build the tree, verify with capture
-        cand = _draft_candidates(drafter, dkv, last_logits, g, spec, timer)
+        cand = _draft_candidates(draft_fwd, last_logits, g, dkv.prefix_lens, spec, timer, drafter.to_target_ids)
         with timer("build_tree"):
             tokens, parents, positions, mask = g_ops.build_tree(root, *cand, tkv.prefix_lens, num_nodes=N)
         with timer("target"):
-            logits = target.forward(tokens, positions, tkv, mask, aux, aux_ids)
+            logits = verify_fwd(tokens, positions, mask)
         with timer("verify"):
             if spec.temperature == 0:
                 accept_nodes, accept_len, emitted = g_ops.verify_greedy(logits, tokens, parents)
@@ -370,10 +402,9 @@ def _generate_speculative(target, drafter, prompts, max_new, spec, aux_ids, page
         root = torch.where(active, emitted.gather(1, accept_len[:, None].long()).squeeze(1), root)
         # 6. catch-up: the drafter re-reads the accepted tokens with the target's features
         with timer("fc"):
-            hidden = g_ops.project(drafter, aux, (rows_base + accept_nodes.clamp(min=0)).view(-1))
+            hidden = fc_rows((rows_base + accept_nodes.clamp(min=0)).view(-1))
         with timer("draft"):
-            logits, hidden = drafter.forward(emitted.clamp(min=0), hidden, dkv.prefix_lens[:, None].long() + arangeN,
-                                             dkv, chainN)
+            logits, hidden = catch_up_fwd(emitted.clamp(min=0), hidden, dkv.prefix_lens[:, None].long() + arangeN)
         pick = accept_len.long()[:, None, None]
         last_logits = torch.where(active[:, None], logits.view(B, N, -1).gather(1, pick.expand(B, 1, logits.shape[-1]))
                                   .squeeze(1), last_logits)

@@ -1,0 +1,87 @@
+"""Static-shape steps of the decode loop under CUDA graphs (decode, verify, draft, catch-up).
+
+A StepGraph wraps one step function of tensors. Its first call allocates static copies of the inputs; on CUDA
+it warms the function up on a side stream and captures it into a CUDA graph (every StepGraph of a run shares
+one memory pool), and every call copies the new inputs into the static ones and replays. Whatever the step
+reads besides its inputs (weights, the paged caches, prefix_lens, preallocated buffers) is read through the
+same addresses at each replay, so it must be updated in place between calls, as the loop does.
+
+The outputs are the same tensors at every call: read or copy them before the next one. On the CPU there is
+no graph: the function runs at each call and its outputs are copied into static tensors all the same, so the
+CPU tests see the aliasing a graph has.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+from torch import Tensor
+
+
+class StepGraph:
+    """fn(*inputs) -> Tensor | tuple of Tensor, replayed from a CUDA graph on CUDA (see the module docstring).
+
+    Parameters
+    ----------
+    fn : callable
+        The step, of tensors only; everything else it uses is closed over.
+    pool : optional
+        A CUDA graph memory pool handle shared with the other steps (torch.cuda.graph_pool_handle()).
+    warmup : int
+        Eager calls on a side stream before the capture (compilations, allocator).
+    """
+
+    def __init__(self, fn: Callable, pool=None, warmup: int = 2):
+        self.fn, self.pool, self.warmup = fn, pool, warmup
+        self.static_in: Optional[list[Tensor]] = None
+        self.static_out = None
+        self.graph: Optional[torch.cuda.CUDAGraph] = None
+        self.replays = 0
+
+    def _copy_in(self, inputs) -> None:
+        for dst, src in zip(self.static_in, inputs):
+            if dst.shape != src.shape or dst.dtype != src.dtype:
+                raise ValueError(f"StepGraph: an input changed shape or dtype ({tuple(dst.shape)} {dst.dtype} -> "
+                                 f"{tuple(src.shape)} {src.dtype}); a graph replays one shape")
+            if dst is not src:
+                dst.copy_(src)
+
+    def __call__(self, *inputs: Tensor):
+        if self.static_in is None:
+            self.static_in = [x.clone() for x in inputs]
+            if inputs[0].is_cuda:
+                self._capture()
+        else:
+            self._copy_in(inputs)
+        if self.graph is not None:
+            self.graph.replay()
+            self.replays += 1
+            return self.static_out
+        out = self.fn(*self.static_in)
+        outs = out if isinstance(out, tuple) else (out,)
+        if self.static_out is None:
+            self.static_out = tuple(o.clone() for o in outs)
+        else:
+            for dst, src in zip(self.static_out, outs):
+                dst.copy_(src)
+        return self.static_out if isinstance(out, tuple) else self.static_out[0]
+
+    def _capture(self) -> None:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(self.warmup):
+                self.fn(*self.static_in)
+        torch.cuda.current_stream().wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=self.pool):
+            self.static_out = self.fn(*self.static_in)
+
+
+def new_pool(device) -> Optional[object]:
+    """A graph memory pool for one run's steps (None on the CPU)."""
+    return torch.cuda.graph_pool_handle() if torch.device(device).type == "cuda" else None
+
+
+__all__ = ["StepGraph", "new_pool"]
