@@ -225,7 +225,8 @@ def _table(rows: list[dict]) -> str:
         t = r["timed_step_ms"]
         parts = " / ".join(f"{t.get(k, 0.0):.2f}" for k in ("target", "draft", "fc", "build_tree", "verify",
                                                                "kv_accept")) + f" / {r['timed_other_ms']:.2f}"
-        lines.append(f"| {r['batch']} | {r['prefix']} | {r['spec']} | {r['p']} | {r['glue']} | {r['plain_tok_s']:.1f} | "
+        lines.append(f"| {r['batch']} | {r['prefix']} | {r['spec']} | {r['p']} | {r['glue']} | "
+                     f"{r['plain_tok_s']:.1f} | "
                      f"{r['spec_tok_s']:.1f} | {r['speedup']:.2f}x | {r['accept_len']:.2f} | {r['step_ms']:.2f} | "
                      f"{parts} | {100 * r['glue_share']:.1f}% | {'yes' if r['identical'] else 'NO'} | "
                      f"{r['extrapolated']['plain_tok_s']:.1f} / {r['extrapolated']['spec_tok_s']:.1f} "
@@ -290,7 +291,8 @@ def main(argv=None) -> int:
     meta = dict(commit=_commit(), preset=args.preset, dtype=args.dtype, device=args.device,
                 device_name=torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
                 torch=torch.__version__, max_new=args.max_new, batch_invariant=args.batch_invariant,
-                eager=not args.graphs, drafter="ORACLE (engine/oracle.py): acceptance set by p, not by a trained drafter",
+                eager=not args.graphs,
+                drafter="ORACLE (engine/oracle.py): acceptance set by p, not by a trained drafter",
                 seconds=time.time() - start)
     print(_table(rows))
     path = args.json or os.path.join(os.environ.get("EAGLE3_BENCH_OUT", "."), "e2e.json")

@@ -72,7 +72,8 @@ def verify_greedy(logits: Tensor, tokens: Tensor, parents: Tensor) -> tuple[Tens
     argmax over the vocabulary, then the walk down the tree, a level a step (the smallest matching child)."""
     B, N = tokens.shape
     target = logits.argmax(-1).view(B, N)
-    carries = (parents >= 0) & (tokens == target.gather(1, parents.long().clamp(min=0)))  # j carries its parent's argmax
+    # node j carries its parent's argmax
+    carries = (parents >= 0) & (tokens == target.gather(1, parents.long().clamp(min=0)))
     j = torch.arange(N, device=tokens.device)
     cur = torch.zeros(B, 1, dtype=torch.long, device=tokens.device)
     alive = torch.ones(B, 1, dtype=torch.bool, device=tokens.device)
