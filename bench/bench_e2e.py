@@ -185,12 +185,15 @@ def run(args) -> list[dict]:
             for name, spec in specs.items():
                 for p in args.p:
                     oracle = OracleDrafter(drafter, torch.cat([prompts, reference], 1), p, V)
-                    for glue in args.glue:
+                    for glue in args.glue:  # each run sees the oracle's same draws (its call count reset)
+                        oracle.calls.zero_()
                         generate_speculative(target, oracle, prompts, min(2 * spec.num_tokens, args.max_new), spec,
                                              glue=glue, graphs=args.graphs)  # warm-up at these shapes
+                        oracle.calls.zero_()
                         out, st = generate_speculative(target, oracle, prompts, args.max_new, spec, glue=glue,
                                                        graphs=args.graphs)
                         timer = Timer(device=args.device)
+                        oracle.calls.zero_()
                         _, timed = generate_speculative(target, oracle, prompts, args.max_new, spec, glue=glue,
                                                         timer=timer, graphs=args.graphs)
                         decode_s = timed.seconds - timed.prefill_seconds

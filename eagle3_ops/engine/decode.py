@@ -159,8 +159,14 @@ def _prefill(target, prompts: Tensor, kv) -> Tensor:
 
 @torch.no_grad()
 def _check_graphs(target, graphs: bool) -> None:
-    if graphs and getattr(target, "batch_invariant_rows", 0):
+    if not graphs:
+        return
+    if getattr(target, "batch_invariant_rows", 0):
         raise ValueError("graphs=True needs the fast path: the batch-invariant mode syncs the host in its MoE")
+    w = target.lm_head.weight
+    if w.is_cuda and w.dtype != torch.bfloat16:
+        raise ValueError(f"graphs=True on CUDA needs a bf16 target (torch's grouped GEMM syncs the host in the MoE "
+                         f"for other dtypes), got {w.dtype}")
 
 
 def generate_plain(target, prompts: Tensor, max_new: int, *, temperature: float = 0.0, seed: int = 0,

@@ -83,13 +83,16 @@ class OracleDrafter:
         return torch.where(keep, want, other)
 
     def forward(self, tokens: Tensor, hidden: Tensor, positions: Tensor, kv, tree_mask: Tensor):
-        """The drafter's forward (its KV written, its hidden returned), scores replaced: logits [B * n, V] fp32
-        with the proposal 20 above every other token."""
+        """The drafter's forward (its KV written, its hidden returned), scores replaced: logits [B * n, V] fp32,
+        the proposal at 30, every other token at a distinct pseudo-random value in [0, 1) (so a tree's other
+        candidates are ranked, never tied, and a child scores strictly below its parent)."""
         _, hidden = self.drafter.forward(tokens, hidden, positions, kv, tree_mask)
         pick = self.proposals(positions)
         self.calls += 1
-        logits = torch.zeros(pick.numel(), self.vocab_size, dtype=torch.float32, device=pick.device)
-        logits.scatter_(1, pick.reshape(-1, 1), 20.0)
+        ids = torch.arange(self.vocab_size, device=pick.device, dtype=torch.float32)
+        salt = positions.reshape(-1, 1).float() * 78.233 + self.calls.float()
+        logits = torch.frac(torch.sin(ids * 12.9898 + salt) * 43758.5453).abs()
+        logits.scatter_(1, pick.reshape(-1, 1), 30.0)
         return logits, hidden
 
 

@@ -209,9 +209,11 @@ class MoE(nn.Module):
         then the shared expert is added.
 
         grouped: the inference path, two grouped GEMMs over the tokens sorted by expert (torch._grouped_mm:
-        each expert's weights read once, no host sync, so a CUDA graph can hold it). The default where it
-        applies: no gradient wanted and fp32 / bf16 / fp16. Otherwise each expert gathers its tokens (a
-        `nonzero` per expert, a host sync): differentiable, and the only path for fp64.
+        each expert's weights read once). The default where it applies: no gradient wanted and fp32 / bf16 /
+        fp16. On CUDA only bf16 runs torch's grouped kernel with no host sync (a CUDA graph can hold it); other
+        dtypes take torch's fallback, which copies the offsets to the host and runs one GEMM per expert.
+        Otherwise each expert gathers its tokens (a `nonzero` per expert, a host sync): differentiable, and
+        the only path for fp64.
 
         invariant: Target.batch_invariant_rows' mode: each expert used runs on a block of exactly x's row
         count (its tokens, then zero rows), so a token's output does not depend on how many others share its
@@ -224,7 +226,9 @@ class MoE(nn.Module):
         if grouped is None:
             grouped = not (torch.is_grad_enabled() and self.experts.gate_up.requires_grad)
             grouped = grouped and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
-        if invariant:
+        if x.shape[0] == 0:
+            acc = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        elif invariant:
             acc = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # [T, H]
             for e in idx.unique().tolist():  # ascending: each token adds its experts in the same order
                 tok, k = (idx == e).nonzero(as_tuple=True)
@@ -338,7 +342,7 @@ class MLA(nn.Module):
 def batch_invariant_mla_attention(q: Tensor, kv_cache: Tensor, page_table: Tensor, prefix_lens: Tensor,
                                   tree_mask: Tensor, scale: float, dv: int = 512) -> Tensor:
     """tree_attention_mla's values computed so that a row's result does not depend on the step it is in: in
-    float64, over every slot of the request's page table (positions past its keys masked to exact zeros), so
+    float64, over every slot of the request's page table (slots past its keys masked to exact zeros), so
     a token's output in a 4-node verify step and in a 1-token plain step agree to far below bf16's rounding.
     (A kernel's split count, its tiling of tree keys apart from the prefix and its GEMMs chosen by row count
     all change fp32 rounding with the step's shape.) [B * N, NH, D] -> [B * N, NH, dv] in q's dtype (Kimi: 576, 512).
@@ -350,6 +354,7 @@ def batch_invariant_mla_attention(q: Tensor, kv_cache: Tensor, page_table: Tenso
     keys = kv_cache[page_table.long()].reshape(B, cap, D).double()  # [B, cap, D]
     pos = torch.arange(cap, device=q.device)
     j = pos[None, :] - prefix_lens.long()[:, None]  # [B, cap]: tree index of each slot (< 0: prefix)
+    keys = keys.masked_fill((j >= N)[:, :, None], 0.0)  # slots past the tree: never read (0 x NaN would be NaN)
     in_tree = (j >= 0) & (j < N)
     word = tree_mask.long().gather(2, (j.clamp(0, N - 1) // 32)[:, None, :].expand(B, N, cap))  # [B, N, cap]
     bit = (word >> (j.clamp(0, N - 1) % 32)[:, None, :]) & 1
@@ -538,8 +543,8 @@ class Target(_KeepFp32):
 
         pos = positions.reshape(T)
         residual = self.model.embed_tokens(tokens).view(T, cfg.hidden_size)  # [T, H]
-        pad = self.batch_invariant_rows - T if 0 < T <= self.batch_invariant_rows else 0
-        invariant = self.batch_invariant_rows > 0
+        invariant = 0 < T <= self.batch_invariant_rows  # (a prefill is shared by plain and speculative runs)
+        pad = self.batch_invariant_rows - T if invariant else 0
         real = None
         if pad:  # zero rows (and position 0) up to the fixed row count; captured and returned: the real rows
             residual = torch.nn.functional.pad(residual, (0, 0, 0, pad))
