@@ -209,13 +209,22 @@ def run(args) -> list[dict]:
                                    timed_step_ms={k: v / max(timed.rounds, 1) * 1e3 for k, v in parts.items()},
                                    timed_other_ms=other / max(timed.rounds, 1) * 1e3,
                                    glue_share=sum(parts.get(k, 0.0) for k in GLUE_PARTS) / max(decode_s, 1e-12))
+                        # issue 7's consistency checks: the step against the sum of its components each fenced
+                        # alone (no hidden overhead at p = 1: within 10%), and tokens/s against B x acceptance /
+                        # step (within 3%)
+                        comp = sum(row["timed_step_ms"].values())
+                        row["components_sum_ms"] = comp
+                        row["step_over_components"] = row["step_ms"] / comp if comp > 0 else 0.0
+                        row["predicted_tok_s"] = B * row["accept_len"] / row["step_ms"] * 1e3
+                        row["tok_s_over_predicted"] = row["spec_tok_s"] / row["predicted_tok_s"]
                         row["forward_profile"] = profile
                         row["extrapolated"] = extrapolate(profile, full_cfg, row["step_ms"], row["accept_len"], B)
                         rows.append(row)
                         print(f"  {name:<12} p {p:<4} glue {glue:<6} {row['spec_tok_s']:8.1f} tok/s "
                               f"{row['speedup']:5.2f}x  accept {row['accept_len']:.2f}  step {row['step_ms']:.2f} ms  "
-                              f"glue {100 * row['glue_share']:.1f}%  identical {'yes' if row['identical'] else 'NO'}",
-                              flush=True)
+                              f"glue {100 * row['glue_share']:.1f}%  identical {'yes' if row['identical'] else 'NO'}  "
+                              f"step / components {row['step_over_components']:.2f}  tok/s / predicted "
+                              f"{row['tok_s_over_predicted']:.3f}", flush=True)
     return rows
 
 
