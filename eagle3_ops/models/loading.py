@@ -2,7 +2,8 @@
 
 ``save_pretrained`` works for any module with a ``cfg`` that has ``to_hf()`` (the Target, the Drafter).
 ``load_weights`` loads a folder's tensors into a module built on the meta device (``assign=True``: no
-second copy, no random init), naming every missing, unexpected or mis-shaped key. ``load_target`` builds
+second copy, no random init; routed experts are copied into their stacks as they are read), naming every
+missing, unexpected or mis-shaped key. ``load_target`` builds
 the Target that way; a drafter loader can do the same with ``load_weights``.
 """
 
@@ -16,7 +17,7 @@ import torch
 from torch import nn
 
 from .config import TargetConfig
-from .target import Target
+from .target import Experts, Target
 
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"  # Hugging Face's sharded layout: {"weight_map": {key: file}}
@@ -111,14 +112,36 @@ def load_weights(model: nn.Module, folder, dtype: Optional[torch.dtype] = None, 
 
     keeps_fp32 = keeps_fp32 or getattr(model, "keeps_fp32", None) or (lambda name: False)
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    state = {}
+    # Routed experts stream straight into their stacks ([E, 2I, H], [E, H, I]) as they are read, so the
+    # per-expert tensors are never all held beside the stacks (an MoE checkpoint is mostly experts).
+    streams = {}  # per-expert key -> (stack name, index into the stack)
+    for prefix, mod in model.named_modules():
+        if isinstance(mod, Experts):
+            p, I = (prefix + "." if prefix else ""), mod.intermediate
+            for e in range(mod.num):
+                streams[f"{p}{e}.gate_proj.weight"] = (p + "gate_up", (e, slice(0, I)))
+                streams[f"{p}{e}.up_proj.weight"] = (p + "gate_up", (e, slice(I, 2 * I)))
+                streams[f"{p}{e}.down_proj.weight"] = (p + "down", (e,))
+    stacks = {}  # stack name -> tensor, allocated at its first expert
+    stack_shapes = {n: tuple(v.shape) for n, v in model.named_parameters() if n in {v[0] for v in streams.values()}}
+    state, seen = {}, {}  # seen: key -> its shape in the file
     for path in _weight_files(folder):
         with safe_open(path, framework="pt", device=str(device)) as f:
             for k in f.keys():
-                state[k] = f.get_tensor(k)
-    missing, unexpected = set(expected) - set(state), set(state) - set(expected)
-    shapes = [f"{k}: file {tuple(state[k].shape)}, model {expected[k]}" for k in sorted(set(expected) & set(state))
-              if tuple(state[k].shape) != expected[k]]
+                t = f.get_tensor(k)
+                seen[k] = tuple(t.shape)
+                if k in streams and seen[k] == expected.get(k):
+                    name, where = streams[k]
+                    if name not in stacks:
+                        stacks[name] = torch.empty(stack_shapes[name], device=device,
+                                                   dtype=dtype if dtype is not None and t.is_floating_point()
+                                                   else t.dtype)
+                    stacks[name][where] = t
+                else:
+                    state[k] = t
+    missing, unexpected = set(expected) - set(seen), set(seen) - set(expected)
+    shapes = [f"{k}: file {seen[k]}, model {expected[k]}" for k in sorted(set(expected) & set(seen))
+              if seen[k] != expected[k]]
     if missing or unexpected or shapes:
         parts = [f"missing keys ({len(missing)}): {_list(missing)}" if missing else "",
                  f"unexpected keys ({len(unexpected)}): {_list(unexpected)}" if unexpected else "",
@@ -131,6 +154,7 @@ def load_weights(model: nn.Module, folder, dtype: Optional[torch.dtype] = None, 
                 state[k] = t.float()
             elif dtype is not None:
                 state[k] = t.to(dtype)
+    state.update(stacks)
     model.load_state_dict(state, strict=True, assign=True)
     return model
 
