@@ -75,12 +75,14 @@ def _time_ms(fn, device: str, reps: int = 7) -> float:
     return sorted(ts[1:])[reps // 2]
 
 
-def forward_profile(target, prompts: Tensor, N: int, aux_ids, device: str) -> dict:
+def forward_profile(target, prompts: Tensor, N: int, aux_ids, device: str, graphs: bool = False) -> dict:
     """At this prefix, a decode step's (N = 1) and a verify step's (N nodes, a chain) target forward: the whole
     forward, each layer's attention + FFN (module hooks, device synced at each boundary, so the parts are a
     little slower than inside the forward), what is outside the layers (embedding, norms, lm_head: the
     remainder), and the verify forward with the capture fused (add_rmsnorm_capture) and the plain way (h + r,
-    torch.cat), whose differences from no capture are the capture's cost."""
+    torch.cat), whose differences from no capture are the capture's cost. graphs: the forward is also timed
+    replayed from a CUDA graph, and the per-layer and outside parts are that time split in the eager
+    proportions (the hooks cannot run inside a graph)."""
     from eagle3_ops import tree
     from eagle3_ops.engine.decode import _prefill
 
@@ -129,11 +131,22 @@ def forward_profile(target, prompts: Tensor, N: int, aux_ids, device: str) -> di
             for h in hooks:
                 h.remove()
         per_layer = [t / reps for t in per_layer]
+        if graphs:
+            from eagle3_ops.engine.graphs import StepGraph, new_pool
+
+            step = StepGraph(lambda t, p: fwd(), new_pool(device))
+            graphed = _time_ms(lambda: step(tokens, positions), device)
+            scale = graphed / max(row["forward_ms"], 1e-12)
+            row.update(eager_forward_ms=row["forward_ms"], forward_ms=graphed)
+            per_layer = [t * scale for t in per_layer]
+            row["outside_layers_ms_eager"] = max(0.0, row["eager_forward_ms"] - sum(per_layer) / scale)
         dense = [t for i, t in enumerate(per_layer) if not target.cfg.is_moe(i)]
         moe = [t for i, t in enumerate(per_layer) if target.cfg.is_moe(i)]
         row.update(layer_ms=per_layer, dense_layer_ms=sum(dense) / max(len(dense), 1),
                    moe_layer_ms=sum(moe) / max(len(moe), 1),
                    outside_layers_ms=max(0.0, row["forward_ms"] - sum(per_layer)))
+        if graphs:  # (the eager split's proportions, scaled: see the docstring)
+            row["outside_layers_ms"] = row["outside_layers_ms_eager"] * scale
         out[name] = row
     return out
 
@@ -176,7 +189,7 @@ def run(args) -> list[dict]:
             print(f"B {B} prefix {prefix}: plain {plain.decode_tokens_per_s:.1f} tok/s decode "
                   f"(prefill {plain.prefill_seconds * 1e3:.0f} ms)", flush=True)
             profile = forward_profile(target, prompts, max(s.num_tokens for s in specs.values()),
-                                      drafter.cfg.aux_ids, args.device)
+                                      drafter.cfg.aux_ids, args.device, graphs=args.graphs)
             v = profile["verify"]
             print(f"  target forward: decode {profile['decode']['forward_ms']:.2f} ms, verify {v['forward_ms']:.2f} ms "
                   f"(dense layer {v['dense_layer_ms']:.2f}, MoE layer {v['moe_layer_ms']:.2f}, outside the layers "
