@@ -54,26 +54,12 @@ __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, uint32
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
 
-template <int kPending>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
-}
-
-// two fp8-e4m3 values (the low and high byte of x) -> f16x2
-__device__ __forceinline__ uint32_t e4m3x2_to_f16x2(uint16_t x) {
-  uint32_t d;
-  asm("cvt.rn.f16x2.e4m3x2 %0, %1;\n" : "=r"(d) : "h"(x));
-  return d;
-}
-
 // ---- wgmma.mma_async, f32 accumulators, one function per shape and input type (f16 / bf16), stamped out by
 // the macros below (generated: one asm operand per accumulator register) ----------------------------------
 // Accumulator layout (m64nN, per warpgroup thread t = 32 w + l): d[4 j + 0, 1] is row 16 w + l / 4,
 // columns 8 j + 2 (l % 4) + {0, 1}; d[4 j + 2, 3] the same columns of row 16 w + l / 4 + 8.
-// A and B from shared memory (descriptors): wgmma_m64n{64,256}k16_<ty><kTransB>; kTransB = 1: B is N-major.
-// A from registers (4 x 32-bit f16x2 / bf16x2), B K-major from shared memory: wgmma_rs_m64n{8,16,32,64}k16_<ty>.
-// A fragment (m64k16, thread t = 32 w + l): a[0] row 16 w + l / 4, k 2 (l % 4) + {0, 1}; a[1] row + 8, same k;
-// a[2] row, k 8 + 2 (l % 4) + {0, 1}; a[3] row + 8, k 8 + 2 (l % 4) + {0, 1}. scale_d = 0 overwrites D.
+// A and B from shared memory (descriptors): wgmma_m64n{64,256}k16_<ty><kTransB>; kTransB = 1: B is N-major;
+// scale_d = 0 overwrites D.
 
 #define EAGLE3_WGMMA_SS_N64(TY)                                                                                        \
 template <int kTransB>                                                                                                 \
@@ -125,74 +111,13 @@ __device__ __forceinline__ void wgmma_m64n256k16_##TY(float (&d)[128], uint64_t 
       : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(kTransB));                                                           \
 }
 
-#define EAGLE3_WGMMA_RS_N8(TY)                                                                                                 \
-__device__ __forceinline__ void wgmma_rs_m64n8k16_##TY(float (&d)[4], const uint32_t (&a)[4], uint64_t desc_b, int scale_d) {  \
-  asm volatile(                                                                                                                \
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %9, 0;\n"                                                                              \
-      "wgmma.mma_async.sync.aligned.m64n8k16.f32." #TY "." #TY " {"                                                            \
-      "%0,%1,%2,%3"                                                                                                            \
-      "}, {%4,%5,%6,%7}, %8, p, 1, 1, 0;\n}\n"                                                                                 \
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])                                                                         \
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));                                                \
-}
-
-#define EAGLE3_WGMMA_RS_N16(TY)                                                                                                 \
-__device__ __forceinline__ void wgmma_rs_m64n16k16_##TY(float (&d)[8], const uint32_t (&a)[4], uint64_t desc_b, int scale_d) {  \
-  asm volatile(                                                                                                                 \
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %13, 0;\n"                                                                              \
-      "wgmma.mma_async.sync.aligned.m64n16k16.f32." #TY "." #TY " {"                                                            \
-      "%0,%1,%2,%3,%4,%5,%6,%7"                                                                                                 \
-      "}, {%8,%9,%10,%11}, %12, p, 1, 1, 0;\n}\n"                                                                               \
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])                          \
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));                                                 \
-}
-
-#define EAGLE3_WGMMA_RS_N32(TY)                                                                                                  \
-__device__ __forceinline__ void wgmma_rs_m64n32k16_##TY(float (&d)[16], const uint32_t (&a)[4], uint64_t desc_b, int scale_d) {  \
-  asm volatile(                                                                                                                  \
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"                                                                               \
-      "wgmma.mma_async.sync.aligned.m64n32k16.f32." #TY "." #TY " {"                                                             \
-      "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15"                                                                    \
-      "}, {%16,%17,%18,%19}, %20, p, 1, 1, 0;\n}\n"                                                                              \
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),                          \
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])                     \
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));                                                  \
-}
-
-#define EAGLE3_WGMMA_RS_N64(TY)                                                                                                  \
-__device__ __forceinline__ void wgmma_rs_m64n64k16_##TY(float (&d)[32], const uint32_t (&a)[4], uint64_t desc_b, int scale_d) {  \
-  asm volatile(                                                                                                                  \
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"                                                                               \
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32." #TY "." #TY " {"                                                             \
-      "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"                                                                   \
-      "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31"                                                          \
-      "}, {%32,%33,%34,%35}, %36, p, 1, 1, 0;\n}\n"                                                                              \
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),                          \
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),                    \
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),                  \
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])                   \
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));                                                  \
-}
-
 EAGLE3_WGMMA_SS_N64(f16)
 EAGLE3_WGMMA_SS_N64(bf16)
 EAGLE3_WGMMA_SS_N256(f16)
 EAGLE3_WGMMA_SS_N256(bf16)
-EAGLE3_WGMMA_RS_N8(f16)
-EAGLE3_WGMMA_RS_N8(bf16)
-EAGLE3_WGMMA_RS_N16(f16)
-EAGLE3_WGMMA_RS_N16(bf16)
-EAGLE3_WGMMA_RS_N32(f16)
-EAGLE3_WGMMA_RS_N32(bf16)
-EAGLE3_WGMMA_RS_N64(f16)
-EAGLE3_WGMMA_RS_N64(bf16)
 
 #undef EAGLE3_WGMMA_SS_N64
 #undef EAGLE3_WGMMA_SS_N256
-#undef EAGLE3_WGMMA_RS_N8
-#undef EAGLE3_WGMMA_RS_N16
-#undef EAGLE3_WGMMA_RS_N32
-#undef EAGLE3_WGMMA_RS_N64
 
 
 }  // namespace sm90
