@@ -49,18 +49,6 @@ def _commit() -> str:
         return "unknown"
 
 
-def _pair(preset: str, device: str, dtype: torch.dtype):
-    from eagle3_ops.models.config import DrafterConfig, TargetConfig
-    from eagle3_ops.models.drafter import Drafter
-    from eagle3_ops.models.target import Target
-
-    cfg = TargetConfig.from_preset(preset)
-    target = Target.synthesize(cfg, 0, dtype, device=device).eval()
-    drafter = Drafter.synthesize(DrafterConfig.for_target(cfg), target.model.embed_tokens, 1, dtype,
-                                 device=device).eval()
-    return target, drafter
-
-
 def _time_ms(fn, device: str, reps: int = 7) -> float:
     """Median wall time of fn() in ms, the device drained around each call (eager: launches included)."""
     ts = []
@@ -171,10 +159,11 @@ def run(args) -> list[dict]:
     from eagle3_ops.engine import SpecConfig, Timer, generate_plain, generate_speculative
     from eagle3_ops.engine.oracle import OracleDrafter
 
+    from eagle3_ops.cli import _load_pair
     from eagle3_ops.models.config import TargetConfig
 
     dtype = getattr(torch, args.dtype)
-    target, drafter = _pair(args.preset, args.device, dtype)
+    target, drafter, _ = _load_pair(args.preset, args.device, dtype)  # synthesised (or the shipped byte-small)
     full_cfg = TargetConfig.from_preset(args.full)  # what the per-layer times are extrapolated to
     V = target.cfg.vocab_size
     rows = []
