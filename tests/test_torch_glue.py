@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from eagle3_ops import ops, tree
-from eagle3_ops.engine import SpecConfig, generate_plain, generate_speculative, torch_glue
+from eagle3_ops.engine import SpecConfig, Timer, decode, generate_plain, generate_speculative, torch_glue
 from eagle3_ops.models.config import DrafterConfig, TargetConfig
 from eagle3_ops.models.drafter import Drafter
 from eagle3_ops.models.target import Target
@@ -152,10 +152,31 @@ def test_gpu_graphed_loop_matches_eager(spec):
                                  dtype=torch.bfloat16, device="cuda").eval()
     prompts = torch.randint(0, CFG.vocab_size, (3, 9), generator=torch.Generator().manual_seed(6)).cuda()
     plain, _ = generate_plain(target, prompts, 20)
-    plain_g, _ = generate_plain(target, prompts, 20, graphs=True)
-    spec_g, st = generate_speculative(target, drafter, prompts, 20, spec, graphs=True)
+    plain_g, pg = generate_plain(target, prompts, 20, graphs=True)
+    timer = Timer(device="cuda")
+    spec_g, st = generate_speculative(target, drafter, prompts, 20, spec, graphs=True, timer=timer)
     spec_e, se = generate_speculative(target, drafter, prompts, 20, spec)
     assert torch.equal(plain_g, plain) and torch.equal(spec_g, spec_e)
     assert st.accept_hist == se.accept_hist
+    # the captures are timed apart from the decode phase and taken out of the fenced components
+    assert 0 < pg.setup_seconds < pg.seconds - pg.prefill_seconds and 0 < st.setup_seconds
+    decode = st.seconds - st.prefill_seconds - st.setup_seconds
+    assert all(t > 0 for t in timer.times.values()) and sum(timer.times.values()) - sum(st.prefill_times.values()) \
+        <= decode * 1.001
     with pytest.raises(ValueError, match="needs a bf16 target"):
         generate_plain(target.float(), prompts, 2, graphs=True)
+
+
+def test_graph_setup_is_taken_out_of_the_timer():
+    # _setup_seconds: each graph's capture time leaves the component it was timed in, and is summed
+    class Captured:
+        def __init__(self, s):
+            self.setup_seconds = s
+
+    timer = Timer()
+    timer.times.update(target=1.0, draft=2.0, fc=0.5)
+    total = decode._setup_seconds(timer, dict(target=[Captured(0.25)], draft=[Captured(0.5), Captured(0.125)],
+                                              fc=[Captured(0.0)]))
+    assert total == 0.875 and dict(timer.times) == dict(target=0.75, draft=1.375, fc=0.5)
+    off = Timer(enabled=False)
+    assert decode._setup_seconds(off, dict(target=[Captured(0.25)])) == 0.25 and not off.times

@@ -68,6 +68,9 @@ class DecodeStats:
     prefill_seconds: float = 0.0  # of `seconds`: the prefill (and the drafter's extend), up to the first token
     prefill_times: dict = field(default_factory=dict)  # of `times`: the prefill's share (when timed)
     batch: int = 0
+    # of `seconds`: capturing the CUDA graphs (graphs=True), which an engine does once at start-up; `times`
+    # already has it taken out of the component it fell in
+    setup_seconds: float = 0.0
 
     @property
     def tokens_per_s(self) -> float:
@@ -75,8 +78,9 @@ class DecodeStats:
 
     @property
     def decode_tokens_per_s(self) -> float:
-        """Tokens after the first per request, over the time after the prefill: the decode phase alone."""
-        t = self.seconds - self.prefill_seconds
+        """Tokens after the first per request, over the time after the prefill (graph captures excluded): the
+        decode phase alone."""
+        t = self.seconds - self.prefill_seconds - self.setup_seconds
         return (self.tokens - self.batch) / t if t > 0 and self.batch else 0.0
 
     @property
@@ -105,6 +109,21 @@ class Timer:
         if self.cuda:
             torch.cuda.synchronize()
         self.times[name] += time.perf_counter() - t0
+
+    def discount(self, name: str, seconds: float) -> None:
+        """Take seconds (timed apart, e.g. a graph capture inside a section) out of a component."""
+        if self.enabled and seconds:
+            self.times[name] -= seconds
+
+
+def _setup_seconds(timer: Timer, graphs: dict) -> float:
+    """The graph captures of a run ({component: [StepGraph]}): taken out of the timer's components; their sum."""
+    total = 0.0
+    for name, steps in graphs.items():
+        for s in steps:
+            timer.discount(name, s.setup_seconds)
+            total += s.setup_seconds
+    return total
 
 
 def _elapsed(start: float, device) -> float:
@@ -202,9 +221,10 @@ def generate_plain(target, prompts: Tensor, max_new: int, *, temperature: float 
     if prompts.is_cuda:
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start
+    setup = _setup_seconds(timer, {"target": [step]} if graphs else {})
     return out, DecodeStats(tokens=B * max_new, seconds=seconds, rounds=max_new, accept_hist=[0, max_new * B],
                             times=dict(timer.times), prefill_seconds=prefill_seconds,
-                            prefill_times=prefill_times, batch=B)
+                            prefill_times=prefill_times, batch=B, setup_seconds=setup)
 
 
 def _draft_candidates(draft_step, last_logits: Tensor, g: Tensor, prefix_lens: Tensor, spec: SpecConfig,
@@ -422,7 +442,9 @@ def _generate_speculative(target, drafter, prompts, max_new, spec, aux_ids, page
     if dev.type == "cuda":
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start
+    setup = _setup_seconds(timer, dict(target=[verify_fwd], draft=[draft_fwd, catch_up_fwd], fc=[fc_rows])
+                           if graphs else {})
     stats = DecodeStats(tokens=B * max_new, seconds=seconds, rounds=rounds, accept_hist=hist.tolist(),
                         times=dict(timer.times), prefill_seconds=prefill_seconds,
-                            prefill_times=prefill_times, batch=B)
+                        prefill_times=prefill_times, batch=B, setup_seconds=setup)
     return out[:, :max_new], stats

@@ -9,9 +9,15 @@ same addresses at each replay, so it must be updated in place between calls, as 
 The outputs are the same tensors at every call: read or copy them before the next one. On the CPU there is
 no graph: the function runs at each call and its outputs are copied into static tensors all the same, so the
 CPU tests see the aliasing a graph has.
+
+The first call's warm-up and capture (the device drained around them) is kept in setup_seconds, apart from
+the replay that follows: an engine captures its graphs once at start-up, so the decode loop reports that time
+apart (DecodeStats.setup_seconds) rather than inside its steps.
 """
 
 from __future__ import annotations
+
+import time
 
 from typing import Callable, Optional
 
@@ -38,6 +44,7 @@ class StepGraph:
         self.static_out = None
         self.graph: Optional[torch.cuda.CUDAGraph] = None
         self.replays = 0
+        self.setup_seconds = 0.0  # the first call's warm-up and capture (0 on the CPU)
 
     def _copy_in(self, inputs) -> None:
         for dst, src in zip(self.static_in, inputs):
@@ -51,7 +58,11 @@ class StepGraph:
         if self.static_in is None:
             self.static_in = [x.clone() for x in inputs]
             if inputs[0].is_cuda:
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
                 self._capture()
+                torch.cuda.synchronize()
+                self.setup_seconds = time.perf_counter() - t0
         else:
             self._copy_in(inputs)
         if self.graph is not None:
