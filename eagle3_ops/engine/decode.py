@@ -90,17 +90,41 @@ class DecodeStats:
 
 
 class Timer:
-    """Accumulates wall time per component; synchronises the device around each section when on."""
+    """Accumulates time per component (name -> seconds in ``times``).
 
-    def __init__(self, enabled: bool = True, device: torch.device | str = "cpu"):
-        self.enabled = enabled
+    mode "fence": the device is drained around each section, so each component runs alone on it (its host
+    launch included) and the run is slowed by the syncs. mode "events": CUDA events on the current stream
+    around each section, no sync: each component's span on the device timeline of the undisturbed run (a
+    section the host is late to launch shows its wait); resolved when ``times`` is read (which waits for
+    them). On the CPU both are wall time (CPU ops are synchronous)."""
+
+    def __init__(self, enabled: bool = True, device: torch.device | str = "cpu", mode: str = "fence"):
+        if mode not in ("fence", "events"):
+            raise ValueError(f"mode must be 'fence' or 'events', got {mode!r}")
+        self.enabled, self.mode = enabled, mode
         self.cuda = torch.device(device).type == "cuda"
-        self.times: dict[str, float] = defaultdict(float)
+        self._times: dict[str, float] = defaultdict(float)
+        self._pending: list = []  # (name, start event, end event) not yet read
+
+    @property
+    def times(self) -> dict[str, float]:
+        for name, a, b in self._pending:
+            b.synchronize()
+            self._times[name] += a.elapsed_time(b) / 1e3
+        self._pending.clear()
+        return self._times
 
     @contextmanager
     def __call__(self, name: str):
         if not self.enabled:
             yield
+            return
+        if self.cuda and self.mode == "events":
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            yield
+            b.record()
+            self._pending.append((name, a, b))
             return
         if self.cuda:
             torch.cuda.synchronize()
@@ -108,12 +132,12 @@ class Timer:
         yield
         if self.cuda:
             torch.cuda.synchronize()
-        self.times[name] += time.perf_counter() - t0
+        self._times[name] += time.perf_counter() - t0
 
     def discount(self, name: str, seconds: float) -> None:
         """Take seconds (timed apart, e.g. a graph capture inside a section) out of a component."""
         if self.enabled and seconds:
-            self.times[name] -= seconds
+            self.times[name] -= seconds  # (reading times resolves the pending events first)
 
 
 def _setup_seconds(timer: Timer, graphs: dict) -> float:
