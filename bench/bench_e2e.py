@@ -38,7 +38,7 @@ sys.path.insert(0, ROOT)
 
 SPECS = {"chain 3/1/4": dict(steps=3, topk=1, num_tokens=4),  # as Kimi deployments run it
          "tree 4/4/16": dict(steps=4, topk=4, num_tokens=16)}
-GLUE_PARTS = ("fc", "build_tree", "verify", "kv_accept")  # timed outside the forwards (capture is inside them)
+GLUE_PARTS = ("fc", "build_tree", "verify", "kv_accept")  # the glue ops, timed (capture is inside the forwards)
 
 
 def _commit() -> str:
@@ -66,23 +66,25 @@ def _time_ms(fn, device: str, reps: int = 7) -> float:
     return sorted(ts[1:])[reps // 2]
 
 
-def forward_profile(target, prompts: Tensor, N: int, aux_ids, device: str, graphs: bool = False) -> dict:
-    """At this prefix, a decode step's (N = 1) and a verify step's (N nodes, a chain) target forward: the whole
-    forward, each layer's attention + FFN (module hooks, device synced at each boundary, so the parts are a
-    little slower than inside the forward), what is outside the layers (embedding, norms, lm_head: the
-    remainder), and the verify forward with the capture fused (add_rmsnorm_capture) and the plain way (h + r,
-    torch.cat), whose differences from no capture are the capture's cost. graphs: the forward is also timed
-    replayed from a CUDA graph, and the per-layer and outside parts are that time split in the eager
-    proportions (the hooks cannot run inside a graph)."""
+def forward_profile(target, prompts: Tensor, Ns, aux_ids, device: str, graphs: bool = False) -> dict:
+    """At this prefix, a decode step's (N = 1: "decode") and a verify step's (each N in Ns, a chain: "verify_N")
+    target forward: the whole forward, each layer's attention + FFN (module hooks, device synced at each
+    boundary, so the parts are a little slower than inside the forward), what is outside the layers
+    (embedding, norms, lm_head: the remainder), and for verify the forward with the capture fused
+    (add_rmsnorm_capture) and the plain way (h + r, torch.cat), whose differences from no capture are the
+    capture's cost. graphs: every forward is timed replayed from a CUDA graph, and the per-layer and outside
+    parts are the graphed forward split in the eager proportions (the hooks cannot run inside a graph)."""
     from eagle3_ops import tree
     from eagle3_ops.engine.decode import _prefill
+    from eagle3_ops.engine.graphs import StepGraph, new_pool
 
     B, T0 = prompts.shape
-    kv = target.new_kv(B, T0 + N + 1, page_size=16)
+    kv = target.new_kv(B, T0 + max(Ns) + 1, page_size=16)
     _prefill(target, prompts, kv)
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    pool = new_pool(device) if graphs else None
     out = {}
-    for name, n in (("decode", 1), ("verify", N)):
+    for name, n in [("decode", 1)] + [(f"verify_{N}", N) for N in Ns]:
         tokens = torch.randint(0, target.cfg.vocab_size, (B, n), device=device)
         positions = kv.prefix_lens[:, None].long() + torch.arange(n, device=device)
         mask = tree.tree_mask(tree.chain_parents(B, n, device=device))
@@ -92,12 +94,19 @@ def forward_profile(target, prompts: Tensor, N: int, aux_ids, device: str, graph
         def fwd(capture=False):
             return target.forward(tokens, positions, kv, mask, aux if capture else None, aux_ids if capture else ())
 
-        row = dict(forward_ms=_time_ms(fwd, device))
-        if name == "verify":
-            row["capture_fused_ms"] = _time_ms(lambda: fwd(True), device) - row["forward_ms"]
+        def timed(capture=False):  # the forward's time, replayed from a graph when graphs
+            if not graphs:
+                return _time_ms(lambda: fwd(capture), device)
+            step = StepGraph(lambda t, p: fwd(capture), pool)
+            return _time_ms(lambda: step(tokens, positions), device)
+
+        row = dict(eager_forward_ms=_time_ms(fwd, device))
+        row["forward_ms"] = timed() if graphs else row["eager_forward_ms"]
+        if n > 1:
+            row["capture_fused_ms"] = timed(True) - row["forward_ms"]
             target.plain_capture = True
             try:
-                row["capture_plain_ms"] = _time_ms(lambda: fwd(True), device) - row["forward_ms"]
+                row["capture_plain_ms"] = timed(True) - row["forward_ms"]
             finally:
                 target.plain_capture = False
         per_layer = [0.0] * target.cfg.num_layers
@@ -121,23 +130,14 @@ def forward_profile(target, prompts: Tensor, N: int, aux_ids, device: str, graph
         finally:
             for h in hooks:
                 h.remove()
-        per_layer = [t / reps for t in per_layer]
-        if graphs:
-            from eagle3_ops.engine.graphs import StepGraph, new_pool
-
-            step = StepGraph(lambda t, p: fwd(), new_pool(device))
-            graphed = _time_ms(lambda: step(tokens, positions), device)
-            scale = graphed / max(row["forward_ms"], 1e-12)
-            row.update(eager_forward_ms=row["forward_ms"], forward_ms=graphed)
-            per_layer = [t * scale for t in per_layer]
-            row["outside_layers_ms_eager"] = max(0.0, row["eager_forward_ms"] - sum(per_layer) / scale)
+        # the hooked layers against the eager forward; scaled to the graphed forward when graphs (see above)
+        scale = row["forward_ms"] / max(row["eager_forward_ms"], 1e-12)
+        per_layer = [t / reps * scale for t in per_layer]
+        row["outside_layers_ms"] = max(0.0, row["eager_forward_ms"] * scale - sum(per_layer))
         dense = [t for i, t in enumerate(per_layer) if not target.cfg.is_moe(i)]
         moe = [t for i, t in enumerate(per_layer) if target.cfg.is_moe(i)]
         row.update(layer_ms=per_layer, dense_layer_ms=sum(dense) / max(len(dense), 1),
-                   moe_layer_ms=sum(moe) / max(len(moe), 1),
-                   outside_layers_ms=max(0.0, row["forward_ms"] - sum(per_layer)))
-        if graphs:  # (the eager split's proportions, scaled: see the docstring)
-            row["outside_layers_ms"] = row["outside_layers_ms_eager"] * scale
+                   moe_layer_ms=sum(moe) / max(len(moe), 1))
         out[name] = row
     return out
 
@@ -158,9 +158,10 @@ def _decode_parts(st) -> tuple[dict, float]:
     return parts, st.seconds - st.prefill_seconds - st.setup_seconds
 
 
-def extrapolate(profile: dict, cfg_full, step_ms: float, accept_len: float, B: int) -> dict:
-    """EXTRAPOLATED to the full model: each forward's layers scaled to cfg_full's dense / MoE counts (the
-    outside-the-layers part kept), the rest of a speculative step (drafts, glue, other) as measured."""
+def extrapolate(profile: dict, cfg_full, step_ms: float, accept_len: float, B: int, N: int) -> dict:
+    """EXTRAPOLATED to the full model: each forward's layers (decode, and verify at this spec's N) scaled to
+    cfg_full's dense / MoE counts (the outside-the-layers part kept), the rest of a speculative step (drafts,
+    glue, other) as measured."""
     dense_n = cfg_full.first_k_dense_replace
     moe_n = cfg_full.num_layers - dense_n
 
@@ -168,7 +169,8 @@ def extrapolate(profile: dict, cfg_full, step_ms: float, accept_len: float, B: i
         return p["outside_layers_ms"] + dense_n * p["dense_layer_ms"] + moe_n * p["moe_layer_ms"]
 
     plain_step = full(profile["decode"])
-    spec_step = step_ms - profile["verify"]["forward_ms"] + full(profile["verify"])
+    verify = profile[f"verify_{N}"]
+    spec_step = step_ms - verify["forward_ms"] + full(verify)
     return dict(layers=cfg_full.num_layers, plain_step_ms=plain_step, spec_step_ms=spec_step,
                 plain_tok_s=B / plain_step * 1e3, spec_tok_s=B * accept_len / spec_step * 1e3,
                 speedup=(B * accept_len / spec_step) / (B / plain_step))
@@ -196,13 +198,13 @@ def run(args) -> list[dict]:
             reference, plain = generate_plain(target, prompts, args.max_new, graphs=args.graphs)
             print(f"B {B} prefix {prefix}: plain {plain.decode_tokens_per_s:.1f} tok/s decode "
                   f"(prefill {plain.prefill_seconds * 1e3:.0f} ms)", flush=True)
-            profile = forward_profile(target, prompts, max(s.num_tokens for s in specs.values()),
+            profile = forward_profile(target, prompts, sorted({s.num_tokens for s in specs.values()}),
                                       drafter.cfg.aux_ids, args.device, graphs=args.graphs)
-            v = profile["verify"]
-            print(f"  target forward: decode {profile['decode']['forward_ms']:.2f} ms, verify {v['forward_ms']:.2f} ms "
-                  f"(dense layer {v['dense_layer_ms']:.2f}, MoE layer {v['moe_layer_ms']:.2f}, outside the layers "
-                  f"{v['outside_layers_ms']:.2f}); capture fused {v['capture_fused_ms']:.3f} ms, plain "
-                  f"{v['capture_plain_ms']:.3f} ms", flush=True)
+            for k, v in profile.items():
+                print(f"  target forward {k}: {v['forward_ms']:.2f} ms (dense layer {v['dense_layer_ms']:.2f}, MoE "
+                      f"layer {v['moe_layer_ms']:.2f}, outside the layers {v['outside_layers_ms']:.2f})"
+                      + (f"; capture fused {v['capture_fused_ms']:.3f} ms, plain {v['capture_plain_ms']:.3f} ms"
+                         if "capture_fused_ms" in v else ""), flush=True)
             for name, spec in specs.items():
                 # The oracle's reference: plain greedy's tokens, or with --fixpoint K (the fast path) the fixed point
                 # of the speculative run at p = 1. In bf16 a verify step's numerics are not a decode step's (other
@@ -218,9 +220,9 @@ def run(args) -> list[dict]:
                     converged = bool(torch.equal(out, ref))
                     ref = out if not converged else ref
                 if args.fixpoint:
-                    print(f"  {name}: oracle reference {'= plain greedy' if ref is reference else 'the p = 1 run'}"
-                          f"'s own output after {passes} pass(es){'' if converged else ', NOT converged'}; it "
-                          f"differs from plain greedy at {_first_diff(ref, reference)}", flush=True)
+                    print(f"  {name}: oracle reference: the p = 1 run's own output after {passes} pass(es)"
+                          f"{'' if converged else ', NOT converged'}; it differs from plain greedy at "
+                          f"{_first_diff(ref, reference)} ([request, token], None: nowhere)", flush=True)
                 for pi, p in enumerate(args.p):
                     oracle = OracleDrafter(drafter, torch.cat([prompts, ref], 1), p, V)
                     for glue in args.glue:  # each run sees the oracle's same draws (its call count reset)
@@ -252,7 +254,10 @@ def run(args) -> list[dict]:
                         row["step_ms_events_run"] = decode_s / max(ev.rounds, 1) * 1e3
                         row["timed_step_ms"] = {k: v / max(ev.rounds, 1) * 1e3 for k, v in parts.items()}
                         row["timed_other_ms"] = max(0.0, decode_s - sum(parts.values())) / max(ev.rounds, 1) * 1e3
-                        row["glue_share"] = sum(parts.get(k, 0.0) for k in GLUE_PARTS) / max(decode_s, 1e-12)
+                        # issue 7's glue: everything but the target's and the drafter's forwards ("other" included)
+                        fwd_s = parts.get("target", 0.0) + parts.get("draft", 0.0)
+                        row["glue_share"] = max(0.0, decode_s - fwd_s) / max(decode_s, 1e-12)
+                        row["glue_ops_share"] = sum(parts.get(k, 0.0) for k in GLUE_PARTS) / max(decode_s, 1e-12)
                         row["predicted_tok_s"] = B * row["accept_len"] / row["step_ms"] * 1e3
                         row["tok_s_over_predicted"] = row["spec_tok_s"] / row["predicted_tok_s"]
                         if p == 1.0 or args.fenced_all:
@@ -267,7 +272,8 @@ def run(args) -> list[dict]:
                             row["components_sum_ms"] = sum(row["alone_step_ms"].values())
                             row["step_over_components"] = row["step_ms"] / row["components_sum_ms"]
                         row["forward_profile"] = profile
-                        row["extrapolated"] = extrapolate(profile, full_cfg, row["step_ms"], row["accept_len"], B)
+                        row["extrapolated"] = extrapolate(profile, full_cfg, row["step_ms"], row["accept_len"], B,
+                                                         spec.num_tokens)
                         rows.append(row)
                         alone = (f"  step / components alone {row['step_over_components']:.2f}"
                                  if "step_over_components" in row else "")
