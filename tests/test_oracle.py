@@ -36,6 +36,8 @@ def test_oracle_controls_acceptance_and_stays_lossless(pair, p, spec):
     assert torch.equal(out, plain)
     if p == 1.0:  # every round but the last (cut at max_new) emits the tree's depth + 1 tokens
         assert stats.accept_hist[spec.steps + 1] >= sum(stats.accept_hist) - prompts.shape[0]
+        # and the loop ran no round past the first one a request could finish in (its stop test starts there)
+        assert stats.rounds == -(-(plain.shape[1] - 1) // (spec.steps + 1))
     elif p == 0.0:
         assert stats.acceptance_length == 1.0
     else:
@@ -55,3 +57,14 @@ def test_oracle_proposals_are_deterministic_and_corrupt_at_rate_one_minus_p():
     assert ((oracle.proposals(pos) >= 0) & (oracle.proposals(pos) < 50)).all()
     with pytest.raises(ValueError, match="p must be in"):
         OracleDrafter(None, ref, 1.5, 50)
+
+
+@pytest.mark.parametrize("max_new", [1, 2, 5])
+def test_short_generations_stop_on_time(pair, max_new):
+    # the stop test's start (no request can finish before round ceil((max_new - 1) / (steps + 1))) at its edges
+    target, drafter, prompts, plain = pair
+    for p in (1.0, 0.0):
+        oracle = OracleDrafter(drafter, torch.cat([prompts, plain], 1), p, CFG.vocab_size)
+        out, stats = generate_speculative(target, oracle, prompts, max_new, SpecConfig(steps=3, topk=1, num_tokens=4))
+        assert torch.equal(out, plain[:, :max_new])
+        assert stats.rounds == (-(-(max_new - 1) // 4) if p == 1.0 else max_new - 1)

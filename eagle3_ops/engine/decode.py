@@ -14,7 +14,8 @@ torch.ops.eagle3 (docs/KIMI.md "One speculative round"):
 
 Shapes are static within a round (N verify tokens, (steps - 1) * topk draft-block rows, N catch-up
 rows); finished requests are frozen rather than removed. The host syncs are the loop's stopping test
-between rounds, one after the prefill (its time, DecodeStats.prefill_seconds), and the optional timer's.
+between rounds (none before the first round any request could finish in), one after the prefill (its
+time, DecodeStats.prefill_seconds), and the optional timer's.
 """
 
 from __future__ import annotations
@@ -419,9 +420,14 @@ def _generate_speculative(target, drafter, prompts, max_new, spec, aux_ids, page
         pool = new_pool(dev)
         verify_fwd, draft_fwd, fc_rows, catch_up_fwd = (StepGraph(f, pool) for f in (verify_fwd, draft_fwd, fc_rows,
                                                                                          catch_up_fwd))
+    # The stop test syncs the host, which then waits for the round to finish before it launches the next one
+    # (and the device idles while it does). No request can be done before `first_test` rounds (a round emits at
+    # most min(N, steps + 1) tokens a request), so the test starts there: until then the host launches round
+    # r + 1 while the device runs round r, and at full acceptance the rounds run back to back.
+    first_test = -(-(max_new - 1) // min(N, spec.steps + 1))
     rounds = 0
     bar = _progress(progress, max_new, "speculative")
-    while bool((count < max_new).any()):  # the one host sync per round
+    while rounds < first_test or bool((count < max_new).any()):  # the host sync, from round first_test on
         rounds += 1
         if bar is not None:
             bar.update(int(count.clamp(max=max_new).min()) - bar.n)
