@@ -68,3 +68,23 @@ def test_short_generations_stop_on_time(pair, max_new):
         out, stats = generate_speculative(target, oracle, prompts, max_new, SpecConfig(steps=3, topk=1, num_tokens=4))
         assert torch.equal(out, plain[:, :max_new])
         assert stats.rounds == (-(-(max_new - 1) // 4) if p == 1.0 else max_new - 1)
+
+
+@pytest.mark.parametrize("p", [0.47, 0.8])
+def test_oracle_draws_of_one_chain_are_independent(p):
+    # A chain's steps draw at (position i, calls c), (i + 1, c + k), (i + 2, c + 2k): keep-all must be about p^n,
+    # not shifted copies of one draw (an affine hash made p = 0.47 never accept two in a row).
+    L, n = 4000, 3
+    ref = torch.randint(0, 1000, (1, L + 8), generator=torch.Generator().manual_seed(4))
+    oracle = OracleDrafter(None, ref, p, 1000, seed=2)
+    for k in (1, 2, 3):
+        keeps = []
+        for j in range(n):
+            oracle.calls.fill_(1000 + j * k)
+            pos = torch.arange(L)[None] + j
+            keeps.append(oracle.proposals(pos) == ref[:, j + 2:j + 2 + L])
+        both = keeps[0] & keeps[1]
+        all3 = both & keeps[2]
+        assert abs(keeps[0].float().mean() - p) < 0.03
+        assert abs(both.float().mean() - p ** 2) < 0.03, k
+        assert abs(all3.float().mean() - p ** 3) < 0.03, k

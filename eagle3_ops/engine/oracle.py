@@ -21,14 +21,25 @@ from torch import Tensor
 _TWO31 = 2**31
 
 
+def _mix(h: Tensor) -> Tensor:
+    """A bijective non-linear scramble of int64 values in [0, 2^31) (xor-shifts between odd multiplies mod 2^31;
+    products stay below 2^62, so nothing overflows)."""
+    h = h ^ (h >> 15)
+    h = (h * 0x2C1B3C6D) % _TWO31
+    h = h ^ (h >> 12)
+    h = (h * 0x297A2D39) % _TWO31
+    return h ^ (h >> 15)
+
+
 def _uniform_hash(*parts: Tensor) -> Tensor:
-    """Deterministic pseudo-random int64 in [0, 2^31) per element (a mix of small integer inputs, then two LCG
-    rounds: values stay below 2^62, so nothing overflows)."""
+    """Deterministic pseudo-random int64 in [0, 2^31) per element, from small non-negative integer inputs.
+    Every input goes through the non-linear _mix: an affine hash (only multiplies and adds mod 2^31) gives
+    draws at (position + 1, calls + c) that are a fixed shift of the draws at (position, calls), so the
+    keep / corrupt draws of one chain's steps were strongly correlated (p = 0.47 never accepted two tokens)."""
     h = torch.zeros_like(parts[0])
     for i, p in enumerate(parts):
-        h = (h * 131 + p * (2 * i + 8191) + 12345) % _TWO31
-        h = (h * 1103515245 + 12345) % _TWO31
-    return (h * 1103515245 + 12345) % _TWO31
+        h = _mix((h + (p % _TWO31) * (2 * i + 1) + 0x5BD1E995) % _TWO31)
+    return _mix(h)
 
 
 class OracleDrafter:
