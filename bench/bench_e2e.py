@@ -321,10 +321,19 @@ def plot(path: str) -> str:
                 pts = sorted((r["p"], r["speedup"]) for r in rows
                              if (r["batch"], r["prefix"], r["spec"], r["glue"]) == (B, prefix, spec, glue))
                 if pts:
-                    ax.plot(*zip(*pts), marker="o", label=f"{spec}, {glue} glue")
+                    line, = ax.plot(*zip(*pts), marker="o", label=f"{spec}, {glue} glue (measured slice)")
+                    for r in rows:  # the acceptance each point measured (in bf16 it can fall below p's at near-ties)
+                        if (r["batch"], r["prefix"], r["spec"], r["glue"]) == (B, prefix, spec, glue):
+                            ax.annotate(f"{r['accept_len']:.2f}", (r["p"], r["speedup"]), fontsize=6,
+                                        color=line.get_color(), xytext=(3, -8), textcoords="offset points")
+                    ext = sorted((r["p"], r["extrapolated"]["speedup"]) for r in rows
+                                 if (r["batch"], r["prefix"], r["spec"], r["glue"]) == (B, prefix, spec, glue))
+                    ax.plot(*zip(*ext), marker="x", ls="--", color=line.get_color(),
+                            label=f"{spec}, {glue} glue (EXTRAPOLATED, {ext and rows[0]['extrapolated']['layers']} "
+                                  "layers)")
         ax.axhline(1.0, color="gray", lw=0.8)
         ax.set_title(f"B {B}, prefix {prefix} (ORACLE drafter)")
-        ax.set_xlabel("p (oracle proposal correct)")
+        ax.set_xlabel("p (oracle proposal correct); numbers: measured acceptance length")
         ax.set_ylabel("speculative / plain decode tok/s")
         ax.legend(fontsize=7)
     fig.suptitle(f"{data.get('preset')}, {data.get('dtype')}, {'eager' if data.get('eager') else 'CUDA graphs'}, "
