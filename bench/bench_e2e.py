@@ -15,9 +15,11 @@ check). Every speculative run's tokens are compared with the plain run's ("ident
 differ at near-ties unless --batch-invariant (Target.batch_invariant_rows, a correctness mode, not a speed
 figure); --fixpoint K then gives the oracle the fast path's own p = 1 output as its reference.
 
-Eager unless --graphs (the static steps replayed from CUDA graphs: engine/graphs.py; the graph of each step is
-captured once per run, in its first round, and that capture time is kept apart from the decode time and the
-breakdown, as an engine captures at start-up: DecodeStats.setup_seconds). Rows go to $EAGLE3_BENCH_OUT/e2e.json
+Eager unless --graphs: then each speculative round is one CUDA graph (engine/graphs.RoundGraph; the
+breakdown from CUDA events recorded inside it) and each plain step another; the components-alone run uses
+per-step graphs (StepGraph: verify, draft, catch-up), since a fence cannot sit inside a graph. Graphs are
+captured once per run, in its first round; that time is kept apart from the decode time and the breakdown,
+as an engine captures at start-up (DecodeStats.setup_seconds). Rows go to $EAGLE3_BENCH_OUT/e2e.json
 (or --json), with the commit, the GPU and the versions.
 """
 
@@ -207,32 +209,30 @@ def run(args) -> list[dict]:
                          if "capture_fused_ms" in v else ""), flush=True)
             for name, spec in specs.items():
                 # The oracle's reference: plain greedy's tokens, or with --fixpoint K (the fast path) the fixed point
-                # of the speculative run at p = 1. In bf16 a verify step's numerics are not a decode step's (other
-                # GEMM kernels for other row counts, other attention splits), so at a near-tie the speculative run
-                # can emit another token than plain greedy, and a reference taken from plain then misleads the
-                # oracle for the rest of the sequence (p = 1 no longer accepts whole chains). Iterating
-                # reference <- the run's own output at p = 1 gives the tokens this path itself emits.
-                ref, passes, converged = reference, 0, args.fixpoint == 0
-                while not converged and passes < args.fixpoint:
-                    passes += 1
-                    oracle = OracleDrafter(drafter, torch.cat([prompts, ref], 1), 1.0, V)
-                    out, _ = generate_speculative(target, oracle, prompts, args.max_new, spec, graphs=args.graphs)
-                    converged = bool(torch.equal(out, ref))
-                    ref = out if not converged else ref
-                if args.fixpoint:
-                    print(f"  {name}: oracle reference: the p = 1 run's own output after {passes} pass(es)"
-                          f"{'' if converged else ', NOT converged'}; it differs from plain greedy at "
-                          f"{_first_diff(ref, reference)} ([request, token], None: nowhere)", flush=True)
-                for pi, p in enumerate(args.p):
-                    oracle = OracleDrafter(drafter, torch.cat([prompts, ref], 1), p, V)
-                    for glue in args.glue:  # each run sees the oracle's same draws (its call count reset)
-                        if pi == 0:  # warm-up at these shapes (compilations, allocator), once per spec and glue
-                            oracle.calls.zero_()
+                # of the run itself. In bf16 a verify step's numerics are not a decode step's (other GEMM kernels
+                # for other row counts, other attention splits), nor one tree's another's, so at a near-tie a
+                # speculative run can emit another token than plain greedy (or than a run at another p, or through
+                # the other glue, whose build_tree orders nodes differently), and a reference taken from elsewhere
+                # then misleads the oracle for the rest of the sequence. So per (glue, p), from the highest p down,
+                # reference <- the run's own output until it emits its reference (at most K passes; the last pass
+                # is the timed run): its proposals are then the tokens this very run emits.
+                for glue in args.glue:
+                    ref = reference
+                    for p in sorted(args.p, reverse=True):
+                        oracle = OracleDrafter(drafter, torch.cat([prompts, ref], 1), p, V)
+                        if p == max(args.p):  # warm-up at these shapes (compilations, allocator), once per spec/glue
                             generate_speculative(target, oracle, prompts, min(2 * spec.num_tokens, args.max_new),
                                                  spec, glue=glue, graphs=args.graphs)
-                        oracle.calls.zero_()
-                        out, st = generate_speculative(target, oracle, prompts, args.max_new, spec, glue=glue,
-                                                       graphs=args.graphs)
+                        passes = 0
+                        while True:  # each run sees the oracle's same draws (its call count reset)
+                            passes += 1
+                            oracle = OracleDrafter(drafter, torch.cat([prompts, ref], 1), p, V)
+                            out, st = generate_speculative(target, oracle, prompts, args.max_new, spec, glue=glue,
+                                                           graphs=args.graphs)
+                            converged = bool(torch.equal(out, ref))
+                            if converged or passes >= max(args.fixpoint, 1):
+                                break
+                            ref = out
                         steps = max(st.rounds, 1)
                         row = dict(batch=B, prefix=prefix, spec=name, p=p, glue=glue, drafter="ORACLE",
                                    plain_tok_s=plain.decode_tokens_per_s, spec_tok_s=st.decode_tokens_per_s,
@@ -241,8 +241,8 @@ def run(args) -> list[dict]:
                                    step_ms=(st.seconds - st.prefill_seconds - st.setup_seconds) / steps * 1e3,
                                    prefill_ms=st.prefill_seconds * 1e3, graph_setup_ms=st.setup_seconds * 1e3,
                                    identical=bool(torch.equal(out, reference)), first_diff=_first_diff(out, reference),
-                                   oracle_reference="plain" if ref is reference else f"p=1 fixed point ({passes})",
-                                   matches_oracle_reference=bool(torch.equal(out, ref)))
+                                   oracle_reference="plain" if ref is reference else "the run's own output",
+                                   fixpoint_passes=passes, matches_oracle_reference=converged)
                         # the breakdown: each component's span on the device timeline of an undisturbed run (CUDA
                         # events, no syncs); the glue share and "other" (the small ops between the sections, and
                         # any wait for the host) from it
@@ -251,13 +251,16 @@ def run(args) -> list[dict]:
                         _, ev = generate_speculative(target, oracle, prompts, args.max_new, spec, glue=glue,
                                                      timer=timer, graphs=args.graphs)
                         parts, decode_s = _decode_parts(ev)
-                        row["step_ms_events_run"] = decode_s / max(ev.rounds, 1) * 1e3
-                        row["timed_step_ms"] = {k: v / max(ev.rounds, 1) * 1e3 for k, v in parts.items()}
-                        row["timed_other_ms"] = max(0.0, decode_s - sum(parts.values())) / max(ev.rounds, 1) * 1e3
-                        # issue 7's glue: everything but the target's and the drafter's forwards ("other" included)
-                        fwd_s = parts.get("target", 0.0) + parts.get("draft", 0.0)
-                        row["glue_share"] = max(0.0, decode_s - fwd_s) / max(decode_s, 1e-12)
-                        row["glue_ops_share"] = sum(parts.get(k, 0.0) for k in GLUE_PARTS) / max(decode_s, 1e-12)
+                        # (round graphs: the rounds' span on the device; this run syncs after each to read them)
+                        row["step_ms_events_run"] = (ev.round_seconds or decode_s) / max(ev.rounds, 1) * 1e3
+                        per = {k: v / max(ev.rounds, 1) * 1e3 for k, v in parts.items()}
+                        row["timed_step_ms"] = per
+                        # against the undisturbed run's step: "other" is the small ops between the timed sections
+                        # and any wait for the host; issue 7's glue is everything but the two forwards
+                        step = row["step_ms"]
+                        row["timed_other_ms"] = max(0.0, step - sum(per.values()))
+                        row["glue_share"] = max(0.0, step - per.get("target", 0.0) - per.get("draft", 0.0)) / step
+                        row["glue_ops_share"] = sum(per.get(k, 0.0) for k in GLUE_PARTS) / step
                         row["predicted_tok_s"] = B * row["accept_len"] / row["step_ms"] * 1e3
                         row["tok_s_over_predicted"] = row["spec_tok_s"] / row["predicted_tok_s"]
                         if p == 1.0 or args.fenced_all:
@@ -266,7 +269,8 @@ def run(args) -> list[dict]:
                             fence = Timer(device=args.device, mode="fence")
                             oracle.calls.zero_()
                             _, fe = generate_speculative(target, oracle, prompts, args.max_new, spec, glue=glue,
-                                                         timer=fence, graphs=args.graphs)
+                                                         timer=fence,
+                                                         graphs="steps" if args.graphs else False)
                             fparts, _ = _decode_parts(fe)
                             row["alone_step_ms"] = {k: v / max(fe.rounds, 1) * 1e3 for k, v in fparts.items()}
                             row["components_sum_ms"] = sum(row["alone_step_ms"].values())
@@ -281,7 +285,9 @@ def run(args) -> list[dict]:
                               f"{row['speedup']:5.2f}x  accept {row['accept_len']:.2f}  step {row['step_ms']:.2f} ms  "
                               f"glue {100 * row['glue_share']:.1f}%  identical {'yes' if row['identical'] else 'NO'}"
                               f"{'' if row['identical'] else ' (from ' + str(row['first_diff']) + ')'}  tok/s / "
-                              f"predicted {row['tok_s_over_predicted']:.3f}{alone}", flush=True)
+                              f"predicted {row['tok_s_over_predicted']:.3f}{alone}"
+                              f"{'' if converged else '  (oracle reference NOT the run' + chr(39) + 's own)'}",
+                              flush=True)
     return rows
 
 
@@ -362,7 +368,8 @@ def main(argv=None) -> int:
                     help="the oracle's reference: the p = 1 run's own output, iterated up to K passes (0: plain's)")
     ap.add_argument("--fenced-all", action="store_true",
                     help="the components-alone (fenced) run at every p, not only p = 1")
-    ap.add_argument("--graphs", action="store_true", help="decode, verify, draft and catch-up steps from CUDA graphs")
+    ap.add_argument("--graphs", action="store_true",
+                    help="CUDA graphs: each speculative round one graph (the components-alone run: per-step graphs)")
     ap.add_argument("--full", default="kimi-k2", help="the preset the per-layer times are extrapolated to")
     ap.add_argument("--json", default=None)
     ap.add_argument("--plot", default=None, metavar="JSON", help="only draw the chart of a results file")
@@ -375,7 +382,7 @@ def main(argv=None) -> int:
     meta = dict(commit=_commit(), preset=args.preset, dtype=args.dtype, device=args.device,
                 device_name=torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
                 torch=torch.__version__, max_new=args.max_new, batch_invariant=args.batch_invariant,
-                eager=not args.graphs,
+                eager=not args.graphs, graphs="round" if args.graphs else None,
                 drafter="ORACLE (engine/oracle.py): acceptance set by p, not by a trained drafter",
                 seconds=time.time() - start)
     print(_table(rows))

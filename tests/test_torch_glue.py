@@ -118,15 +118,17 @@ def test_chunked_prefill_keeps_the_loop_lossless(pair, monkeypatch):
 
 @pytest.mark.parametrize("spec", [SpecConfig(steps=3, topk=1, num_tokens=4), SpecConfig(steps=3, topk=2, num_tokens=6)])
 @pytest.mark.parametrize("glue", ["eagle3", "torch"])
-def test_graph_steps_give_the_same_tokens(pair, spec, glue):
-    # graphs=True: every static step through engine/graphs.StepGraph. On the CPU it runs eagerly but its
+@pytest.mark.parametrize("mode", ["steps", "round"])
+def test_graph_steps_give_the_same_tokens(pair, spec, glue, mode):
+    # graphs="steps": every static step through engine/graphs.StepGraph. On the CPU it runs eagerly but its
     # outputs are static tensors overwritten at each call, as a CUDA graph's are: the loop must not read an
-    # output after the step's next call.
+    # output after the step's next call. graphs="round" (True): each round through RoundGraph, whose warm-up
+    # rounds (run here too, then undone) must leave no trace.
     target, drafter = pair
     prompts = torch.randint(0, CFG.vocab_size, (2, 7), generator=torch.Generator().manual_seed(5))
     plain, _ = generate_plain(target, prompts, 16)
-    plain_g, _ = generate_plain(target, prompts, 16, graphs=True)
-    spec_g, st = generate_speculative(target, drafter, prompts, 16, spec, glue=glue, graphs=True)
+    plain_g, _ = generate_plain(target, prompts, 16, graphs=mode)
+    spec_g, st = generate_speculative(target, drafter, prompts, 16, spec, glue=glue, graphs=mode)
     spec_e, se = generate_speculative(target, drafter, prompts, 16, spec, glue=glue)
     assert torch.equal(plain_g, plain) and torch.equal(spec_g, plain) and torch.equal(spec_e, plain)
     assert st.accept_hist == se.accept_hist
@@ -153,16 +155,28 @@ def test_gpu_graphed_loop_matches_eager(spec):
     prompts = torch.randint(0, CFG.vocab_size, (3, 9), generator=torch.Generator().manual_seed(6)).cuda()
     plain, _ = generate_plain(target, prompts, 20)
     plain_g, pg = generate_plain(target, prompts, 20, graphs=True)
-    timer = Timer(device="cuda")
-    spec_g, st = generate_speculative(target, drafter, prompts, 20, spec, graphs=True, timer=timer)
     spec_e, se = generate_speculative(target, drafter, prompts, 20, spec)
-    assert torch.equal(plain_g, plain) and torch.equal(spec_g, spec_e)
-    assert st.accept_hist == se.accept_hist
-    # the captures are timed apart from the decode phase and taken out of the fenced components
-    assert 0 < pg.setup_seconds < pg.seconds - pg.prefill_seconds and 0 < st.setup_seconds
-    decode = st.seconds - st.prefill_seconds - st.setup_seconds
-    assert all(t > 0 for t in timer.times.values()) and sum(timer.times.values()) - sum(st.prefill_times.values()) \
+    assert torch.equal(plain_g, plain)
+    # per-step graphs with a fenced timer; whole-round graphs untimed, and with CUDA events recorded inside
+    # the graph (read after each replay)
+    fence, events = Timer(device="cuda"), Timer(device="cuda", mode="events")
+    spec_s, ss = generate_speculative(target, drafter, prompts, 20, spec, graphs="steps", timer=fence)
+    spec_r, sr = generate_speculative(target, drafter, prompts, 20, spec, graphs=True)
+    spec_t, stt = generate_speculative(target, drafter, prompts, 20, spec, graphs="round", timer=events)
+    for out, st in ((spec_s, ss), (spec_r, sr), (spec_t, stt)):
+        assert torch.equal(out, spec_e) and st.accept_hist == se.accept_hist
+        assert 0 < st.setup_seconds  # the captures, timed apart from the decode phase
+    assert 0 < pg.setup_seconds < pg.seconds - pg.prefill_seconds
+    # the captures are taken out of the fenced components
+    decode = ss.seconds - ss.prefill_seconds - ss.setup_seconds
+    assert all(t > 0 for t in fence.times.values()) and sum(fence.times.values()) - sum(ss.prefill_times.values()) \
         <= decode * 1.001
+    # inside the round graph: every component timed at every replay, and within the rounds' spans
+    parts = {k: v - stt.prefill_times.get(k, 0.0) for k, v in events.times.items()}
+    assert set(parts) >= {"target", "draft", "fc", "build_tree", "verify", "kv_accept"}
+    assert all(v > 0 for v in parts.values()) and 0 < sum(parts.values()) <= stt.round_seconds * 1.001
+    with pytest.raises(ValueError, match="fenced Timer"):
+        generate_speculative(target, drafter, prompts, 4, spec, graphs=True, timer=Timer(device="cuda"))
     with pytest.raises(ValueError, match="needs a bf16 target"):
         generate_plain(target.float(), prompts, 2, graphs=True)
 

@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from .. import ops, tree
-from .graphs import StepGraph, new_pool
+from .graphs import RoundGraph, StepGraph, new_pool
 
 
 @dataclass(frozen=True)
@@ -72,6 +72,9 @@ class DecodeStats:
     # of `seconds`: capturing the CUDA graphs (graphs=True), which an engine does once at start-up; `times`
     # already has it taken out of the component it fell in
     setup_seconds: float = 0.0
+    # graphs="round" with an events Timer: the rounds' summed span on the device (replays only, the host's
+    # waits between them out); 0 otherwise
+    round_seconds: float = 0.0
 
     @property
     def tokens_per_s(self) -> float:
@@ -106,6 +109,7 @@ class Timer:
         self.cuda = torch.device(device).type == "cuda"
         self._times: dict[str, float] = defaultdict(float)
         self._pending: list = []  # (name, start event, end event) not yet read
+        self._graph_marks: list = []  # the same, recorded inside a captured graph: read after each replay
 
     @property
     def times(self) -> dict[str, float]:
@@ -121,12 +125,17 @@ class Timer:
             yield
             return
         if self.cuda and self.mode == "events":
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            capturing = torch.cuda.is_current_stream_capturing()
+            # inside a graph capture: event record nodes (external), read after each replay (after_replay)
+            a, b = (torch.cuda.Event(enable_timing=True, external=capturing) for _ in range(2))
             a.record()
             yield
             b.record()
-            self._pending.append((name, a, b))
+            (self._graph_marks if capturing else self._pending).append((name, a, b))
             return
+        if self.cuda and torch.cuda.is_current_stream_capturing():
+            raise ValueError("a fenced Timer cannot time inside a CUDA graph capture: use mode 'events', or "
+                             "graphs='steps'")
         if self.cuda:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -134,6 +143,13 @@ class Timer:
         if self.cuda:
             torch.cuda.synchronize()
         self._times[name] += time.perf_counter() - t0
+
+    def after_replay(self) -> None:
+        """Add the sections recorded inside a captured graph, as its last replay timed them (waits for it)."""
+        if self._graph_marks:
+            self._graph_marks[-1][2].synchronize()
+            for name, a, b in self._graph_marks:
+                self._times[name] += a.elapsed_time(b) / 1e3
 
     def discount(self, name: str, seconds: float) -> None:
         """Take seconds (timed apart, e.g. a graph capture inside a section) out of a component."""
@@ -201,8 +217,19 @@ def _prefill(target, prompts: Tensor, kv) -> Tensor:
     return logits
 
 
+def _graph_mode(graphs) -> str:
+    """graphs argument -> "" (eager), "round" (True: each speculative round one graph) or "steps"."""
+    if graphs is True or graphs == "round":
+        return "round"
+    if graphs == "steps":
+        return "steps"
+    if graphs is False or graphs is None or graphs == "":
+        return ""
+    raise ValueError(f"graphs must be False, True / 'round' or 'steps', got {graphs!r}")
+
+
 @torch.no_grad()
-def _check_graphs(target, graphs: bool) -> None:
+def _check_graphs(target, graphs) -> None:
     if not graphs:
         return
     if getattr(target, "batch_invariant_rows", 0):
@@ -215,9 +242,10 @@ def _check_graphs(target, graphs: bool) -> None:
 
 def generate_plain(target, prompts: Tensor, max_new: int, *, temperature: float = 0.0, seed: int = 0,
                    page_size: int = 16, timer: Optional[Timer] = None,
-                   progress: bool = False, graphs: bool = False) -> tuple[Tensor, DecodeStats]:
+                   progress: bool = False, graphs: bool | str = False) -> tuple[Tensor, DecodeStats]:
     """Plain decoding: one target forward per token. graphs: each decode step replayed from a CUDA graph
-    (engine/graphs.py). Returns (tokens [B, max_new] int64, stats)."""
+    (engine/graphs.py; any of speculative decoding's graph modes). Returns (tokens [B, max_new] int64, stats)."""
+    graphs = bool(_graph_mode(graphs))
     _check_graphs(target, graphs)
     B, T0 = prompts.shape
     timer = timer or Timer(enabled=False)
@@ -337,14 +365,18 @@ def _plain_capture(target, on: bool):
 def generate_speculative(target, drafter, prompts: Tensor, max_new: int, spec: SpecConfig = SpecConfig(), *,
                          aux_ids: Optional[Sequence[int]] = None, page_size: int = 16,
                          timer: Optional[Timer] = None, progress: bool = False,
-                         glue: str = "eagle3", graphs: bool = False) -> tuple[Tensor, DecodeStats]:
+                         glue: str = "eagle3", graphs: bool | str = False) -> tuple[Tensor, DecodeStats]:
     """Speculative decoding (chain or tree, greedy or sampled). aux_ids: which target layers feed the
     drafter (ours, "output of layer k"; default the drafter's configured ids; eagle3_ops.wiring.diagnose
     passes miswirings here). glue: "eagle3" (torch.ops.eagle3) or "torch", the same loop with capture, fc,
     build_tree, verify and kv_accept done the plain-PyTorch way engines do them (engine/torch_glue.py; greedy
-    only). graphs: the verify forward, each draft step, the catch-up's fc and forward replayed from CUDA graphs
-    (engine/graphs.py; build_tree, verify and kv_accept run eagerly between them, as engines run them).
+    only). graphs: True or "round", each round (drafting, build_tree, the verify forward, verify, kv_accept,
+    the bookkeeping and the catch-up) replayed as one CUDA graph, the host launching one graph a round
+    (engine/graphs.RoundGraph); "steps", only the verify forward, each draft step and the catch-up's fc and
+    forward replayed from graphs, the rest eager between them, as engines commonly run it (a fenced Timer
+    needs this mode or eager).
     Returns (tokens [B, max_new] int64, stats)."""
+    graphs = _graph_mode(graphs)
     _check_graphs(target, graphs)
     g_ops = _glue(glue)
     if glue == "torch" and spec.temperature > 0:
@@ -393,7 +425,9 @@ def _generate_speculative(target, drafter, prompts, max_new, spec, aux_ids, page
         with timer("draft"):
             logits, hidden = drafter.forward(nxt, hidden, positions, dkv, _chain_mask(B, n, dev))
             dkv.advance(n)
-    last_logits, g = logits.view(B, n, -1)[:, -1], hidden.view(B, n, -1)[:, -1]
+    # the loop's state, updated in place each round (a round graph replays against these addresses)
+    last_logits = logits.view(B, n, -1)[:, -1].clone()
+    g = hidden.view(B, n, -1)[:, -1].clone()
     prefill_seconds, prefill_times = _elapsed(start, dev), dict(timer.times)
 
     out = torch.full((B, max_new + N), -1, dtype=torch.int64, device=dev)
@@ -416,21 +450,20 @@ def _generate_speculative(target, drafter, prompts, max_new, spec, aux_ids, page
     def catch_up_fwd(tok, hidden, positions):
         return drafter.forward(tok, hidden, positions, dkv, chainN)
 
-    if graphs:
+    if graphs == "steps":
         pool = new_pool(dev)
         verify_fwd, draft_fwd, fc_rows, catch_up_fwd = (StepGraph(f, pool) for f in (verify_fwd, draft_fwd, fc_rows,
                                                                                          catch_up_fwd))
-    # The stop test syncs the host, which then waits for the round to finish before it launches the next one
-    # (and the device idles while it does). No request can be done before `first_test` rounds (a round emits at
-    # most min(N, steps + 1) tokens a request), so the test starts there: until then the host launches round
-    # r + 1 while the device runs round r, and at full acceptance the rounds run back to back.
-    first_test = -(-(max_new - 1) // min(N, spec.steps + 1))
-    rounds = 0
-    bar = _progress(progress, max_new, "speculative")
-    while rounds < first_test or bool((count < max_new).any()):  # the host sync, from round first_test on
-        rounds += 1
-        if bar is not None:
-            bar.update(int(count.clamp(max=max_new).min()) - bar.n)
+    round_events: list = []  # round mode with an events timer: the round's span, per replay
+    timers = [timer]  # [the timer one_round uses]: none while a round graph warms up
+
+    def one_round():
+        """One round; every piece of state it carries to the next is updated in place."""
+        timer = timers[0]
+        if (graphs == "round" and timer.enabled and timer.mode == "events" and dev.type == "cuda"
+                and torch.cuda.is_current_stream_capturing()):
+            round_events[:] = [torch.cuda.Event(enable_timing=True, external=True) for _ in range(2)]
+            round_events[0].record()
         active = count < max_new
         # 3-4. draft, build the tree, verify with capture
         cand = _draft_candidates(draft_fwd, last_logits, g, dkv.prefix_lens, spec, timer, drafter.to_target_ids)
@@ -444,37 +477,64 @@ def _generate_speculative(target, drafter, prompts, max_new, spec, aux_ids, page
             else:
                 accept_nodes, accept_len, emitted = ops.verify_sampling(logits, None, None, tokens, parents,
                                                                         temperature, seed, offset)
-                offset += 1
+                offset.add_(1)
         # 5. accept: compact the target's KV, emit, freeze finished requests
         step = (accept_len.long() + 1) * active
         with timer("kv_accept"):
             g_ops.kv_accept(tkv.caches, tkv.page_table, tkv.prefix_lens, accept_nodes, accept_len)
-            tkv.prefix_lens -= (accept_len + 1) * ~active
+            tkv.prefix_lens.sub_((accept_len + 1) * ~active)
         idx = (count[:, None] + arangeN).clamp(max=max_new + N - 1)  # frozen requests write nothing
         keep = (arangeN[None] <= accept_len[:, None]) & active[:, None]
         out.scatter_(1, idx, torch.where(keep, emitted, out.gather(1, idx)))
-        hist += torch.nn.functional.one_hot(accept_len.long() + 1, N + 1).mul(active[:, None]).sum(0)
-        count += step
-        root = torch.where(active, emitted.gather(1, accept_len[:, None].long()).squeeze(1), root)
+        hist.add_(torch.nn.functional.one_hot(accept_len.long() + 1, N + 1).mul(active[:, None]).sum(0))
+        count.add_(step)
+        root.copy_(torch.where(active, emitted.gather(1, accept_len[:, None].long()).squeeze(1), root))
         # 6. catch-up: the drafter re-reads the accepted tokens with the target's features
         with timer("fc"):
             hidden = fc_rows((rows_base + accept_nodes.clamp(min=0)).view(-1))
         with timer("draft"):
             logits, hidden = catch_up_fwd(emitted.clamp(min=0), hidden, dkv.prefix_lens[:, None].long() + arangeN)
         pick = accept_len.long()[:, None, None]
-        last_logits = torch.where(active[:, None], logits.view(B, N, -1).gather(1, pick.expand(B, 1, logits.shape[-1]))
-                                  .squeeze(1), last_logits)
-        g = torch.where(active[:, None], hidden.view(B, N, -1).gather(1, pick.expand(B, 1, hidden.shape[-1]))
-                        .squeeze(1), g)
+        last_logits.copy_(torch.where(active[:, None], logits.view(B, N, -1).gather(
+            1, pick.expand(B, 1, logits.shape[-1])).squeeze(1), last_logits))
+        g.copy_(torch.where(active[:, None], hidden.view(B, N, -1).gather(1, pick.expand(B, 1, hidden.shape[-1]))
+                            .squeeze(1), g))
         dkv.advance(step.to(torch.int32))
+        if round_events and torch.cuda.is_current_stream_capturing():
+            round_events[1].record()
+
+    run_round = one_round
+    if graphs == "round":
+        if timer.enabled and timer.mode == "fence":
+            raise ValueError("a fenced Timer cannot time inside a round graph: use graphs='steps'")
+        run_round = RoundGraph(one_round, [out, count, hist, root, last_logits, g, offset, tkv.prefix_lens,
+                                           dkv.prefix_lens], new_pool(dev),
+                               on_warmup=lambda on: timers.__setitem__(0, Timer(enabled=False) if on else timer))
+    # The stop test syncs the host, which then waits for the round to finish before it launches the next one
+    # (and the device idles while it does). No request can be done before `first_test` rounds (a round emits at
+    # most min(N, steps + 1) tokens a request), so the test starts there: until then the host launches round
+    # r + 1 while the device runs round r, and at full acceptance the rounds run back to back.
+    first_test = -(-(max_new - 1) // min(N, spec.steps + 1))
+    rounds, round_seconds = 0, 0.0
+    bar = _progress(progress, max_new, "speculative")
+    while rounds < first_test or bool((count < max_new).any()):  # the host sync, from round first_test on
+        rounds += 1
+        if bar is not None:
+            bar.update(int(count.clamp(max=max_new).min()) - bar.n)
+        run_round()
+        if graphs == "round" and timer.enabled and timer.mode == "events" and dev.type == "cuda":
+            timer.after_replay()  # (a sync a round: only in this timed mode)
+            round_seconds += round_events[0].elapsed_time(round_events[1]) / 1e3
     if bar is not None:
         bar.close()
     if dev.type == "cuda":
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start
-    setup = _setup_seconds(timer, dict(target=[verify_fwd], draft=[draft_fwd, catch_up_fwd], fc=[fc_rows])
-                           if graphs else {})
+    if graphs == "steps":
+        setup = _setup_seconds(timer, dict(target=[verify_fwd], draft=[draft_fwd, catch_up_fwd], fc=[fc_rows]))
+    else:
+        setup = run_round.setup_seconds if graphs == "round" else 0.0
     stats = DecodeStats(tokens=B * max_new, seconds=seconds, rounds=rounds, accept_hist=hist.tolist(),
                         times=dict(timer.times), prefill_seconds=prefill_seconds,
-                        prefill_times=prefill_times, batch=B, setup_seconds=setup)
+                        prefill_times=prefill_times, batch=B, setup_seconds=setup, round_seconds=round_seconds)
     return out[:, :max_new], stats

@@ -1,4 +1,5 @@
-"""Static-shape steps of the decode loop under CUDA graphs (decode, verify, draft, catch-up).
+"""Static-shape steps of the decode loop under CUDA graphs: per step (StepGraph: decode, verify, draft,
+catch-up) or a whole speculative round at once (RoundGraph).
 
 A StepGraph wraps one step function of tensors. Its first call allocates static copies of the inputs; on CUDA
 it warms the function up on a side stream and captures it into a CUDA graph (every StepGraph of a run shares
@@ -90,9 +91,70 @@ class StepGraph:
             self.static_out = self.fn(*self.static_in)
 
 
+class RoundGraph:
+    """A whole decode round in one CUDA graph: fn() reads and updates ``state`` (tensors) in place, and may
+    write scratch memory that the next real round overwrites before it reads it (the caches' rows past
+    prefix_lens). Every call is one round.
+
+    The first call warms fn up on a side stream with ``state`` saved before and restored after (so the
+    warm-up rounds leave the decode where it was), captures it, then replays it; that time is
+    setup_seconds. On the CPU the first call runs the same warm-up and restore (its time the setup_seconds),
+    then every call runs fn eagerly, so the CPU tests check that the warm-up leaves no trace.
+    """
+
+    def __init__(self, fn: Callable[[], None], state: list, pool=None, warmup: int = 2,
+                 on_warmup: Optional[Callable[[bool], None]] = None):
+        self.fn, self.state, self.pool, self.warmup = fn, state, pool, warmup
+        self.on_warmup = on_warmup  # called with True before the warm-up rounds, False after (e.g. timers off)
+        self.graph: Optional[torch.cuda.CUDAGraph] = None
+        self.ready = False
+        self.setup_seconds = 0.0
+        self.replays = 0
+
+    def _warm(self) -> None:
+        saved = [s.clone() for s in self.state]
+        if self.on_warmup:
+            self.on_warmup(True)
+        try:
+            for _ in range(self.warmup):
+                self.fn()
+        finally:
+            if self.on_warmup:
+                self.on_warmup(False)
+        for s, v in zip(self.state, saved):
+            s.copy_(v)
+
+    def __call__(self) -> None:
+        cuda = self.state[0].is_cuda
+        if not self.ready:
+            if cuda:
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                stream = torch.cuda.Stream()
+                stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(stream):
+                    self._warm()
+                torch.cuda.current_stream().wait_stream(stream)
+                self.graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(self.graph, pool=self.pool):
+                    self.fn()
+                torch.cuda.synchronize()
+                self.setup_seconds = time.perf_counter() - t0
+            else:
+                t0 = time.perf_counter()
+                self._warm()
+                self.setup_seconds = time.perf_counter() - t0
+            self.ready = True
+        if self.graph is not None:
+            self.graph.replay()
+            self.replays += 1
+        else:
+            self.fn()
+
+
 def new_pool(device) -> Optional[object]:
     """A graph memory pool for one run's steps (None on the CPU)."""
     return torch.cuda.graph_pool_handle() if torch.device(device).type == "cuda" else None
 
 
-__all__ = ["StepGraph", "new_pool"]
+__all__ = ["RoundGraph", "StepGraph", "new_pool"]
