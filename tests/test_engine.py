@@ -136,3 +136,15 @@ def test_sampled_speculative_keeps_the_target_distribution(request, which):
     df = int(big.sum())
     assert chi2 < df + 3.1 * (2 * df) ** 0.5, f"chi2 {chi2:.1f} with {df} degrees of freedom"
     assert sum(stats.accept_hist) > 0
+
+
+@pytest.mark.parametrize("K", [1, 2, 4])
+def test_top_logprobs_match_log_softmax_topk(K):
+    # the drafting's beam scores: top-k of the logits less their logsumexp, as log_softmax then topk gives
+    from eagle3_ops.engine.decode import _top_logprobs
+
+    x = torch.randn(3, 5, 1000, generator=torch.Generator().manual_seed(K)) * 4
+    lp, ids = _top_logprobs(x.to(torch.bfloat16), K)
+    ref_lp, ref_ids = torch.log_softmax(x.to(torch.bfloat16).float(), -1).topk(K, dim=-1)
+    assert lp.dtype == torch.float32 and lp.shape == (3, 5, K) and torch.equal(ids, ref_ids)
+    torch.testing.assert_close(lp, ref_lp, rtol=0, atol=2e-6)

@@ -280,6 +280,14 @@ def generate_plain(target, prompts: Tensor, max_new: int, *, temperature: float 
                             prefill_times=prefill_times, batch=B, setup_seconds=setup)
 
 
+def _top_logprobs(logits: Tensor, K: int) -> tuple[Tensor, Tensor]:
+    """The K largest log-probabilities of logits [..., V] and their ids, [..., K] each: the top-k of the logits
+    less their logsumexp (two reductions; no [..., V] log-softmax is written), a max for K = 1."""
+    x = logits.float()
+    top, ids = x.max(dim=-1, keepdim=True) if K == 1 else x.topk(K, dim=-1)
+    return top - torch.logsumexp(x, dim=-1, keepdim=True), ids
+
+
 def _draft_candidates(draft_step, last_logits: Tensor, g: Tensor, prefix_lens: Tensor, spec: SpecConfig,
                       timer: Timer, to_target_ids):
     """EAGLE-2/3 dynamic drafting: depth 0 = top-k of d_1's scores; each further step runs the drafter on
@@ -294,7 +302,7 @@ def _draft_candidates(draft_step, last_logits: Tensor, g: Tensor, prefix_lens: T
     draft_tokens = torch.zeros(B, S, M, dtype=torch.int64, device=dev)
     draft_scores = torch.full((B, S, M), float("-inf"), dtype=torch.float32, device=dev)
     draft_parents = torch.full((B, S, M), -1, dtype=torch.int64, device=dev)
-    top_lp, top_id = torch.log_softmax(last_logits.float(), -1).topk(K, dim=-1)  # [B, K]
+    top_lp, top_id = _top_logprobs(last_logits, K)  # [B, K]
     beam_tok = to_target_ids(top_id)
     draft_tokens[:, 0, :K], draft_scores[:, 0, :K] = beam_tok, top_lp
     beam_score, beam_cand = top_lp, torch.arange(K, device=dev).expand(B, K)
@@ -317,8 +325,7 @@ def _draft_candidates(draft_step, last_logits: Tensor, g: Tensor, prefix_lens: T
         with timer("draft"):
             logits, hidden = draft_step(blk_tok, blk_hidden.reshape(B * NB, H), positions,
                                         tree.dense_to_mask(blk_anc))
-        lp = torch.log_softmax(logits.view(B, NB, -1)[:, lo:lo + K].float(), -1)
-        lp_top, id_top = lp.topk(K, dim=-1)  # [B, K beams, K children]
+        lp_top, id_top = _top_logprobs(logits.view(B, NB, -1)[:, lo:lo + K], K)  # [B, K beams, K children]
         scores = (beam_score[:, :, None] + lp_top).reshape(B, M)
         cand_tok = to_target_ids(id_top).reshape(B, M)
         draft_tokens[:, s], draft_scores[:, s] = cand_tok, scores
