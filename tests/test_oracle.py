@@ -88,3 +88,28 @@ def test_oracle_draws_of_one_chain_are_independent(p):
         assert abs(keeps[0].float().mean() - p) < 0.03
         assert abs(both.float().mean() - p ** 2) < 0.03, k
         assert abs(all3.float().mean() - p ** 3) < 0.03, k
+
+
+def test_oracle_scores_rank_every_token_and_put_the_proposal_first():
+    class Stub:  # the wrapped drafter's forward: its hidden passes through, its scores are replaced
+        cfg = None
+
+        def forward(self, tokens, hidden, positions, kv, tree_mask):
+            return None, hidden
+
+    V = 5000
+    ref = torch.randint(0, V, (2, 40), generator=torch.Generator().manual_seed(7))
+    oracle = OracleDrafter(Stub(), ref, 0.5, V)
+    pos = torch.arange(3, 9).expand(2, 6)
+    hidden = torch.randn(12, 4)
+    logits, h = oracle.forward(None, hidden, pos, None, None)
+    assert h is hidden and logits.shape == (12, V) and logits.dtype == torch.float32
+    oracle.calls -= 1  # the draws the forward used
+    assert torch.equal(logits.argmax(-1), oracle.proposals(pos).reshape(-1))
+    others = logits.clone()
+    others.scatter_(1, logits.argmax(-1, keepdim=True), -1.0)
+    assert (logits.max(-1).values == 30.0).all() and (others.max(-1).values < 1).all()
+    for row in others:  # every other token a distinct score: a tree's candidates never tie
+        assert torch.unique(row).numel() == V
+    with pytest.raises(ValueError, match="vocab_size"):
+        OracleDrafter(None, ref, 0.5, 2**25)
