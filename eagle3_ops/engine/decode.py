@@ -530,7 +530,8 @@ def _generate_speculative(target, drafter, prompts, max_new, spec, aux_ids, page
             bar.update(int(count.clamp(max=max_new).min()) - bar.n)
         run_round()
         if graphs == "round" and timer.enabled and timer.mode == "events" and dev.type == "cuda":
-            timer.after_replay()  # (a sync a round: only in this timed mode)
+            round_events[1].synchronize()  # (a sync a round: only in this timed mode)
+            timer.after_replay()
             round_seconds += round_events[0].elapsed_time(round_events[1]) / 1e3
     if bar is not None:
         bar.close()
