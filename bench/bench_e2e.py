@@ -144,6 +144,36 @@ def forward_profile(target, prompts: Tensor, Ns, aux_ids, device: str, graphs: b
     return out
 
 
+def _bytes(params) -> int:
+    return sum(t.numel() * t.element_size() for t in params)
+
+
+def step_floor_bytes(target, drafter, B: int, prefix: int, N: int, draft_forwards: int) -> dict:
+    """The bytes a step must read at least (its roofline floor is that over the copy bandwidth): the target's
+    weights (routed experts: the expected distinct ones for B * N tokens under uniform top-k routing, E (1 -
+    (1 - k / E)^T), an estimate) and its latent cache over the prefix; per drafter forward its weights (fc
+    and the embedding apart) and its K / V over the prefix; the fc once a round. Activations are left out."""
+    from eagle3_ops.models.target import Experts
+
+    cfg = target.cfg
+    esize = target.lm_head.weight.element_size()  # the caches' element (the model's dtype)
+    experts = [m for m in target.modules() if isinstance(m, Experts)]
+    expert_ids = {id(p) for m in experts for p in m.parameters()}
+    dense = _bytes(p for n, p in target.named_parameters() if id(p) not in expert_ids and "embed_tokens" not in n)
+    routed = _bytes(p for m in experts for p in m.parameters())  # all layers' stacks
+
+    def target_bytes(T: int) -> float:
+        E, k = cfg.n_routed_experts, cfg.num_experts_per_tok
+        used = E * (1 - (1 - k / E) ** T) if E else 0.0
+        return dense + (routed * used / E if E else 0) + cfg.num_layers * B * prefix * cfg.kv_dim * esize
+
+    dc = drafter.cfg
+    d_weights = _bytes(p for n, p in drafter.named_parameters() if "embed_tokens" not in n and not n.startswith("fc."))
+    d_kv = B * prefix * 2 * dc.num_kv_heads * dc.head_dim * esize
+    fc = _bytes([drafter.fc.weight])
+    return dict(plain=target_bytes(B), spec=target_bytes(B * N) + draft_forwards * (d_weights + d_kv) + fc)
+
+
 def _first_diff(a: Tensor, b: Tensor):
     """The first (request, token) where a and b differ, or None."""
     d = (a != b).nonzero()
@@ -186,6 +216,12 @@ def run(args) -> list[dict]:
     from eagle3_ops.models.config import TargetConfig
 
     dtype = getattr(torch, args.dtype)
+    copy_bw = None
+    if args.device.startswith("cuda"):  # the ceiling, measured in this run (before the models fill the memory)
+        from common import Ceilings
+
+        copy_bw = Ceilings.measure().copy_bw
+        print(f"copy ceiling {copy_bw / 1e12:.2f} TB/s (read + write), measured now", flush=True)
     target, drafter, _ = _load_pair(args.preset, args.device, dtype)  # synthesised (or the shipped byte-small)
     full_cfg = TargetConfig.from_preset(args.full)  # what the per-layer times are extrapolated to
     V = target.cfg.vocab_size
@@ -275,12 +311,22 @@ def run(args) -> list[dict]:
                             row["alone_step_ms"] = {k: v / max(fe.rounds, 1) * 1e3 for k, v in fparts.items()}
                             row["components_sum_ms"] = sum(row["alone_step_ms"].values())
                             row["step_over_components"] = row["step_ms"] / row["components_sum_ms"]
+                        if copy_bw:  # the roofline: the bytes a step must read over the copy bandwidth
+                            fb = step_floor_bytes(target, drafter, B, prefix, spec.num_tokens, spec.steps)
+                            row["copy_bw"] = copy_bw
+                            row["plain_floor_ms"] = fb["plain"] / copy_bw * 1e3
+                            row["spec_floor_ms"] = fb["spec"] / copy_bw * 1e3
+                            row["plain_floor_fraction"] = row["plain_floor_ms"] / (B / row["plain_tok_s"] * 1e3)
+                            row["spec_floor_fraction"] = row["spec_floor_ms"] / row["step_ms"]
                         row["forward_profile"] = profile
                         row["extrapolated"] = extrapolate(profile, full_cfg, row["step_ms"], row["accept_len"], B,
                                                          spec.num_tokens)
                         rows.append(row)
                         alone = (f"  step / components alone {row['step_over_components']:.2f}"
                                  if "step_over_components" in row else "")
+                        if "spec_floor_fraction" in row:
+                            alone += (f"  floor: step {100 * row['spec_floor_fraction']:.0f}%, plain "
+                                      f"{100 * row['plain_floor_fraction']:.0f}%")
                         print(f"  {name:<12} p {p:<4} glue {glue:<6} {row['spec_tok_s']:8.1f} tok/s "
                               f"{row['speedup']:5.2f}x  accept {row['accept_len']:.2f}  step {row['step_ms']:.2f} ms  "
                               f"glue {100 * row['glue_share']:.1f}%  identical {'yes' if row['identical'] else 'NO'}"

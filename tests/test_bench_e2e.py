@@ -25,3 +25,26 @@ def test_bench_e2e_runs_on_the_cpu(tmp_path):
         assert set(r["timed_step_ms"]) >= {"target", "draft", "build_tree", "verify", "kv_accept", "fc"}
     full = [r for r in data["rows"] if r["p"] == 1.0]
     assert all(r["accept_len"] > 3.0 for r in full)
+
+
+def test_step_floor_bytes_counts_weights_experts_and_caches():
+    # the roofline's bytes: a decode step reads the dense weights, about k of E experts a layer and the
+    # latent cache; a verify of more tokens reads more experts; the drafter's forwards and fc come on top
+    import bench_e2e
+    from eagle3_ops.models.config import DrafterConfig, TargetConfig
+    from eagle3_ops.models.drafter import Drafter
+    from eagle3_ops.models.target import Experts, Target
+
+    cfg = TargetConfig.from_preset("tiny")
+    target = Target.synthesize(cfg, seed=0)
+    drafter = Drafter.synthesize(DrafterConfig.for_target(cfg), target.model.embed_tokens, seed=1)
+    a = bench_e2e.step_floor_bytes(target, drafter, B=1, prefix=0, N=4, draft_forwards=3)
+    b = bench_e2e.step_floor_bytes(target, drafter, B=1, prefix=100, N=4, draft_forwards=3)
+    c = bench_e2e.step_floor_bytes(target, drafter, B=1, prefix=0, N=16, draft_forwards=3)
+    routed = sum(p.numel() * p.element_size() for m in target.modules() if isinstance(m, Experts)
+                 for p in m.parameters())
+    E, k = cfg.n_routed_experts, cfg.num_experts_per_tok
+    dense = sum(p.numel() * p.element_size() for n, p in target.named_parameters() if "embed_tokens" not in n) - routed
+    assert E > 0 and abs(a["plain"] - (dense + routed * (1 - (1 - k / E)) )) < 1
+    assert b["plain"] - a["plain"] == cfg.num_layers * 100 * cfg.kv_dim * target.lm_head.weight.element_size()
+    assert a["plain"] < a["spec"] < c["spec"]
