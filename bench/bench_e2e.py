@@ -255,14 +255,14 @@ def run(args) -> list[dict]:
                 for glue in args.glue:
                     ref = reference
                     for p in sorted(args.p, reverse=True):
-                        oracle = OracleDrafter(drafter, torch.cat([prompts, ref], 1), p, V)
+                        oracle = OracleDrafter(drafter, torch.cat([prompts, ref], 1), p, V, start=prefix - 1)
                         if p == max(args.p):  # warm-up at these shapes (compilations, allocator), once per spec/glue
                             generate_speculative(target, oracle, prompts, min(2 * spec.num_tokens, args.max_new),
                                                  spec, glue=glue, graphs=args.graphs)
                         passes = 0
                         while True:  # each run sees the oracle's same draws (its call count reset)
                             passes += 1
-                            oracle = OracleDrafter(drafter, torch.cat([prompts, ref], 1), p, V)
+                            oracle = OracleDrafter(drafter, torch.cat([prompts, ref], 1), p, V, start=prefix - 1)
                             out, st = generate_speculative(target, oracle, prompts, args.max_new, spec, glue=glue,
                                                            graphs=args.graphs)
                             converged = bool(torch.equal(out, ref))

@@ -58,7 +58,7 @@ def main(argv=None) -> int:
     prompts = torch.randint(0, V, (args.batch, args.prefix), generator=torch.Generator().manual_seed(1)).cuda()
     reference, _ = generate_plain(target, prompts, args.max_new, graphs=graphs)
     spec = SpecConfig(**SPECS[args.spec])
-    oracle = OracleDrafter(drafter, torch.cat([prompts, reference], 1), args.p, V)
+    oracle = OracleDrafter(drafter, torch.cat([prompts, reference], 1), args.p, V, start=args.prefix - 1)
     generate_speculative(target, oracle, prompts, args.max_new, spec, graphs=graphs)  # warm-up
 
     # (1) host syncs, by the line that caused them

@@ -166,7 +166,7 @@ def demo(args) -> int:
             raise SystemExit("--oracle needs greedy decoding (--temperature 0)")
         reference, _ = generate_plain(target, prompts, args.max_new)  # the answers the oracle reads
         drafter = OracleDrafter(drafter, torch.cat([prompts, reference], 1), args.oracle, target.cfg.vocab_size,
-                                args.seed)
+                                args.seed, start=prompts.shape[1] - 1)
         label += (f"\nORACLE drafter, p = {args.oracle}: it proposes the target's own greedy tokens, each corrupted "
                   f"with probability {1 - args.oracle:g}; the drafter's forwards run at their real cost, but the "
                   "acceptance is set by p, not by any trained drafter")

@@ -493,7 +493,7 @@ def _generate_speculative(target, drafter, prompts, max_new, spec, aux_ids, page
         idx = (count[:, None] + arangeN).clamp(max=max_new + N - 1)  # frozen requests write nothing
         keep = (arangeN[None] <= accept_len[:, None]) & active[:, None]
         out.scatter_(1, idx, torch.where(keep, emitted, out.gather(1, idx)))
-        hist.add_(torch.nn.functional.one_hot(accept_len.long() + 1, N + 1).mul(active[:, None]).sum(0))
+        hist.scatter_add_(0, accept_len.long() + 1, active.long())  # (one_hot reads the values on the CPU)
         count.add_(step)
         root.copy_(torch.where(active, emitted.gather(1, accept_len[:, None].long()).squeeze(1), root))
         # 6. catch-up: the drafter re-reads the accepted tokens with the target's features

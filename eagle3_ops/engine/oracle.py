@@ -9,8 +9,12 @@ steps accepts p + p^2 + ... + p^s tokens on average, and p = 0 is the adversaria
 proposal is rejected. Its acceptance says nothing about any real drafter: every output that uses it must say
 "oracle".
 
-The corruption draws are a hash of (request, position, the drafter's call count, seed) on the device: no
-host sync, and a new draw each time a position is proposed again.
+The draws (keep or corrupt, and the corrupting token) are drawn once, at construction, from a seeded
+generator into small tables indexed by (request, position, the drafter's call count mod a period): a
+forward reads them with a few gathers on the device (no host sync, capturable in a CUDA graph) and a
+position proposed again draws anew. The oracle's own work per forward stays a handful of kernels, so the
+drafter's measured forward time is the real drafter's (an earlier on-device integer hash took ~100 small
+kernels a forward).
 """
 
 from __future__ import annotations
@@ -18,29 +22,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-_TWO31 = 2**31
 _TWO24 = 2**24
-
-
-def _mix(h: Tensor) -> Tensor:
-    """A bijective non-linear scramble of int64 values in [0, 2^31) (xor-shifts between odd multiplies mod 2^31;
-    products stay below 2^62, so nothing overflows)."""
-    h = h ^ (h >> 15)
-    h = (h * 0x2C1B3C6D) % _TWO31
-    h = h ^ (h >> 12)
-    h = (h * 0x297A2D39) % _TWO31
-    return h ^ (h >> 15)
-
-
-def _uniform_hash(*parts: Tensor) -> Tensor:
-    """Deterministic pseudo-random int64 in [0, 2^31) per element, from small non-negative integer inputs.
-    Every input goes through the non-linear _mix: an affine hash (only multiplies and adds mod 2^31) gives
-    draws at (position + 1, calls + c) that are a fixed shift of the draws at (position, calls), so the
-    keep / corrupt draws of one chain's steps were strongly correlated (p = 0.47 never accepted two tokens)."""
-    h = torch.zeros_like(parts[0])
-    for i, p in enumerate(parts):
-        h = _mix((h + (p % _TWO31) * (2 * i + 1) + 0x5BD1E995) % _TWO31)
-    return _mix(h)
 
 
 class OracleDrafter:
@@ -57,11 +39,18 @@ class OracleDrafter:
     vocab_size : int
         The target's vocabulary (the oracle proposes target ids directly).
     seed : int
+        Of the draws.
+    start : int
+        The first position whose draws matter (the prompt's last, T0 - 1: the rows before it propose nothing
+        that is used); the draw tables cover positions start .. L + 1, B x (L - start + 2) x period entries.
+    period : int
+        Calls after which the draws repeat (a run's drafter forwards: prefill chunks, then a few a round).
     """
 
     label = "ORACLE drafter"
 
-    def __init__(self, drafter, reference: Tensor, p: float, vocab_size: int, seed: int = 0):
+    def __init__(self, drafter, reference: Tensor, p: float, vocab_size: int, seed: int = 0, start: int = 0,
+                 period: int = 512):
         if not 0.0 <= p <= 1.0:
             raise ValueError(f"p must be in [0, 1], got {p}")
         if not 2 <= vocab_size <= _TWO24:
@@ -69,10 +58,18 @@ class OracleDrafter:
                              f"{vocab_size}")
         if reference.dim() != 2 or reference.dtype != torch.int64:
             raise ValueError(f"reference must be [B, L] int64, got {tuple(reference.shape)} {reference.dtype}")
+        if not 0 <= start < reference.shape[1] or period < 1:
+            raise ValueError(f"start must be in [0, L = {reference.shape[1]}) and period >= 1, got {start}, {period}")
         self.drafter, self.reference, self.p, self.vocab_size, self.seed = drafter, reference, p, vocab_size, seed
         self.cfg = drafter.cfg if drafter is not None else None
         self.calls = torch.zeros((), dtype=torch.int64, device=reference.device)  # bumped in place (graph-safe)
-
+        # draws per (request, position start.. L + 1, call mod period); positions before start share start's
+        B, W = reference.shape[0], reference.shape[1] - start + 2
+        self.start, self.period = start, period
+        gen = torch.Generator().manual_seed(seed)
+        self._keep = (torch.rand(B, W * period, generator=gen) < p).to(reference.device)
+        self._shift = torch.randint(1, vocab_size, (B, W * period), generator=gen).to(reference.device)  # never 0
+        self._score = None  # [V] int64: the ids' scrambled scores (before each row's salt), made on first use
     def new_kv(self, *args, **kwargs):
         return self.drafter.new_kv(*args, **kwargs)
 
@@ -88,14 +85,11 @@ class OracleDrafter:
     def proposals(self, positions: Tensor) -> Tensor:
         """[B, n] positions -> [B, n] int64 target tokens: reference[b, i + 2], or with probability 1 - p
         another token."""
-        B, n = positions.shape
         L = self.reference.shape[1]
         want = self.reference.gather(1, (positions + 2).clamp(0, L - 1))
-        b = torch.arange(B, device=positions.device)[:, None].expand(B, n)
-        h = _uniform_hash(b, positions.long(), self.calls.expand(B, n), torch.full_like(b, self.seed))
-        keep = h.double() / _TWO31 < self.p
-        other = (want + 1 + _uniform_hash(h) % (self.vocab_size - 1)) % self.vocab_size  # never `want`
-        return torch.where(keep, want, other)
+        W = self._keep.shape[1] // self.period
+        idx = (positions - self.start).clamp(0, W - 1) * self.period + self.calls % self.period
+        return torch.where(self._keep.gather(1, idx), want, (want + self._shift.gather(1, idx)) % self.vocab_size)
 
     def forward(self, tokens: Tensor, hidden: Tensor, positions: Tensor, kv, tree_mask: Tensor):
         """The drafter's forward (its KV written, its hidden returned), scores replaced: logits [B * n, V] fp32,
@@ -106,9 +100,10 @@ class OracleDrafter:
         self.calls += 1
         # (id * odd + salt) mod 2^24 is a bijection of the ids: distinct values, exact in fp32 (a sin-based hash
         # took ~0.12 ms a call at 163840 ids on the H200, its large arguments on the slow path)
-        ids = torch.arange(self.vocab_size, device=pick.device, dtype=torch.int64)
+        if self._score is None or self._score.device != pick.device:
+            self._score = torch.arange(self.vocab_size, device=pick.device, dtype=torch.int64) * 2654435761 % _TWO24
         salt = positions.reshape(-1, 1).long() * 78233 + self.calls * 12347
-        logits = ((ids * 2654435761 + salt) % _TWO24).float() / _TWO24
+        logits = ((self._score + salt) % _TWO24).float() / _TWO24
         logits.scatter_(1, pick.reshape(-1, 1), 30.0)
         return logits, hidden
 
