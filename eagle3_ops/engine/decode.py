@@ -288,54 +288,83 @@ def _top_logprobs(logits: Tensor, K: int) -> tuple[Tensor, Tensor]:
     return top - torch.logsumexp(x, dim=-1, keepdim=True), ids
 
 
+class _Drafting:
+    """Drafting's buffers and constants, made once per run: build_tree's inputs (their slots no round writes
+    keep their fill), the draft block, and what does not change between rounds (the block's depths, its
+    identity, and for a chain its whole ancestor mask). Every round rewrites what it reads."""
+
+    def __init__(self, B: int, spec: SpecConfig, H: int, dtype: torch.dtype, dev):
+        K, S = spec.topk, spec.steps
+        M, NB = K * K, (S - 1) * K
+        self.tokens = torch.zeros(B, S, M, dtype=torch.int64, device=dev)
+        self.scores = torch.full((B, S, M), float("-inf"), dtype=torch.float32, device=dev)
+        self.parents = torch.full((B, S, M), -1, dtype=torch.int64, device=dev)
+        if K == 1:
+            self.parents[:, 1:, 0] = 0  # a chain: each depth's one candidate hangs from the one before
+        self.blk_tok = torch.zeros(B, max(NB, 1), dtype=torch.int64, device=dev)
+        self.blk_hidden = torch.zeros(B, max(NB, 1), H, dtype=dtype, device=dev)
+        self.depth = torch.arange(NB, device=dev) // K  # block row -> depth - 1
+        self.eye = torch.eye(NB, dtype=torch.bool, device=dev).expand(B, NB, NB)
+        self.blk_anc = self.eye.clone()
+        self.cand0 = torch.arange(K, device=dev).expand(B, K)
+        chain = torch.ones(NB, NB, dtype=torch.bool, device=dev).tril().expand(B, NB, NB)
+        self.chain_mask = tree.dense_to_mask(chain.contiguous()) if K == 1 and NB else None
+
+
 def _draft_candidates(draft_step, last_logits: Tensor, g: Tensor, prefix_lens: Tensor, spec: SpecConfig,
-                      timer: Timer, to_target_ids):
+                      timer: Timer, to_target_ids, d: _Drafting):
     """EAGLE-2/3 dynamic drafting: depth 0 = top-k of d_1's scores; each further step runs the drafter on
     the k beams and keeps the top-k of their k * k children by cumulative log-probability.
 
-    Returns build_tree's inputs: draft_tokens / draft_scores / draft_parents [B, S, M], M = topk**2.
-    The beams' KV sit in a draft block after the drafter's prefix; every step re-runs the whole block
-    (static shape) with an ancestor mask, so each row sees the prefix and its own ancestors only."""
+    Returns build_tree's inputs: draft_tokens / draft_scores / draft_parents [B, S, M], M = topk**2 (d's
+    buffers, rewritten each round). The beams' KV sit in a draft block after the drafter's prefix; every
+    step re-runs the whole block (static shape) with an ancestor mask, so each row sees the prefix and its
+    own ancestors only. A chain (topk 1) has no beams to choose: its mask and parents are constants."""
     B, K, S = last_logits.shape[0], spec.topk, spec.steps
-    M, dev = K * K, last_logits.device
-    H = g.shape[-1]
-    draft_tokens = torch.zeros(B, S, M, dtype=torch.int64, device=dev)
-    draft_scores = torch.full((B, S, M), float("-inf"), dtype=torch.float32, device=dev)
-    draft_parents = torch.full((B, S, M), -1, dtype=torch.int64, device=dev)
+    M, H = K * K, g.shape[-1]
     top_lp, top_id = _top_logprobs(last_logits, K)  # [B, K]
     beam_tok = to_target_ids(top_id)
-    draft_tokens[:, 0, :K], draft_scores[:, 0, :K] = beam_tok, top_lp
-    beam_score, beam_cand = top_lp, torch.arange(K, device=dev).expand(B, K)
-    beam_hidden = g[:, None, :].expand(B, K, H)
+    d.tokens[:, 0, :K], d.scores[:, 0, :K] = beam_tok, top_lp
     if S == 1:
-        return draft_tokens, draft_scores, draft_parents
+        return d.tokens, d.scores, d.parents
     NB = (S - 1) * K
-    blk_tok = torch.zeros(B, NB, dtype=torch.int64, device=dev)
-    blk_hidden = torch.zeros(B, NB, H, dtype=g.dtype, device=dev)
-    blk_anc = torch.eye(NB, dtype=torch.bool, device=dev).repeat(B, 1, 1)  # ancestor-or-self within the block
-    beam_slot = torch.full((B, K), -1, dtype=torch.int64, device=dev)  # block slot of each beam's parent
-    positions = prefix_lens[:, None].long() + torch.arange(NB, device=dev) // K  # depth-d node at n + d - 1
+    positions = prefix_lens[:, None].long() + d.depth  # depth-d node at n + d - 1
+    if K == 1:
+        score, hid = top_lp, g
+        for s in range(1, S):
+            d.blk_tok[:, s - 1:s], d.blk_hidden[:, s - 1] = beam_tok, hid
+            with timer("draft"):
+                logits, hidden = draft_step(d.blk_tok, d.blk_hidden.view(B * NB, H), positions, d.chain_mask)
+            lp, ids = _top_logprobs(logits.view(B, NB, -1)[:, s - 1], 1)  # [B, 1]
+            score = score + lp
+            beam_tok = to_target_ids(ids)
+            d.tokens[:, s, :1], d.scores[:, s, :1] = beam_tok, score
+            hid = hidden.view(B, NB, H)[:, s - 1]
+        return d.tokens, d.scores, d.parents
+    beam_score, beam_cand = top_lp, d.cand0
+    beam_hidden = g[:, None, :].expand(B, K, H)
+    d.blk_anc.copy_(d.eye)  # ancestor-or-self within the block
+    beam_slot = None  # block slot of each beam's parent (none at depth 1)
     for s in range(1, S):
         lo = (s - 1) * K
-        blk_tok[:, lo:lo + K], blk_hidden[:, lo:lo + K] = beam_tok, beam_hidden
-        has_parent = beam_slot >= 0
-        parent_rows = torch.gather(blk_anc, 1, beam_slot.clamp(min=0)[:, :, None].expand(B, K, NB))
-        blk_anc[:, lo:lo + K] = (parent_rows & has_parent[:, :, None]) | torch.eye(NB, dtype=torch.bool,
-                                                                                    device=dev)[lo:lo + K]
+        d.blk_tok[:, lo:lo + K], d.blk_hidden[:, lo:lo + K] = beam_tok, beam_hidden
+        if beam_slot is not None:
+            parent_rows = torch.gather(d.blk_anc, 1, beam_slot[:, :, None].expand(B, K, NB))
+            d.blk_anc[:, lo:lo + K] = parent_rows | d.eye[:, lo:lo + K]
         with timer("draft"):
-            logits, hidden = draft_step(blk_tok, blk_hidden.reshape(B * NB, H), positions,
-                                        tree.dense_to_mask(blk_anc))
+            logits, hidden = draft_step(d.blk_tok, d.blk_hidden.view(B * NB, H), positions,
+                                        tree.dense_to_mask(d.blk_anc))
         lp_top, id_top = _top_logprobs(logits.view(B, NB, -1)[:, lo:lo + K], K)  # [B, K beams, K children]
         scores = (beam_score[:, :, None] + lp_top).reshape(B, M)
         cand_tok = to_target_ids(id_top).reshape(B, M)
-        draft_tokens[:, s], draft_scores[:, s] = cand_tok, scores
-        draft_parents[:, s] = beam_cand[:, :, None].expand(B, K, K).reshape(B, M)
+        d.tokens[:, s], d.scores[:, s] = cand_tok, scores
+        d.parents[:, s] = beam_cand[:, :, None].expand(B, K, K).reshape(B, M)
         beam_score, beam_cand = scores.topk(K, dim=-1)
         beam_tok = cand_tok.gather(1, beam_cand)
         new_hidden = hidden.view(B, NB, H)[:, lo:lo + K]
         beam_hidden = new_hidden.gather(1, (beam_cand // K)[:, :, None].expand(B, K, H))
         beam_slot = lo + beam_cand // K
-    return draft_tokens, draft_scores, draft_parents
+    return d.tokens, d.scores, d.parents
 
 
 class _Eagle3Glue:
@@ -444,6 +473,7 @@ def _generate_speculative(target, drafter, prompts, max_new, spec, aux_ids, page
     aux = torch.empty(B * N, len(aux_ids) * H, dtype=dtype, device=dev)
     arangeN, rows_base = torch.arange(N, device=dev), torch.arange(B, device=dev)[:, None] * N
     chainN = _chain_mask(B, N, dev)
+    drafting = _Drafting(B, spec, g.shape[-1], g.dtype, dev)
 
     def verify_fwd(tokens, positions, mask):
         return target.forward(tokens, positions, tkv, mask, aux, aux_ids)
@@ -473,7 +503,8 @@ def _generate_speculative(target, drafter, prompts, max_new, spec, aux_ids, page
             round_events[0].record()
         active = count < max_new
         # 3-4. draft, build the tree, verify with capture
-        cand = _draft_candidates(draft_fwd, last_logits, g, dkv.prefix_lens, spec, timer, drafter.to_target_ids)
+        cand = _draft_candidates(draft_fwd, last_logits, g, dkv.prefix_lens, spec, timer, drafter.to_target_ids,
+                                 drafting)
         with timer("build_tree"):
             tokens, parents, positions, mask = g_ops.build_tree(root, *cand, tkv.prefix_lens, num_nodes=N)
         with timer("target"):
@@ -486,22 +517,24 @@ def _generate_speculative(target, drafter, prompts, max_new, spec, aux_ids, page
                                                                         temperature, seed, offset)
                 offset.add_(1)
         # 5. accept: compact the target's KV, emit, freeze finished requests
-        step = (accept_len.long() + 1) * active
+        al = accept_len.long()
+        emit = al + 1
+        step = emit * active
         with timer("kv_accept"):
             g_ops.kv_accept(tkv.caches, tkv.page_table, tkv.prefix_lens, accept_nodes, accept_len)
-            tkv.prefix_lens.sub_((accept_len + 1) * ~active)
+            tkv.prefix_lens.sub_(torch.where(active, 0, accept_len + 1))  # frozen requests: undone
         idx = (count[:, None] + arangeN).clamp(max=max_new + N - 1)  # frozen requests write nothing
         keep = (arangeN[None] <= accept_len[:, None]) & active[:, None]
         out.scatter_(1, idx, torch.where(keep, emitted, out.gather(1, idx)))
-        hist.scatter_add_(0, accept_len.long() + 1, active.long())  # (one_hot reads the values on the CPU)
+        hist.scatter_add_(0, emit, active.long())  # (one_hot would read the values on the host)
         count.add_(step)
-        root.copy_(torch.where(active, emitted.gather(1, accept_len[:, None].long()).squeeze(1), root))
+        root.copy_(torch.where(active, emitted.gather(1, al[:, None]).squeeze(1), root))
         # 6. catch-up: the drafter re-reads the accepted tokens with the target's features
         with timer("fc"):
             hidden = fc_rows((rows_base + accept_nodes.clamp(min=0)).view(-1))
         with timer("draft"):
             logits, hidden = catch_up_fwd(emitted.clamp(min=0), hidden, dkv.prefix_lens[:, None].long() + arangeN)
-        pick = accept_len.long()[:, None, None]
+        pick = al[:, None, None]
         last_logits.copy_(torch.where(active[:, None], logits.view(B, N, -1).gather(
             1, pick.expand(B, 1, logits.shape[-1])).squeeze(1), last_logits))
         g.copy_(torch.where(active[:, None], hidden.view(B, N, -1).gather(1, pick.expand(B, 1, hidden.shape[-1]))
