@@ -113,3 +113,21 @@ def test_oracle_scores_rank_every_token_and_put_the_proposal_first():
         assert torch.unique(row).numel() == V
     with pytest.raises(ValueError, match="vocab_size"):
         OracleDrafter(None, ref, 0.5, 2**25)
+
+
+@pytest.mark.parametrize("spec, T0, max_new", [(SpecConfig(steps=3, topk=1, num_tokens=4), 13, 14),
+                                               (SpecConfig(steps=4, topk=4, num_tokens=16), 12, 16),
+                                               (SpecConfig(steps=3, topk=2, num_tokens=6), 9, 23)])
+def test_a_request_done_early_keeps_its_writes_inside_its_cache(pair, spec, T0, max_new):
+    # Request 0's drafts are always right, so it stops early and past max_new (the last round's whole
+    # chain); request 1's are always wrong, so rounds go on and still write request 0's verify rows past its
+    # final prefix. The caches must have room for them (they once did not: a page index out of range).
+    target, drafter, _, _ = pair
+    prompts = torch.randint(0, CFG.vocab_size, (2, T0), generator=torch.Generator().manual_seed(2))
+    plain, _ = generate_plain(target, prompts, max_new + 10)
+    ref = plain.clone()
+    ref[1] = (ref[1] + 7) % CFG.vocab_size
+    oracle = OracleDrafter(drafter, torch.cat([prompts, ref], 1), 1.0, CFG.vocab_size)
+    out, stats = generate_speculative(target, oracle, prompts, max_new, spec)
+    assert torch.equal(out, plain[:, :max_new])
+    assert stats.accept_hist[1] >= max_new - 2  # request 1 went on alone, one token a round

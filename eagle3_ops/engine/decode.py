@@ -433,7 +433,10 @@ def _generate_speculative(target, drafter, prompts, max_new, spec, aux_ids, page
     H, dtype = target.cfg.hidden_size, target.model.embed_tokens.weight.dtype
     start = time.perf_counter()
     block = (spec.steps - 1) * spec.topk
-    cap = T0 + max_new + N + 1
+    # A request stops with count <= max_new - 1 + E (a round emits at most E = min(N, steps + 1) tokens) and its
+    # prefix = T0 + count - 1; while others go on, every round still writes its N verify rows (and the drafter
+    # its rows) past that prefix: room for T0 + max_new + E + N - 2 positions
+    cap = T0 + max_new + N + min(N, spec.steps + 1)
     tkv = target.new_kv(B, cap, page_size=page_size, device=dev)
     dkv = drafter.new_kv(B, cap + block, page_size=page_size, device=dev)
     gen = torch.Generator(device=dev).manual_seed(spec.seed) if spec.temperature > 0 else None
