@@ -13,7 +13,7 @@ CUDA events around each component (the breakdown: each component's span on the d
 and at p = 1 one run with each component fenced by device syncs (each alone: the "no hidden overhead"
 check). Every speculative run's tokens are compared with the plain run's ("identical"): in bf16 they can
 differ at near-ties unless --batch-invariant (Target.batch_invariant_rows, a correctness mode, not a speed
-figure); --fixpoint K then gives the oracle the fast path's own p = 1 output as its reference.
+figure); --fixpoint K then gives the oracle each run's own output as its reference (a fixed point per glue and p).
 
 Eager unless --graphs: then each speculative round is one CUDA graph (engine/graphs.RoundGraph; the
 breakdown from CUDA events recorded inside it) and each plain step another; the components-alone run uses
@@ -411,7 +411,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new", type=int, default=61)
     ap.add_argument("--batch-invariant", action="store_true")
     ap.add_argument("--fixpoint", type=int, default=0, metavar="K",
-                    help="the oracle's reference: the p = 1 run's own output, iterated up to K passes (0: plain's)")
+                    help="the oracle's reference per (glue, p): from plain greedy's (and down from the higher p's), "
+                         "replaced by the run's own output until they agree, at most K runs (0 or 1: plain's)")
     ap.add_argument("--fenced-all", action="store_true",
                     help="the components-alone (fenced) run at every p, not only p = 1")
     ap.add_argument("--graphs", action="store_true",

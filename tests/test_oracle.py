@@ -131,3 +131,17 @@ def test_a_request_done_early_keeps_its_writes_inside_its_cache(pair, spec, T0, 
     out, stats = generate_speculative(target, oracle, prompts, max_new, spec)
     assert torch.equal(out, plain[:, :max_new])
     assert stats.accept_hist[1] >= max_new - 2  # request 1 went on alone, one token a round
+
+
+@pytest.mark.parametrize("mode", ["round", "steps"])
+def test_graph_warmups_leave_the_oracle_draws_alone(pair, mode):
+    # a round graph's warm-up rounds call the oracle; its call count (which indexes the draws) is restored
+    # after them, so a graphed run draws what the eager run draws: same acceptance, same rounds
+    target, drafter, prompts, plain = pair
+    spec = SpecConfig(steps=3, topk=1, num_tokens=4)
+    runs = []
+    for graphs in (False, mode):
+        oracle = OracleDrafter(drafter, torch.cat([prompts, plain], 1), 0.6, CFG.vocab_size)
+        out, st = generate_speculative(target, oracle, prompts, plain.shape[1], spec, graphs=graphs)
+        runs.append((out, st.accept_hist, st.rounds, int(oracle.calls)))
+    assert torch.equal(runs[0][0], runs[1][0]) and runs[0][1:] == runs[1][1:]

@@ -208,3 +208,27 @@ def test_graph_setup_is_taken_out_of_the_timer():
     assert total == 0.875 and dict(timer.times) == dict(target=0.75, draft=1.375, fc=0.5)
     off = Timer(enabled=False)
     assert decode._setup_seconds(off, dict(target=[Captured(0.25)])) == 0.25 and not off.times
+
+
+def test_timer_reads_only_the_latest_graphs_marks():
+    # after_replay adds the sections recorded inside the graph being replayed; a new capture (new_graph)
+    # drops an earlier graph's marks, so a Timer reused across runs does not count them again
+    class Ev:
+        def __init__(self, t):
+            self.t = t
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, other):
+            return other.t - self.t
+
+    timer = Timer(mode="events")
+    timer._graph_marks.append(("target", Ev(0.0), Ev(1.0)))  # as a capture records them (ms)
+    for _ in range(3):
+        timer.after_replay()
+    timer.new_graph()
+    timer._graph_marks.append(("target", Ev(0.0), Ev(2.0)))
+    for _ in range(3):
+        timer.after_replay()
+    assert abs(timer.times["target"] - 0.009) < 1e-12

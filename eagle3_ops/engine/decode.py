@@ -144,6 +144,10 @@ class Timer:
             torch.cuda.synchronize()
         self._times[name] += time.perf_counter() - t0
 
+    def new_graph(self) -> None:
+        """A new graph is being captured: the marks of an earlier one are no longer replayed."""
+        self._graph_marks.clear()
+
     def after_replay(self) -> None:
         """Add the sections recorded inside a captured graph, as its last replay timed them (waits for it)."""
         if self._graph_marks:
@@ -491,9 +495,9 @@ def _generate_speculative(target, drafter, prompts, max_new, spec, aux_ids, page
         return drafter.forward(tok, hidden, positions, dkv, chainN)
 
     if graphs == "steps":
-        pool = new_pool(dev)
-        verify_fwd, draft_fwd, fc_rows, catch_up_fwd = (StepGraph(f, pool) for f in (verify_fwd, draft_fwd, fc_rows,
-                                                                                         catch_up_fwd))
+        pool, keep = new_pool(dev), list(getattr(drafter, "graph_state", lambda: [])())
+        verify_fwd, fc_rows = StepGraph(verify_fwd, pool), StepGraph(fc_rows, pool)
+        draft_fwd, catch_up_fwd = StepGraph(draft_fwd, pool, state=keep), StepGraph(catch_up_fwd, pool, state=keep)
     round_events: list = []  # round mode with an events timer: the round's span, per replay
     timers = [timer]  # [the timer one_round uses]: none while a round graph warms up
 
@@ -502,6 +506,7 @@ def _generate_speculative(target, drafter, prompts, max_new, spec, aux_ids, page
         timer = timers[0]
         if (graphs == "round" and timer.enabled and timer.mode == "events" and dev.type == "cuda"
                 and torch.cuda.is_current_stream_capturing()):
+            timer.new_graph()
             round_events[:] = [torch.cuda.Event(enable_timing=True, external=True) for _ in range(2)]
             round_events[0].record()
         active = count < max_new
@@ -547,11 +552,14 @@ def _generate_speculative(target, drafter, prompts, max_new, spec, aux_ids, page
             round_events[1].record()
 
     run_round = one_round
+    # what a graph's warm-up calls must leave as they found it: the loop's state and the drafter's own (an
+    # oracle's call count, say)
+    drafter_state = list(getattr(drafter, "graph_state", lambda: [])())
     if graphs == "round":
-        if timer.enabled and timer.mode == "fence":
+        if timer.enabled and timer.mode == "fence" and dev.type == "cuda":
             raise ValueError("a fenced Timer cannot time inside a round graph: use graphs='steps'")
         run_round = RoundGraph(one_round, [out, count, hist, root, last_logits, g, offset, tkv.prefix_lens,
-                                           dkv.prefix_lens], new_pool(dev),
+                                           dkv.prefix_lens] + drafter_state, new_pool(dev),
                                on_warmup=lambda on: timers.__setitem__(0, Timer(enabled=False) if on else timer))
     # The stop test syncs the host, which then waits for the round to finish before it launches the next one
     # (and the device idles while it does). No request can be done before `first_test` rounds (a round emits at

@@ -37,10 +37,13 @@ class StepGraph:
         A CUDA graph memory pool handle shared with the other steps (torch.cuda.graph_pool_handle()).
     warmup : int
         Eager calls on a side stream before the capture (compilations, allocator).
+    state : list of Tensor, optional
+        Tensors fn updates in place (a drafter's call count): saved before the warm-up calls, restored after.
     """
 
-    def __init__(self, fn: Callable, pool=None, warmup: int = 2):
+    def __init__(self, fn: Callable, pool=None, warmup: int = 2, state: Optional[list] = None):
         self.fn, self.pool, self.warmup = fn, pool, warmup
+        self.state = state or []  # tensors fn updates in place that its warm-up calls must leave as found
         self.static_in: Optional[list[Tensor]] = None
         self.static_out = None
         self.graph: Optional[torch.cuda.CUDAGraph] = None
@@ -83,8 +86,11 @@ class StepGraph:
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
+            saved = [s.clone() for s in self.state]
             for _ in range(self.warmup):
                 self.fn(*self.static_in)
+            for s, v in zip(self.state, saved):
+                s.copy_(v)
         torch.cuda.current_stream().wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph, pool=self.pool):

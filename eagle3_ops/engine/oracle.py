@@ -70,6 +70,11 @@ class OracleDrafter:
         self._keep = (torch.rand(B, W * period, generator=gen) < p).to(reference.device)
         self._shift = torch.randint(1, vocab_size, (B, W * period), generator=gen).to(reference.device)  # never 0
         self._score = None  # [V] int64: the ids' scrambled scores (before each row's salt), made on first use
+    def graph_state(self) -> list:
+        """The tensors its forward updates in place (the call count): a CUDA graph's warm-up calls restore them,
+        so graphed and eager runs draw alike."""
+        return [self.calls]
+
     def new_kv(self, *args, **kwargs):
         return self.drafter.new_kv(*args, **kwargs)
 
