@@ -101,6 +101,11 @@ class OracleDrafter:
         the proposal at 30, every other token at a distinct pseudo-random value in [0, 1) (so a tree's other
         candidates are ranked, never tied, and a child scores strictly below its parent)."""
         _, hidden = self.drafter.forward(tokens, hidden, positions, kv, tree_mask)
+        return self.scores(positions), hidden
+
+    def scores(self, positions: Tensor) -> Tensor:
+        """The oracle's own work in a forward (its cost is none of the real drafter's): the scores [B * n, V]
+        for [B, n] positions, the call count bumped."""
         pick = self.proposals(positions)
         self.calls += 1
         # (id * odd + salt) mod 2^24 is a bijection of the ids: distinct values, exact in fp32 (a sin-based hash
@@ -110,7 +115,7 @@ class OracleDrafter:
         salt = positions.reshape(-1, 1).long() * 78233 + self.calls * 12347
         logits = ((self._score + salt) % _TWO24).float() / _TWO24
         logits.scatter_(1, pick.reshape(-1, 1), 30.0)
-        return logits, hidden
+        return logits
 
 
 __all__ = ["OracleDrafter"]
