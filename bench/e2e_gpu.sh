@@ -18,7 +18,7 @@ else
 fi
 export EAGLE3_BENCH_OUT="$OUT"
 # shellcheck disable=SC2086
-timeout "${E2E_TIMEOUT:-420}" python3 bench/bench_e2e.py --graphs ${E2E_ARGS:-} --json "$OUT/e2e.json" 2>&1 | tee "$OUT/e2e.log" \
+timeout "${E2E_TIMEOUT:-420}" python3 bench/bench_e2e.py --graphs ${E2E_ARGS:---batch 1 --prefix 4096 --fixpoint 3} --json "$OUT/e2e.json" 2>&1 | tee "$OUT/e2e.log" \
   | grep -vE "^\|" | tail -n 40
 bench_rc=$?
 echo "tests rc=$tests_rc bench rc=$bench_rc"
