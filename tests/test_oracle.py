@@ -27,6 +27,7 @@ def pair():
 
 @pytest.mark.parametrize("p, spec", [(1.0, SpecConfig(steps=3, topk=1, num_tokens=4)),
                                      (0.0, SpecConfig(steps=3, topk=1, num_tokens=4)),
+                                     (0.0, SpecConfig(steps=4, topk=4, num_tokens=16)),  # adversarial in a tree
                                      (0.6, SpecConfig(steps=3, topk=1, num_tokens=4)),
                                      (1.0, SpecConfig(steps=3, topk=2, num_tokens=6))])
 def test_oracle_controls_acceptance_and_stays_lossless(pair, p, spec):
@@ -145,3 +146,22 @@ def test_graph_warmups_leave_the_oracle_draws_alone(pair, mode):
         out, st = generate_speculative(target, oracle, prompts, plain.shape[1], spec, graphs=graphs)
         runs.append((out, st.accept_hist, st.rounds, int(oracle.calls)))
     assert torch.equal(runs[0][0], runs[1][0]) and runs[0][1:] == runs[1][1:]
+
+
+def test_adversarial_oracle_ranks_the_right_token_last():
+    # p = 0: the proposal is wrong and, so that no branch of a tree can be accepted either, the right token
+    # (reference[i + 2]) scores below every other candidate
+    class Stub:
+        cfg = None
+
+        def forward(self, tokens, hidden, positions, kv, tree_mask):
+            return None, hidden
+
+    V = 3000
+    ref = torch.randint(0, V, (2, 30), generator=torch.Generator().manual_seed(9))
+    pos = torch.arange(4, 12).expand(2, 8)
+    want = ref.gather(1, pos + 2).reshape(-1)
+    for p, lowest in ((0.0, True), (0.5, False)):
+        logits, _ = OracleDrafter(Stub(), ref, p, V).forward(None, torch.zeros(16, 2), pos, None, None)
+        at_want = logits.gather(1, want[:, None]).squeeze(1)
+        assert bool((at_want == logits.min(-1).values).all()) == lowest

@@ -6,8 +6,8 @@ target's at i) and predicts x_{i+2}; the oracle proposes the token the target it
 from a reference sequence (the prompt plus the target's plain greedy continuation, so it knows the answer),
 corrupted with probability 1 - p into a different token. So under greedy verification a chain of s draft
 steps accepts p + p^2 + ... + p^s tokens on average, and p = 0 is the adversarial drafter whose every
-proposal is rejected. Its acceptance says nothing about any real drafter: every output that uses it must say
-"oracle".
+proposal is rejected (in a tree too: there the right token is its lowest-scored candidate). Its acceptance
+says nothing about any real drafter: every output that uses it must say "oracle".
 
 The draws (keep or corrupt, and the corrupting token) are drawn once, at construction, from a seeded
 generator into small tables indexed by (request, position, the drafter's call count mod a period): a
@@ -115,6 +115,10 @@ class OracleDrafter:
         salt = positions.reshape(-1, 1).long() * 78233 + self.calls * 12347
         logits = ((self._score + salt) % _TWO24).float() / _TWO24
         logits.scatter_(1, pick.reshape(-1, 1), 30.0)
+        if self.p == 0.0:  # the adversarial drafter: no candidate of a tree is ever the right token either
+            L = self.reference.shape[1]
+            want = self.reference.gather(1, (positions + 2).clamp(0, L - 1))
+            logits.scatter_(1, want.reshape(-1, 1), -1.0)
         return logits
 
 
