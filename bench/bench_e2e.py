@@ -225,7 +225,7 @@ def extrapolate(profile: dict, cfg_full, step_ms: float, accept_len: float, B: i
 
 
 def run(args) -> list[dict]:
-    from eagle3_ops.engine import SpecConfig, Timer, generate_plain, generate_speculative
+    from eagle3_ops.engine import PrefillCache, SpecConfig, Timer, generate_plain, generate_speculative
     from eagle3_ops.engine.oracle import OracleDrafter
 
     from eagle3_ops.cli import _load_pair
@@ -247,6 +247,9 @@ def run(args) -> list[dict]:
             g = torch.Generator(device="cpu").manual_seed(B * 100003 + prefix)
             prompts = torch.randint(0, V, (B, prefix), generator=g).to(args.device)
             specs = {k: SpecConfig(**v) for k, v in SPECS.items() if k in args.spec}
+            # one prefill per glue for every speculative run at this batch and prefix (the oracle's runs; the
+            # drafter's state after it does not depend on the spec or p)
+            caches = {glue: None if args.no_prefill_cache else PrefillCache() for glue in args.glue}
             target.batch_invariant_rows = B * max(s.num_tokens for s in specs.values()) if args.batch_invariant else 0
             generate_plain(target, prompts, min(4, args.max_new), graphs=args.graphs)  # warm-up (compiles, allocator)
             reference, plain = generate_plain(target, prompts, args.max_new, graphs=args.graphs)
@@ -274,13 +277,13 @@ def run(args) -> list[dict]:
                         oracle = OracleDrafter(drafter, torch.cat([prompts, ref], 1), p, V, start=prefix - 1)
                         if p == max(args.p):  # warm-up at these shapes (compilations, allocator), once per spec/glue
                             generate_speculative(target, oracle, prompts, min(2 * spec.num_tokens, args.max_new),
-                                                 spec, glue=glue, graphs=args.graphs)
+                                                 spec, glue=glue, graphs=args.graphs, prefill_cache=caches[glue])
                         passes = 0
                         while True:  # each run sees the oracle's same draws (its call count reset)
                             passes += 1
                             oracle = OracleDrafter(drafter, torch.cat([prompts, ref], 1), p, V, start=prefix - 1)
                             out, st = generate_speculative(target, oracle, prompts, args.max_new, spec, glue=glue,
-                                                           graphs=args.graphs)
+                                                           graphs=args.graphs, prefill_cache=caches[glue])
                             converged = bool(torch.equal(out, ref))
                             if converged or passes >= max(args.fixpoint, 1):
                                 break
@@ -291,7 +294,8 @@ def run(args) -> list[dict]:
                                    speedup=st.decode_tokens_per_s / max(plain.decode_tokens_per_s, 1e-12),
                                    accept_len=st.acceptance_length, rounds=st.rounds,
                                    step_ms=(st.seconds - st.prefill_seconds - st.setup_seconds) / steps * 1e3,
-                                   prefill_ms=st.prefill_seconds * 1e3, graph_setup_ms=st.setup_seconds * 1e3,
+                                   prefill_ms=(caches[glue] or st).prefill_seconds * 1e3,
+                                   graph_setup_ms=st.setup_seconds * 1e3,
                                    identical=bool(torch.equal(out, reference)), first_diff=_first_diff(out, reference),
                                    oracle_reference="plain" if ref is reference else "the run's own output",
                                    fixpoint_passes=passes, matches_oracle_reference=converged)
@@ -301,7 +305,7 @@ def run(args) -> list[dict]:
                         timer = Timer(device=args.device, mode="events")
                         oracle.calls.zero_()
                         _, ev = generate_speculative(target, oracle, prompts, args.max_new, spec, glue=glue,
-                                                     timer=timer, graphs=args.graphs)
+                                                     timer=timer, graphs=args.graphs, prefill_cache=caches[glue])
                         parts, decode_s = _decode_parts(ev)
                         # (round graphs: the rounds' span on the device; this run syncs after each to read them)
                         row["step_ms_events_run"] = (ev.round_seconds or decode_s) / max(ev.rounds, 1) * 1e3
@@ -329,8 +333,8 @@ def run(args) -> list[dict]:
                             fence = Timer(device=args.device, mode="fence")
                             oracle.calls.zero_()
                             _, fe = generate_speculative(target, oracle, prompts, args.max_new, spec, glue=glue,
-                                                         timer=fence,
-                                                         graphs="steps" if args.graphs else False)
+                                                         timer=fence, graphs="steps" if args.graphs else False,
+                                                         prefill_cache=caches[glue])
                             fparts, _ = _decode_parts(fe)
                             row["alone_step_ms"] = {k: v / max(fe.rounds, 1) * 1e3 for k, v in fparts.items()}
                             row["components_sum_ms"] = sum(row["alone_step_ms"].values())
@@ -440,6 +444,8 @@ def main(argv=None) -> int:
     ap.add_argument("--fixpoint", type=int, default=0, metavar="K",
                     help="the oracle's reference per (glue, p): from plain greedy's (and down from the higher p's), "
                          "replaced by the run's own output until they agree, at most K runs (0 or 1: plain's)")
+    ap.add_argument("--no-prefill-cache", action="store_true",
+                    help="every speculative run prefills (default: once per batch, prefix and glue; PrefillCache)")
     ap.add_argument("--fenced-all", action="store_true",
                     help="the components-alone (fenced) run at every p, not only p = 1")
     ap.add_argument("--graphs", action="store_true",

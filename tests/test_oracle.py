@@ -165,3 +165,35 @@ def test_adversarial_oracle_ranks_the_right_token_last():
         logits, _ = OracleDrafter(Stub(), ref, p, V).forward(None, torch.zeros(16, 2), pos, None, None)
         at_want = logits.gather(1, want[:, None]).squeeze(1)
         assert bool((at_want == logits.min(-1).values).all()) == lowest
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_runs_started_from_a_prefill_cache_are_the_runs_that_prefill(pair, graphs):
+    # PrefillCache: the first run prefills and keeps its state, later runs copy it in; the tokens, the
+    # acceptance and the oracle's draws (its call count) are those of runs that prefill themselves,
+    # whatever the spec (N, hence the caches' size) of the later runs
+    from eagle3_ops.engine import PrefillCache
+
+    target, drafter, prompts, plain = pair
+    ref = torch.cat([prompts, plain], 1)
+    cache = PrefillCache()
+    for spec in (SpecConfig(steps=3, topk=1, num_tokens=4), SpecConfig(steps=3, topk=2, num_tokens=6)):
+        for p in (0.6, 1.0):
+            runs = []
+            for c in (None, cache):
+                oracle = OracleDrafter(drafter, ref, p, CFG.vocab_size)
+                out, st = generate_speculative(target, oracle, prompts, 20, spec, graphs=graphs, prefill_cache=c)
+                runs.append((out, st.accept_hist, st.rounds, int(oracle.calls)))
+            assert torch.equal(runs[0][0], runs[1][0]) and runs[0][1:] == runs[1][1:]
+            assert torch.equal(runs[0][0], plain[:, :20])
+    assert cache.state is not None and cache.prefill_seconds > 0
+    with pytest.raises(ValueError, match="prefill_cache holds"):  # another drafter: another last score
+        generate_speculative(target, drafter, prompts, 4, prefill_cache=cache)
+    real_cache = PrefillCache()
+    real = [generate_speculative(target, drafter, prompts, 20, graphs=graphs, prefill_cache=c)
+            for c in (None, real_cache, real_cache)]
+    assert all(torch.equal(o, real[0][0]) and st.accept_hist == real[0][1].accept_hist for o, st in real)
+    with pytest.raises(ValueError, match="prefill_cache holds"):
+        generate_speculative(target, drafter, prompts, 4, glue="torch", prefill_cache=real_cache)
+    with pytest.raises(ValueError, match="prefill_cache holds"):
+        generate_speculative(target, drafter, prompts[:1], 4, prefill_cache=cache)

@@ -401,11 +401,32 @@ def _plain_capture(target, on: bool):
         target.plain_capture = old
 
 
+class PrefillCache:
+    """One prompt batch's speculative prefill, kept to start further runs from (a benchmark sweeping settings
+    over the same prompts pays the prefill once). The first generate_speculative given it prefills as usual
+    and keeps the caches' first T0 positions, the first token, and the drafter's last scores and hidden state;
+    later ones copy those into their own caches instead. Reuse it only with the same target, drafter weights,
+    prompts, aux ids and glue (the prompts' shape and the glue are checked). A drafter with
+    after_cached_prefill(chunks, positions) (the oracle: its scores follow its call count) gives its own
+    last scores for the restored state."""
+
+    def __init__(self):
+        self.state: Optional[dict] = None
+        self.prefill_seconds = 0.0  # of the run that prefilled
+
+
+def _cache_index(kv, T0: int) -> tuple[Tensor, Tensor]:
+    """(page, slot) [B, T0] of positions 0..T0-1 of every request."""
+    pos = torch.arange(T0, device=kv.page_table.device)
+    return kv.page_table.long()[:, pos // kv.page_size], (pos % kv.page_size).expand(kv.batch, T0)
+
+
 @torch.no_grad()
 def generate_speculative(target, drafter, prompts: Tensor, max_new: int, spec: SpecConfig = SpecConfig(), *,
                          aux_ids: Optional[Sequence[int]] = None, page_size: int = 16,
                          timer: Optional[Timer] = None, progress: bool = False,
-                         glue: str = "eagle3", graphs: bool | str = False) -> tuple[Tensor, DecodeStats]:
+                         glue: str = "eagle3", graphs: bool | str = False,
+                         prefill_cache: Optional[PrefillCache] = None) -> tuple[Tensor, DecodeStats]:
     """Speculative decoding (chain or tree, greedy or sampled). aux_ids: which target layers feed the
     drafter (ours, "output of layer k"; default the drafter's configured ids; eagle3_ops.wiring.diagnose
     passes miswirings here). glue: "eagle3" (torch.ops.eagle3) or "torch", the same loop with capture, fc,
@@ -414,7 +435,7 @@ def generate_speculative(target, drafter, prompts: Tensor, max_new: int, spec: S
     the bookkeeping and the catch-up) replayed as one CUDA graph, the host launching one graph a round
     (engine/graphs.RoundGraph); "steps", only the verify forward, each draft step and the catch-up's fc and
     forward replayed from graphs, the rest eager between them, as engines commonly run it (a fenced Timer
-    needs this mode or eager).
+    needs this mode or eager). prefill_cache: a PrefillCache to fill (first run) or start from (later runs).
     Returns (tokens [B, max_new] int64, stats)."""
     graphs = _graph_mode(graphs)
     _check_graphs(target, graphs)
@@ -423,11 +444,11 @@ def generate_speculative(target, drafter, prompts: Tensor, max_new: int, spec: S
         raise ValueError("glue='torch' has greedy verification only (temperature 0)")
     with _plain_capture(target, glue == "torch"):
         return _generate_speculative(target, drafter, prompts, max_new, spec, aux_ids, page_size, timer, progress,
-                                     g_ops, graphs)
+                                     g_ops, graphs, prefill_cache, glue)
 
 
 def _generate_speculative(target, drafter, prompts, max_new, spec, aux_ids, page_size, timer, progress, g_ops,
-                          graphs):
+                          graphs, prefill_cache=None, glue="eagle3"):
     B, T0 = prompts.shape
     N, dev = spec.num_tokens, prompts.device
     aux_ids = list(drafter.cfg.aux_ids if aux_ids is None else aux_ids)
@@ -451,26 +472,52 @@ def _generate_speculative(target, drafter, prompts, max_new, spec, aux_ids, page
     # 1-2. prefill with capture, then the drafter's extend on (embed(x_{i+1}), fc(F_i)), chunk by chunk (each
     # chunk's features go straight to the drafter: the capture buffer is one chunk's)
     chunks = _prefill_chunks(B, T0)
-    aux_chunk = torch.empty(B * chunks[0][1], len(aux_ids) * H, dtype=dtype, device=dev)
-    for s, n in chunks:
-        final = s + n == T0
-        positions = torch.arange(s, s + n, device=dev).expand(B, n)
-        aux = aux_chunk[:B * n]
-        with timer("target"):
-            logits = target.forward(prompts[:, s:s + n], positions, tkv, _chain_mask(B, n, dev), aux, aux_ids,
-                                    last_only=True)
-            tkv.advance(n)
-        if final:
-            root = _pick(logits, spec.temperature, gen)
-        nxt = torch.cat([prompts[:, s + 1:], root[:, None]], 1) if final else prompts[:, s + 1:s + n + 1]
-        with timer("fc"):
-            hidden = g_ops.project(drafter, aux)
-        with timer("draft"):
-            logits, hidden = drafter.forward(nxt, hidden, positions, dkv, _chain_mask(B, n, dev))
-            dkv.advance(n)
-    # the loop's state, updated in place each round (a round graph replays against these addresses)
-    last_logits = logits.view(B, n, -1)[:, -1].clone()
-    g = hidden.view(B, n, -1)[:, -1].clone()
+    cached = prefill_cache.state if prefill_cache is not None else None
+    if cached is not None:  # a kept prefill: its caches' rows, first token and drafter state copied in
+        kind = type(drafter).__name__
+        if cached["shape"] != (B, T0) or cached["glue"] != glue or cached["drafter_kind"] != kind:
+            raise ValueError(f"prefill_cache holds a prefill of prompts {cached['shape']} with glue "
+                             f"{cached['glue']!r} and a {cached['drafter_kind']}, not {(B, T0)} with {glue!r} and "
+                             f"a {kind}")
+        for kv, rows in ((tkv, cached["target"]), (dkv, cached["drafter"])):
+            page, slot = _cache_index(kv, T0)
+            for c, r in zip(kv.caches, rows):
+                c[page, slot] = r
+            kv.prefix_lens.fill_(T0)
+        root, g = cached["root"].clone(), cached["g"].clone()
+        hook = getattr(drafter, "after_cached_prefill", None)
+        last_logits = (hook(len(chunks), torch.full((B, 1), T0 - 1, dtype=torch.int64, device=dev)) if hook
+                       else cached["last_logits"].clone())
+    else:
+        aux_chunk = torch.empty(B * chunks[0][1], len(aux_ids) * H, dtype=dtype, device=dev)
+        for s, n in chunks:
+            final = s + n == T0
+            positions = torch.arange(s, s + n, device=dev).expand(B, n)
+            aux = aux_chunk[:B * n]
+            with timer("target"):
+                logits = target.forward(prompts[:, s:s + n], positions, tkv, _chain_mask(B, n, dev), aux, aux_ids,
+                                        last_only=True)
+                tkv.advance(n)
+            if final:
+                root = _pick(logits, spec.temperature, gen)
+            nxt = torch.cat([prompts[:, s + 1:], root[:, None]], 1) if final else prompts[:, s + 1:s + n + 1]
+            with timer("fc"):
+                hidden = g_ops.project(drafter, aux)
+            with timer("draft"):
+                logits, hidden = drafter.forward(nxt, hidden, positions, dkv, _chain_mask(B, n, dev))
+                dkv.advance(n)
+        # the loop's state, updated in place each round (a round graph replays against these addresses)
+        last_logits = logits.view(B, n, -1)[:, -1].clone()
+        g = hidden.view(B, n, -1)[:, -1].clone()
+        if prefill_cache is not None:
+            rows = {}
+            for name, kv in (("target", tkv), ("drafter", dkv)):
+                page, slot = _cache_index(kv, T0)
+                rows[name] = [c[page, slot] for c in kv.caches]
+            prefill_cache.state = dict(shape=(B, T0), glue=glue, drafter_kind=type(drafter).__name__,
+                                       root=root.clone(), g=g.clone(),
+                                       last_logits=last_logits.clone(), **rows)
+            prefill_cache.prefill_seconds = _elapsed(start, dev)
     prefill_seconds, prefill_times = _elapsed(start, dev), dict(timer.times)
 
     out = torch.full((B, max_new + N), -1, dtype=torch.int64, device=dev)

@@ -75,6 +75,13 @@ class OracleDrafter:
         so graphed and eager runs draw alike."""
         return [self.calls]
 
+    def after_cached_prefill(self, chunks: int, positions: Tensor) -> Tensor:
+        """A run started from a PrefillCache: the scores [B, V] the prefill's last forward would have given at
+        positions [B, 1], the call count left as after its `chunks` forwards (so the draws match a run that
+        prefilled)."""
+        self.calls += chunks - 1
+        return self.scores(positions)
+
     def new_kv(self, *args, **kwargs):
         return self.drafter.new_kv(*args, **kwargs)
 
