@@ -197,3 +197,17 @@ def test_runs_started_from_a_prefill_cache_are_the_runs_that_prefill(pair, graph
         generate_speculative(target, drafter, prompts, 4, glue="torch", prefill_cache=real_cache)
     with pytest.raises(ValueError, match="prefill_cache holds"):
         generate_speculative(target, drafter, prompts[:1], 4, prefill_cache=cache)
+
+
+def test_a_prefill_cache_refuses_other_prompts(pair):
+    from eagle3_ops.engine import PrefillCache
+
+    target, drafter, prompts, _ = pair
+    cache = PrefillCache()
+    generate_speculative(target, drafter, prompts, 4, prefill_cache=cache)
+    other = prompts.clone()
+    other[0, 0] = (other[0, 0] + 1) % CFG.vocab_size
+    before = other.clone()
+    with pytest.raises(ValueError, match="other prompts"):
+        generate_speculative(target, drafter, other, 4, prefill_cache=cache)
+    assert torch.equal(other, before) and cache.state["prompts"].equal(prompts)  # nothing of the caller's touched

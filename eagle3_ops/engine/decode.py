@@ -405,20 +405,14 @@ class PrefillCache:
     """One prompt batch's speculative prefill, kept to start further runs from (a benchmark sweeping settings
     over the same prompts pays the prefill once). The first generate_speculative given it prefills as usual
     and keeps the caches' first T0 positions, the first token, and the drafter's last scores and hidden state;
-    later ones copy those into their own caches instead. Reuse it only with the same target, drafter weights,
-    prompts, aux ids and glue (the prompts' shape and the glue are checked). A drafter with
+    later ones copy those into their own caches instead. Reuse it only with the same target, drafter weights
+    and aux ids (the prompts, the glue and the drafter's type are checked). A drafter with
     after_cached_prefill(chunks, positions) (the oracle: its scores follow its call count) gives its own
     last scores for the restored state."""
 
     def __init__(self):
         self.state: Optional[dict] = None
         self.prefill_seconds = 0.0  # of the run that prefilled
-
-
-def _cache_index(kv, T0: int) -> tuple[Tensor, Tensor]:
-    """(page, slot) [B, T0] of positions 0..T0-1 of every request."""
-    pos = torch.arange(T0, device=kv.page_table.device)
-    return kv.page_table.long()[:, pos // kv.page_size], (pos % kv.page_size).expand(kv.batch, T0)
 
 
 @torch.no_grad()
@@ -475,12 +469,14 @@ def _generate_speculative(target, drafter, prompts, max_new, spec, aux_ids, page
     cached = prefill_cache.state if prefill_cache is not None else None
     if cached is not None:  # a kept prefill: its caches' rows, first token and drafter state copied in
         kind = type(drafter).__name__
-        if cached["shape"] != (B, T0) or cached["glue"] != glue or cached["drafter_kind"] != kind:
-            raise ValueError(f"prefill_cache holds a prefill of prompts {cached['shape']} with glue "
+        if cached["prompts"].shape != prompts.shape or cached["glue"] != glue or cached["drafter_kind"] != kind:
+            raise ValueError(f"prefill_cache holds a prefill of prompts {tuple(cached['prompts'].shape)} with glue "
                              f"{cached['glue']!r} and a {cached['drafter_kind']}, not {(B, T0)} with {glue!r} and "
                              f"a {kind}")
+        if not torch.equal(cached["prompts"], prompts):  # (one host sync, before the decode)
+            raise ValueError("prefill_cache holds the prefill of other prompts (same shape, other tokens)")
         for kv, rows in ((tkv, cached["target"]), (dkv, cached["drafter"])):
-            page, slot = _cache_index(kv, T0)
+            page, slot = kv.index(torch.arange(T0, device=dev).expand(B, T0))
             for c, r in zip(kv.caches, rows):
                 c[page, slot] = r
             kv.prefix_lens.fill_(T0)
@@ -512,9 +508,9 @@ def _generate_speculative(target, drafter, prompts, max_new, spec, aux_ids, page
         if prefill_cache is not None:
             rows = {}
             for name, kv in (("target", tkv), ("drafter", dkv)):
-                page, slot = _cache_index(kv, T0)
+                page, slot = kv.index(torch.arange(T0, device=dev).expand(B, T0))
                 rows[name] = [c[page, slot] for c in kv.caches]
-            prefill_cache.state = dict(shape=(B, T0), glue=glue, drafter_kind=type(drafter).__name__,
+            prefill_cache.state = dict(prompts=prompts.clone(), glue=glue, drafter_kind=type(drafter).__name__,
                                        root=root.clone(), g=g.clone(),
                                        last_logits=last_logits.clone(), **rows)
             prefill_cache.prefill_seconds = _elapsed(start, dev)
@@ -541,10 +537,14 @@ def _generate_speculative(target, drafter, prompts, max_new, spec, aux_ids, page
     def catch_up_fwd(tok, hidden, positions):
         return drafter.forward(tok, hidden, positions, dkv, chainN)
 
+    # what a graph's warm-up calls must leave as they found it: besides the loop's state, the drafter's own (an
+    # oracle's call count, say)
+    drafter_state = list(getattr(drafter, "graph_state", lambda: [])())
     if graphs == "steps":
-        pool, keep = new_pool(dev), list(getattr(drafter, "graph_state", lambda: [])())
+        pool = new_pool(dev)
         verify_fwd, fc_rows = StepGraph(verify_fwd, pool), StepGraph(fc_rows, pool)
-        draft_fwd, catch_up_fwd = StepGraph(draft_fwd, pool, state=keep), StepGraph(catch_up_fwd, pool, state=keep)
+        draft_fwd = StepGraph(draft_fwd, pool, state=drafter_state)
+        catch_up_fwd = StepGraph(catch_up_fwd, pool, state=drafter_state)
     round_events: list = []  # round mode with an events timer: the round's span, per replay
     timers = [timer]  # [the timer one_round uses]: none while a round graph warms up
 
@@ -599,9 +599,6 @@ def _generate_speculative(target, drafter, prompts, max_new, spec, aux_ids, page
             round_events[1].record()
 
     run_round = one_round
-    # what a graph's warm-up calls must leave as they found it: the loop's state and the drafter's own (an
-    # oracle's call count, say)
-    drafter_state = list(getattr(drafter, "graph_state", lambda: [])())
     if graphs == "round":
         if timer.enabled and timer.mode == "fence" and dev.type == "cuda":
             raise ValueError("a fenced Timer cannot time inside a round graph: use graphs='steps'")

@@ -19,11 +19,20 @@ apart (DecodeStats.setup_seconds) rather than inside its steps.
 from __future__ import annotations
 
 import time
-
 from typing import Callable, Optional
 
 import torch
 from torch import Tensor
+
+
+def _warm_up(fn: Callable, args, times: int, state: list) -> None:
+    """fn(*args) `times` times, the tensors in ``state`` saved before and restored after (so the warm-up calls
+    leave what the run carries where it was)."""
+    saved = [s.clone() for s in state]
+    for _ in range(times):
+        fn(*args)
+    for s, v in zip(state, saved):
+        s.copy_(v)
 
 
 class StepGraph:
@@ -86,11 +95,7 @@ class StepGraph:
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            saved = [s.clone() for s in self.state]
-            for _ in range(self.warmup):
-                self.fn(*self.static_in)
-            for s, v in zip(self.state, saved):
-                s.copy_(v)
+            _warm_up(self.fn, self.static_in, self.warmup, self.state)
         torch.cuda.current_stream().wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph, pool=self.pool):
@@ -118,17 +123,13 @@ class RoundGraph:
         self.replays = 0
 
     def _warm(self) -> None:
-        saved = [s.clone() for s in self.state]
         if self.on_warmup:
             self.on_warmup(True)
         try:
-            for _ in range(self.warmup):
-                self.fn()
+            _warm_up(self.fn, (), self.warmup, self.state)
         finally:
             if self.on_warmup:
                 self.on_warmup(False)
-        for s, v in zip(self.state, saved):
-            s.copy_(v)
 
     def __call__(self) -> None:
         cuda = self.state[0].is_cuda

@@ -94,11 +94,14 @@ class OracleDrafter:
     def to_target_ids(self, ids: Tensor) -> Tensor:
         return ids  # the oracle's vocabulary is the target's
 
+    def _wanted(self, positions: Tensor) -> Tensor:
+        """[B, n] positions -> reference[b, i + 2], the token the target emits there."""
+        return self.reference.gather(1, (positions + 2).clamp(0, self.reference.shape[1] - 1))
+
     def proposals(self, positions: Tensor) -> Tensor:
         """[B, n] positions -> [B, n] int64 target tokens: reference[b, i + 2], or with probability 1 - p
         another token."""
-        L = self.reference.shape[1]
-        want = self.reference.gather(1, (positions + 2).clamp(0, L - 1))
+        want = self._wanted(positions)
         W = self._keep.shape[1] // self.period
         idx = (positions - self.start).clamp(0, W - 1) * self.period + self.calls % self.period
         return torch.where(self._keep.gather(1, idx), want, (want + self._shift.gather(1, idx)) % self.vocab_size)
@@ -123,9 +126,7 @@ class OracleDrafter:
         logits = ((self._score + salt) % _TWO24).float() / _TWO24
         logits.scatter_(1, pick.reshape(-1, 1), 30.0)
         if self.p == 0.0:  # the adversarial drafter: no candidate of a tree is ever the right token either
-            L = self.reference.shape[1]
-            want = self.reference.gather(1, (positions + 2).clamp(0, L - 1))
-            logits.scatter_(1, want.reshape(-1, 1), -1.0)
+            logits.scatter_(1, self._wanted(positions).reshape(-1, 1), -1.0)
         return logits
 
 

@@ -42,11 +42,14 @@ class PagedKV:
     def reset(self) -> None:
         self.prefix_lens.zero_()
 
-    def slots(self, nodes: Tensor) -> tuple[Tensor, Tensor]:
-        """(page, slot) of positions prefix_lens[b] + nodes[b, j]; nodes [B, N] int64."""
-        pos = self.prefix_lens[:, None].long() + nodes
+    def index(self, pos: Tensor) -> tuple[Tensor, Tensor]:
+        """(page, slot) of positions pos[b, j] of request b; pos [B, n] int64."""
         page = torch.gather(self.page_table.long(), 1, torch.div(pos, self.page_size, rounding_mode="floor"))
         return page, pos % self.page_size
+
+    def slots(self, nodes: Tensor) -> tuple[Tensor, Tensor]:
+        """(page, slot) of positions prefix_lens[b] + nodes[b, j]; nodes [B, N] int64."""
+        return self.index(self.prefix_lens[:, None].long() + nodes)
 
     def write(self, i: int, rows: Tensor, nodes: Optional[Tensor] = None) -> None:
         """caches[i] at positions prefix_lens[b] + nodes[b, j] <- rows[b, j]; rows [B, N, *row_shape],
