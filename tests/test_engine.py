@@ -141,7 +141,7 @@ def test_sampled_speculative_keeps_the_target_distribution(request, which):
 @pytest.mark.parametrize("K", [1, 2, 4])
 def test_top_logprobs_match_log_softmax_topk(K):
     # the drafting's beam scores: top-k of the logits less their logsumexp, as log_softmax then topk gives
-    from eagle3_ops.engine.decode import _top_logprobs
+    from eagle3_ops.engine.fused import top_logprobs as _top_logprobs
 
     x = torch.randn(3, 5, 1000, generator=torch.Generator().manual_seed(K)) * 4
     lp, ids = _top_logprobs(x.to(torch.bfloat16), K)

@@ -30,6 +30,7 @@ import torch
 from torch import Tensor
 
 from .. import ops, tree
+from . import fused
 from .graphs import RoundGraph, StepGraph, new_pool
 
 
@@ -284,14 +285,6 @@ def generate_plain(target, prompts: Tensor, max_new: int, *, temperature: float 
                             prefill_times=prefill_times, batch=B, setup_seconds=setup)
 
 
-def _top_logprobs(logits: Tensor, K: int) -> tuple[Tensor, Tensor]:
-    """The K largest log-probabilities of logits [..., V] and their ids, [..., K] each: the top-k of the logits
-    less their logsumexp (two reductions; no [..., V] log-softmax is written), a max for K = 1."""
-    x = logits.float()
-    top, ids = x.max(dim=-1, keepdim=True) if K == 1 else x.topk(K, dim=-1)
-    return top - torch.logsumexp(x, dim=-1, keepdim=True), ids
-
-
 class _Drafting:
     """Drafting's buffers and constants, made once per run: build_tree's inputs (their slots no round writes
     keep their fill), the draft block, and what does not change between rounds (the block's depths, its
@@ -326,7 +319,7 @@ def _draft_candidates(draft_step, last_logits: Tensor, g: Tensor, prefix_lens: T
     own ancestors only. A chain (topk 1) has no beams to choose: its mask and parents are constants."""
     B, K, S = last_logits.shape[0], spec.topk, spec.steps
     M, H = K * K, g.shape[-1]
-    top_lp, top_id = _top_logprobs(last_logits, K)  # [B, K]
+    top_lp, top_id = fused.top_logprobs(last_logits, K)  # [B, K]
     beam_tok = to_target_ids(top_id)
     d.tokens[:, 0, :K], d.scores[:, 0, :K] = beam_tok, top_lp
     if S == 1:
@@ -339,7 +332,7 @@ def _draft_candidates(draft_step, last_logits: Tensor, g: Tensor, prefix_lens: T
             d.blk_tok[:, s - 1:s], d.blk_hidden[:, s - 1] = beam_tok, hid
             with timer("draft"):
                 logits, hidden = draft_step(d.blk_tok, d.blk_hidden.view(B * NB, H), positions, d.chain_mask)
-            lp, ids = _top_logprobs(logits.view(B, NB, -1)[:, s - 1], 1)  # [B, 1]
+            lp, ids = fused.top_logprobs(logits.view(B, NB, -1)[:, s - 1], 1)  # [B, 1]
             score = score + lp
             beam_tok = to_target_ids(ids)
             d.tokens[:, s, :1], d.scores[:, s, :1] = beam_tok, score
@@ -358,7 +351,7 @@ def _draft_candidates(draft_step, last_logits: Tensor, g: Tensor, prefix_lens: T
         with timer("draft"):
             logits, hidden = draft_step(d.blk_tok, d.blk_hidden.view(B * NB, H), positions,
                                         tree.dense_to_mask(d.blk_anc))
-        lp_top, id_top = _top_logprobs(logits.view(B, NB, -1)[:, lo:lo + K], K)  # [B, K beams, K children]
+        lp_top, id_top = fused.top_logprobs(logits.view(B, NB, -1)[:, lo:lo + K], K)  # [B, K beams, K children]
         scores = (beam_score[:, :, None] + lp_top).reshape(B, M)
         cand_tok = to_target_ids(id_top).reshape(B, M)
         d.tokens[:, s], d.scores[:, s] = cand_tok, scores
@@ -521,7 +514,10 @@ def _generate_speculative(target, drafter, prompts, max_new, spec, aux_ids, page
     count = torch.ones(B, dtype=torch.int64, device=dev)
     hist = torch.zeros(N + 1, dtype=torch.int64, device=dev)
     aux = torch.empty(B * N, len(aux_ids) * H, dtype=dtype, device=dev)
-    arangeN, rows_base = torch.arange(N, device=dev), torch.arange(B, device=dev)[:, None] * N
+    # the catch-up's inputs, rewritten each round: aux rows, tokens, drafter positions, tokens emitted
+    cu_rows = torch.zeros(B * N, dtype=torch.int64, device=dev)
+    cu_tokens, cu_positions = (torch.zeros(B, N, dtype=torch.int64, device=dev) for _ in range(2))
+    cu_step = torch.zeros(B, dtype=torch.int32, device=dev)
     chainN = _chain_mask(B, N, dev)
     drafting = _Drafting(B, spec, g.shape[-1], g.dtype, dev)
 
@@ -556,7 +552,6 @@ def _generate_speculative(target, drafter, prompts, max_new, spec, aux_ids, page
             timer.new_graph()
             round_events[:] = [torch.cuda.Event(enable_timing=True, external=True) for _ in range(2)]
             round_events[0].record()
-        active = count < max_new
         # 3-4. draft, build the tree, verify with capture
         cand = _draft_candidates(draft_fwd, last_logits, g, dkv.prefix_lens, spec, timer, drafter.to_target_ids,
                                  drafting)
@@ -571,30 +566,17 @@ def _generate_speculative(target, drafter, prompts, max_new, spec, aux_ids, page
                 accept_nodes, accept_len, emitted = ops.verify_sampling(logits, None, None, tokens, parents,
                                                                         temperature, seed, offset)
                 offset.add_(1)
-        # 5. accept: compact the target's KV, emit, freeze finished requests
-        al = accept_len.long()
-        emit = al + 1
-        step = emit * active
+        # 5. accept: compact the target's KV, emit, freeze finished requests (fused.accept_update says how)
         with timer("kv_accept"):
             g_ops.kv_accept(tkv.caches, tkv.page_table, tkv.prefix_lens, accept_nodes, accept_len)
-            tkv.prefix_lens.sub_(torch.where(active, 0, accept_len + 1))  # frozen requests: undone
-        idx = (count[:, None] + arangeN).clamp(max=max_new + N - 1)  # frozen requests write nothing
-        keep = (arangeN[None] <= accept_len[:, None]) & active[:, None]
-        out.scatter_(1, idx, torch.where(keep, emitted, out.gather(1, idx)))
-        hist.scatter_add_(0, emit, active.long())  # (one_hot would read the values on the host)
-        count.add_(step)
-        root.copy_(torch.where(active, emitted.gather(1, al[:, None]).squeeze(1), root))
+        fused.accept_update(accept_nodes, accept_len, emitted, count, out, hist, root, tkv.prefix_lens,
+                            dkv.prefix_lens, max_new, cu_rows, cu_tokens, cu_positions, cu_step)
         # 6. catch-up: the drafter re-reads the accepted tokens with the target's features
         with timer("fc"):
-            hidden = fc_rows((rows_base + accept_nodes.clamp(min=0)).view(-1))
+            hidden = fc_rows(cu_rows)
         with timer("draft"):
-            logits, hidden = catch_up_fwd(emitted.clamp(min=0), hidden, dkv.prefix_lens[:, None].long() + arangeN)
-        pick = al[:, None, None]
-        last_logits.copy_(torch.where(active[:, None], logits.view(B, N, -1).gather(
-            1, pick.expand(B, 1, logits.shape[-1])).squeeze(1), last_logits))
-        g.copy_(torch.where(active[:, None], hidden.view(B, N, -1).gather(1, pick.expand(B, 1, hidden.shape[-1]))
-                            .squeeze(1), g))
-        dkv.advance(step.to(torch.int32))
+            logits, hidden = catch_up_fwd(cu_tokens, hidden, cu_positions)
+        fused.accept_finish(logits, hidden, last_logits, g, cu_step, dkv.prefix_lens)
         if round_events and torch.cuda.is_current_stream_capturing():
             round_events[1].record()
 

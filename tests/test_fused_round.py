@@ -1,0 +1,127 @@
+"""engine.fused: the decode loop's small steps as Triton kernels (triton_kernels/decode_round.py), held to the
+PyTorch code beside them (the specification) on fresh random states: Kimi's widths (163840 scores, 7168
+hidden), batch 1 and 8, chain and tree widths, finished (frozen) requests, ties, odd sizes, strided rows.
+Outputs are poisoned first. On the CPU the kernels run under TRITON_INTERPRET=1 (fp32 / fp16 only); the gpu
+test runs them in bf16 on the H200."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from eagle3_ops.engine import fused
+from tests.conftest import assert_equal, poison_
+
+# each test on the CPU (Triton's interpreter) and, marked gpu, on CUDA
+DEVS = [pytest.param("cpu", marks=pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                                    reason="Triton on the CPU needs TRITON_INTERPRET=1")),
+        pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+def _check_top(x, K):
+    lp, ids = fused.top_logprobs(x, K, impl="triton")
+    ref_lp, ref_ids = fused.top_logprobs(x, K, impl="torch")
+    assert lp.dtype == torch.float32 and ids.dtype == torch.int64 and lp.shape == ref_lp.shape
+    assert_equal(ids, ref_ids, "ids")
+    torch.testing.assert_close(lp, ref_lp, rtol=0, atol=2e-5)
+
+
+@pytest.mark.parametrize("dev", DEVS)
+@pytest.mark.parametrize("K", [1, 4])
+@pytest.mark.parametrize("shape", [(1, 163840), (3, 5, 1000), (2, 1), (4, 4097), (1, 4096)])
+def test_top_logprobs_triton_matches_torch(gen, dev, shape, K):
+    if shape[-1] < K:
+        pytest.skip("fewer scores than K")
+    for dtype in (torch.float32, torch.float16):
+        x = (torch.randn(*shape, generator=gen) * 4).to(dtype).to(dev)
+        _check_top(x, K)
+
+
+@pytest.mark.parametrize("dev", DEVS)
+def test_top_logprobs_ties_infinities_and_strided_rows(gen, dev):
+    x = torch.randn(2, 3, 9000, generator=gen)
+    x[0, 0] = 1.0  # all tied: id 0
+    x[0, 1, 8191] = x[0, 1, 4100] = x[0, 1, 9] = 50.0  # tied maxima in three chunks: the first
+    x[1, 0, :4096] = float("-inf")  # a chunk of -inf; and a row of a few finite values
+    x[1, 1] = float("-inf")
+    x[1, 1, 8999] = 2.0
+    x = x.to(dev)
+    _check_top(x, 1)
+    _check_top(x[:, 1], 1)  # a strided view [B, V] of [B, 3, V], as the chain's drafting reads one step's rows
+    lp, ids = fused.top_logprobs(x, 1, impl="triton")
+    assert ids[0, 0, 0] == 0 and ids[0, 1, 0] == 9 and ids[1, 1, 0] == 8999 and lp[1, 1, 0] == 0.0
+
+
+def _round_state(gen, B, N, max_new, frozen, dev):
+    """A verify's outputs and the loop's state as a round leaves them: accept_len in [0, N - 1] (the accepted
+    nodes a path of distinct increasing ids, -1 padded), emitted -1 padded, `frozen` requests already done."""
+    L = max_new + N
+    al = torch.randint(0, N, (B,), generator=gen)
+    nodes = torch.full((B, N), -1, dtype=torch.int32)
+    emitted = torch.full((B, N), -1, dtype=torch.int64)
+    for b in range(B):
+        path = torch.sort(torch.randperm(N - 1, generator=gen)[:int(al[b])] + 1).values if N > 1 else torch.zeros(0)
+        nodes[b, 0] = 0
+        nodes[b, 1:int(al[b]) + 1] = path.int()
+        emitted[b, :int(al[b]) + 1] = torch.randint(0, 163840, (int(al[b]) + 1,), generator=gen)
+    count = torch.randint(1, max_new, (B,), generator=gen)
+    count[frozen] = max_new + torch.randint(0, N, (len(frozen),), generator=gen)
+    out = torch.randint(-1, 163840, (B, L), generator=gen)
+    st = dict(accept_nodes=nodes, accept_len=al.int(), emitted=emitted, count=count, out=out,
+              hist=torch.randint(0, 5, (N + 1,), generator=gen), root=torch.randint(0, 163840, (B,), generator=gen),
+              tkv_prefix=torch.randint(4096, 4200, (B,), generator=gen).int(),
+              dkv_prefix=torch.randint(4096, 4200, (B,), generator=gen).int(), max_new=max_new,
+              rows=torch.empty(B * N, dtype=torch.int64), tokens=torch.empty(B, N, dtype=torch.int64),
+              positions=torch.empty(B, N, dtype=torch.int64), step=torch.empty(B, dtype=torch.int32))
+    return {k: (v.to(dev) if torch.is_tensor(v) else v) for k, v in st.items()}
+
+
+@pytest.mark.parametrize("dev", DEVS)
+@pytest.mark.parametrize("B,N,frozen", [(1, 4, []), (1, 1, []), (1, 16, [0]), (8, 4, [2, 5]), (8, 16, []),
+                                        (3, 7, [0, 1, 2])])
+def test_accept_update_triton_matches_torch(gen, dev, B, N, frozen):
+    for _ in range(3):
+        st = _round_state(gen, B, N, 61, frozen, dev)
+        mine = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in st.items()}
+        for k in ("rows", "tokens", "positions", "step"):
+            poison_(mine[k]), poison_(st[k])
+        fused.accept_update(**mine, impl="triton")
+        fused.accept_update(**st, impl="torch")
+        for k, v in st.items():
+            if torch.is_tensor(v):
+                assert_equal(mine[k], v, k)
+
+
+@pytest.mark.parametrize("dev", DEVS)
+@pytest.mark.parametrize("B,N,V,H,step", [(1, 4, 163840, 7168, [3]), (8, 4, 1000, 96, [1, 0, 4, 2, 0, 3, 1, 4]),
+                                          (2, 16, 4097, 7168, [16, 0]), (1, 1, 5, 3, [1])])
+def test_accept_finish_triton_matches_torch(gen, dev, B, N, V, H, step):
+    for dtype in (torch.float32, torch.float16) + ((torch.bfloat16,) if dev == "cuda" else ()):
+        logits = torch.randn(B * N, V, generator=gen).to(dtype).to(dev)
+        hidden = torch.randn(B * N, H, generator=gen).to(dtype).to(dev)
+        last, g = torch.randn(B, V, generator=gen).to(dtype).to(dev), torch.randn(B, H, generator=gen).to(dtype).to(dev)
+        st = torch.tensor(step, dtype=torch.int32, device=dev)
+        prefix = torch.randint(10, 4000, (B,), generator=gen).int().to(dev)
+        args = [logits, hidden, last.clone(), g.clone(), st, prefix.clone()]
+        ref = [logits, hidden, last.clone(), g.clone(), st, prefix.clone()]
+        fused.accept_finish(*args, impl="triton")
+        fused.accept_finish(*ref, impl="torch")
+        for name, a, r in zip(("last_logits", "g", "dkv_prefix"), args[2:4] + args[5:], ref[2:4] + ref[5:]):
+            assert_equal(a, r, name)
+
+
+def test_impl_is_checked():
+    with pytest.raises(ValueError, match="impl must be"):
+        fused.top_logprobs(torch.zeros(1, 4), 1, impl="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B", [1, 8])
+def test_gpu_top_logprobs_bf16(gen, B):
+    for V in (163840, 32000):
+        x = (torch.randn(B, 3, V, generator=gen) * 3).to(torch.bfloat16).cuda()
+        _check_top(x, 1)
+        _check_top(x[:, 1], 1)
+        _check_top(x, 4)
