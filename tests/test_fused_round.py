@@ -21,16 +21,18 @@ DEVS = [pytest.param("cpu", marks=pytest.mark.skipif(os.environ.get("TRITON_INTE
 
 
 def _check_top(x, K):
+    """The kernels against the torch path (values) and a stable descending sort (ids: the lower id first on
+    ties, where torch's topk leaves the order unspecified)."""
     lp, ids = fused.top_logprobs(x, K, impl="triton")
-    ref_lp, ref_ids = fused.top_logprobs(x, K, impl="torch")
+    ref_lp, _ = fused.top_logprobs(x, K, impl="torch")
     assert lp.dtype == torch.float32 and ids.dtype == torch.int64 and lp.shape == ref_lp.shape
-    assert_equal(ids, ref_ids, "ids")
+    assert_equal(ids, x.float().sort(dim=-1, descending=True, stable=True).indices[..., :K], "ids")
     torch.testing.assert_close(lp, ref_lp, rtol=0, atol=2e-5)
 
 
 @pytest.mark.parametrize("dev", DEVS)
-@pytest.mark.parametrize("K", [1, 4])
-@pytest.mark.parametrize("shape", [(1, 163840), (3, 5, 1000), (2, 1), (4, 4097), (1, 4096)])
+@pytest.mark.parametrize("K", [1, 4, 16])
+@pytest.mark.parametrize("shape", [(1, 163840), (3, 5, 1000), (2, 1), (4, 4097), (1, 4096), (2, 20)])
 def test_top_logprobs_triton_matches_torch(gen, dev, shape, K):
     if shape[-1] < K:
         pytest.skip("fewer scores than K")
@@ -48,10 +50,12 @@ def test_top_logprobs_ties_infinities_and_strided_rows(gen, dev):
     x[1, 1] = float("-inf")
     x[1, 1, 8999] = 2.0
     x = x.to(dev)
-    _check_top(x, 1)
-    _check_top(x[:, 1], 1)  # a strided view [B, V] of [B, 3, V], as the chain's drafting reads one step's rows
-    lp, ids = fused.top_logprobs(x, 1, impl="triton")
-    assert ids[0, 0, 0] == 0 and ids[0, 1, 0] == 9 and ids[1, 1, 0] == 8999 and lp[1, 1, 0] == 0.0
+    for K in (1, 3):
+        _check_top(x, K)
+        _check_top(x[:, 1], K)  # a strided view [B, V] of [B, 3, V], as the chain's drafting reads one step's rows
+    lp, ids = fused.top_logprobs(x, 3, impl="triton")
+    assert ids[0, 0].tolist() == [0, 1, 2] and ids[0, 1].tolist() == [9, 4100, 8191]
+    assert ids[1, 1, 0] == 8999 and lp[1, 1, 0] == 0.0 and ids[1, 1, 1:].tolist() == [0, 1]  # then -inf, lowest id
 
 
 def _round_state(gen, B, N, max_new, frozen, dev):
@@ -125,3 +129,29 @@ def test_gpu_top_logprobs_bf16(gen, B):
         _check_top(x, 1)
         _check_top(x[:, 1], 1)
         _check_top(x, 4)
+        _check_top(x.float(), 4)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="Triton on the CPU needs TRITON_INTERPRET=1")
+@pytest.mark.parametrize("steps,topk,num_tokens", [(3, 1, 4), (3, 2, 6), (2, 4, 8)])
+def test_loop_with_the_kernels_matches_the_loop_without(monkeypatch, steps, topk, num_tokens):
+    """The whole decode loop on a tiny pair, its small steps through the kernels (the interpreter) against
+    through PyTorch: the same tokens (plain greedy's), the same acceptance histogram and rounds."""
+    from eagle3_ops.engine import SpecConfig, generate_plain, generate_speculative
+    from eagle3_ops.models.config import DrafterConfig, TargetConfig
+    from eagle3_ops.models.drafter import Drafter
+    from eagle3_ops.models.target import Target
+
+    cfg = TargetConfig.from_preset("tiny")
+    target = Target.synthesize(cfg, 0, torch.float32).eval()
+    drafter = Drafter.synthesize(DrafterConfig.for_target(cfg), target.model.embed_tokens, 1, torch.float32).eval()
+    prompts = torch.randint(0, cfg.vocab_size, (3, 9), generator=torch.Generator().manual_seed(steps * topk))
+    spec = SpecConfig(steps, topk, num_tokens)
+    plain, _ = generate_plain(target, prompts, 17)
+    runs = []
+    for use in (False, True):
+        monkeypatch.setattr(fused, "_triton", lambda x, impl, use=use: use)
+        runs.append(generate_speculative(target, drafter, prompts, 17, spec))
+    (ref, ref_st), (mine, st) = runs
+    assert torch.equal(mine, plain) and torch.equal(ref, plain)
+    assert st.accept_hist == ref_st.accept_hist and st.rounds == ref_st.rounds

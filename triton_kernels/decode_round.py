@@ -4,9 +4,9 @@ A speculative round at batch 1 is a few large forwards and ~80 tiny kernels betw
 each tiny kernel still costs ~3 us of the device's time, so at Kimi width they were 4% of the step. These
 kernels replace the biggest groups:
 
-- top1_lse: the top-1 log-probability of a score row and its id (and the row's logsumexp) in one pass over
-  the row, split across programs (a 163840-wide row is 40 programs, then a one-program combine), where torch
-  runs max, then logsumexp as amax / sub / exp / sum / log / add.
+- topk_lse: the top-k log-probabilities of a score row and their ids (and the row's logsumexp) in one pass
+  over the row, split across programs (a 163840-wide row is 40 programs, then a one-program combine), where
+  torch runs topk (or max), then logsumexp as amax / sub / exp / sum / log / add, then a subtraction.
 - accept_update: after verify and kv_accept, one program per request: the emitted tokens into `out`, the
   acceptance histogram, the count, the next root, a finished request's target prefix undone, and the
   catch-up's inputs (fc rows, tokens, positions); ~25 kernels in torch.
@@ -24,62 +24,80 @@ import triton.language as tl
 from torch import Tensor
 
 _LSE_BLOCK = 4096
+_NO_ID: tl.constexpr = tl.constexpr(2**62)  # a candidate slot with no score left in its chunk
 
 
 @triton.jit
-def _top1_lse_partial(x, stride_x, V, part_m, part_s, part_i, SPLIT, BLOCK: tl.constexpr):
-    """Program (r, c): over x[r, c*BLOCK : (c+1)*BLOCK] in fp32, its max m, the first index of m, and
-    sum(exp(x - m)) -> part_*[r, c]."""
+def _topk_lse_partial(x, stride_x, V, part_v, part_i, part_m, part_s, SPLIT, K: tl.constexpr,
+                      BLOCK: tl.constexpr):
+    """Program (r, c): over x[r, c*BLOCK : (c+1)*BLOCK] in fp32, its K largest values and their ids (the lower
+    id first on ties), and its max m with sum(exp(x - m)) -> part_*[r, c]."""
     r, c = tl.program_id(0), tl.program_id(1)
-    cols = c * BLOCK + tl.arange(0, BLOCK)
+    j = tl.arange(0, BLOCK)
+    cols = c * BLOCK + j
     v = tl.load(x + r.to(tl.int64) * stride_x + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
     m = tl.max(v, axis=0)
-    i = tl.argmax(v, axis=0, tie_break_left=True)
-    s = tl.sum(tl.exp(v - tl.where(m == float("-inf"), 0.0, m)), axis=0)  # (a chunk all -inf: 0, not NaN)
-    o = r * SPLIT + c
-    tl.store(part_m + o, m)
-    tl.store(part_s + o, s)
-    tl.store(part_i + o, (c * BLOCK + i).to(tl.int64))
+    tl.store(part_m + r * SPLIT + c, m)
+    tl.store(part_s + r * SPLIT + c, tl.sum(tl.exp(v - tl.where(m == float("-inf"), 0.0, m)), axis=0))
+    o = (r * SPLIT + c) * K
+    taken = j < 0
+    for k in tl.static_range(K):  # K rounds of extract-the-max, in registers
+        w = tl.where(taken, float("-inf"), v)
+        top = tl.max(w, axis=0)
+        i = tl.min(tl.where((w == top) & ~taken & (cols < V), j, BLOCK), axis=0)  # BLOCK: none left
+        tl.store(part_v + o + k, top)
+        tl.store(part_i + o + k, tl.where(i == BLOCK, _NO_ID, (c * BLOCK + i).to(tl.int64)))
+        taken = taken | (j == i)
 
 
 @triton.jit
-def _top1_lse_combine(part_m, part_s, part_i, SPLIT, lp, ids, lse, SP: tl.constexpr):
-    """Program r: the row's max M (the first index holding it), lse = M + log(sum_c s_c exp(m_c - M)), and
-    the top-1 log-probability M - lse."""
+def _topk_lse_combine(part_v, part_i, part_m, part_s, SPLIT, lp, ids, lse, K: tl.constexpr, SP: tl.constexpr,
+                      SPK: tl.constexpr):
+    """Program r: the row's K largest of its chunks' candidates (the lower id first on ties), lse = M +
+    log(sum_c s_c exp(m_c - M)), and the K log-probabilities value - lse."""
     r = tl.program_id(0)
     c = tl.arange(0, SP)
-    ok = c < SPLIT
-    m = tl.load(part_m + r * SPLIT + c, mask=ok, other=float("-inf"))
-    s = tl.load(part_s + r * SPLIT + c, mask=ok, other=0.0)
-    i = tl.load(part_i + r * SPLIT + c, mask=ok, other=0)
+    m = tl.load(part_m + r * SPLIT + c, mask=c < SPLIT, other=float("-inf"))
+    s = tl.load(part_s + r * SPLIT + c, mask=c < SPLIT, other=0.0)
     M = tl.max(m, axis=0)
-    first = tl.min(tl.where(ok & (m == M), c, SP), axis=0)  # the first chunk holding M holds its first index
-    idx = tl.sum(tl.where(c == first, i, 0), axis=0)
-    total = tl.sum(s * tl.exp(m - tl.where(M == float("-inf"), 0.0, M)), axis=0)
-    L = M + tl.log(total)
+    L = M + tl.log(tl.sum(s * tl.exp(m - tl.where(M == float("-inf"), 0.0, M)), axis=0))
     tl.store(lse + r, L)
-    tl.store(lp + r, M - L)
-    tl.store(ids + r, idx)
+    q = tl.arange(0, SPK)
+    ok = q < SPLIT * K
+    v = tl.load(part_v + r * SPLIT * K + q, mask=ok, other=float("-inf"))
+    i = tl.load(part_i + r * SPLIT * K + q, mask=ok, other=_NO_ID)
+    taken = q < 0
+    for k in tl.static_range(K):
+        w = tl.where(taken, float("-inf"), v)
+        top = tl.max(w, axis=0)
+        at = (w == top) & ~taken
+        first = tl.min(tl.where(at, i, _NO_ID), axis=0)
+        tl.store(lp + r * K + k, top - L)
+        tl.store(ids + r * K + k, first)
+        taken = taken | (at & (i == first))
 
 
-def top1_lse(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """x [R, V] (float; its last dim contiguous) -> (top-1 log-probability [R] fp32, its id [R] int64 (the first
-    on ties), logsumexp [R] fp32), all in fp32 from x's values."""
+def topk_lse(x: Tensor, K: int) -> tuple[Tensor, Tensor, Tensor]:
+    """x [R, V] (float; its last dim contiguous), 1 <= K <= min(V, 16) -> (the K largest log-probabilities [R, K]
+    fp32 in descending order (the lower id first on ties), their ids [R, K] int64, logsumexp [R] fp32), all in
+    fp32 from x's values. Two launches: chunks of 4096 scores, then one program a row."""
     R, V = x.shape
     if x.stride(1) != 1:
         x = x.contiguous()
     split = triton.cdiv(V, _LSE_BLOCK)
-    part = torch.empty(3, R, split, dtype=torch.float32, device=x.device)
-    part_i = torch.empty(R, split, dtype=torch.int64, device=x.device)
-    lp = torch.empty(R, dtype=torch.float32, device=x.device)
-    ids = torch.empty(R, dtype=torch.int64, device=x.device)
-    lse = torch.empty(R, dtype=torch.float32, device=x.device)
+    dev = x.device
+    part_v = torch.empty(R, split, K, dtype=torch.float32, device=dev)
+    part_i = torch.empty(R, split, K, dtype=torch.int64, device=dev)
+    part_ms = torch.empty(2, R, split, dtype=torch.float32, device=dev)
+    lp = torch.empty(R, K, dtype=torch.float32, device=dev)
+    ids = torch.empty(R, K, dtype=torch.int64, device=dev)
+    lse = torch.empty(R, dtype=torch.float32, device=dev)
     if R == 0:
         return lp, ids, lse
-    _top1_lse_partial[(R, split)](x, x.stride(0), V, part[0], part[1], part_i, split, BLOCK=_LSE_BLOCK,
-                                  num_warps=8)
-    _top1_lse_combine[(R,)](part[0], part[1], part_i, split, lp, ids, lse, SP=triton.next_power_of_2(split),
-                            num_warps=1)
+    _topk_lse_partial[(R, split)](x, x.stride(0), V, part_v, part_i, part_ms[0], part_ms[1], split, K=K,
+                                  BLOCK=_LSE_BLOCK, num_warps=8)
+    _topk_lse_combine[(R,)](part_v, part_i, part_ms[0], part_ms[1], split, lp, ids, lse, K=K,
+                            SP=triton.next_power_of_2(split), SPK=triton.next_power_of_2(split * K), num_warps=1)
     return lp, ids, lse
 
 

@@ -301,8 +301,11 @@ class _Drafting:
         self.blk_tok = torch.zeros(B, max(NB, 1), dtype=torch.int64, device=dev)
         self.blk_hidden = torch.zeros(B, max(NB, 1), H, dtype=dtype, device=dev)
         self.depth = torch.arange(NB, device=dev) // K  # block row -> depth - 1
-        self.eye = torch.eye(NB, dtype=torch.bool, device=dev).expand(B, NB, NB)
-        self.blk_anc = self.eye.clone()
+        # the block's ancestor-or-self mask, kept packed (tree_attention's int32 words): a row is its parent's
+        # row with its own bit set
+        eye = torch.eye(max(NB, 1), dtype=torch.bool, device=dev).expand(B, -1, -1).contiguous()
+        self.eye_words = tree.dense_to_mask(eye)
+        self.blk_words = self.eye_words.clone()
         self.cand0 = torch.arange(K, device=dev).expand(B, K)
         chain = torch.ones(NB, NB, dtype=torch.bool, device=dev).tril().expand(B, NB, NB)
         self.chain_mask = tree.dense_to_mask(chain.contiguous()) if K == 1 and NB else None
@@ -340,17 +343,17 @@ def _draft_candidates(draft_step, last_logits: Tensor, g: Tensor, prefix_lens: T
         return d.tokens, d.scores, d.parents
     beam_score, beam_cand = top_lp, d.cand0
     beam_hidden = g[:, None, :].expand(B, K, H)
-    d.blk_anc.copy_(d.eye)  # ancestor-or-self within the block
+    d.blk_words.copy_(d.eye_words)  # ancestor-or-self within the block
     beam_slot = None  # block slot of each beam's parent (none at depth 1)
     for s in range(1, S):
         lo = (s - 1) * K
         d.blk_tok[:, lo:lo + K], d.blk_hidden[:, lo:lo + K] = beam_tok, beam_hidden
         if beam_slot is not None:
-            parent_rows = torch.gather(d.blk_anc, 1, beam_slot[:, :, None].expand(B, K, NB))
-            d.blk_anc[:, lo:lo + K] = parent_rows | d.eye[:, lo:lo + K]
+            W = d.blk_words.shape[-1]
+            parent_rows = torch.gather(d.blk_words, 1, beam_slot[:, :, None].expand(B, K, W))
+            d.blk_words[:, lo:lo + K] = parent_rows | d.eye_words[:, lo:lo + K]
         with timer("draft"):
-            logits, hidden = draft_step(d.blk_tok, d.blk_hidden.view(B * NB, H), positions,
-                                        tree.dense_to_mask(d.blk_anc))
+            logits, hidden = draft_step(d.blk_tok, d.blk_hidden.view(B * NB, H), positions, d.blk_words)
         lp_top, id_top = fused.top_logprobs(logits.view(B, NB, -1)[:, lo:lo + K], K)  # [B, K beams, K children]
         scores = (beam_score[:, :, None] + lp_top).reshape(B, M)
         cand_tok = to_target_ids(id_top).reshape(B, M)
@@ -358,9 +361,8 @@ def _draft_candidates(draft_step, last_logits: Tensor, g: Tensor, prefix_lens: T
         d.parents[:, s] = beam_cand[:, :, None].expand(B, K, K).reshape(B, M)
         beam_score, beam_cand = scores.topk(K, dim=-1)
         beam_tok = cand_tok.gather(1, beam_cand)
-        new_hidden = hidden.view(B, NB, H)[:, lo:lo + K]
-        beam_hidden = new_hidden.gather(1, (beam_cand // K)[:, :, None].expand(B, K, H))
-        beam_slot = lo + beam_cand // K
+        beam_slot = beam_cand // K + lo  # the block row of each new beam's parent
+        beam_hidden = hidden.view(B, NB, H).gather(1, beam_slot[:, :, None].expand(B, K, H))
     return d.tokens, d.scores, d.parents
 
 

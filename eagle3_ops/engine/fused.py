@@ -18,18 +18,13 @@ def _triton(x: Tensor, impl: str) -> bool:
 
 def top_logprobs(logits: Tensor, K: int, impl: str = "auto") -> tuple[Tensor, Tensor]:
     """The K largest log-probabilities of logits [..., V] and their ids, [..., K] each (fp32, int64), computed
-    in fp32: the top-k of the logits less their logsumexp (no [..., V] log-softmax is written); for K = 1 the
-    first id on ties."""
-    if _triton(logits, impl):
+    in fp32: the top-k of the logits less their logsumexp (no [..., V] log-softmax is written). The Triton
+    kernels (1 <= K <= 16) put the lower id first on ties; torch's topk leaves their order unspecified."""
+    if _triton(logits, impl) and 1 <= K <= min(16, logits.shape[-1]):
         from eagle3_ops.triton_kernels import decode_round
 
-        x = logits.reshape(-1, logits.shape[-1])
-        lp, ids, lse = decode_round.top1_lse(x)
-        shape = (*logits.shape[:-1], 1)
-        if K == 1:
-            return lp.view(shape), ids.view(shape)
-        top, ids = logits.float().topk(K, dim=-1)  # (as the reference: ties ordered alike)
-        return top - lse.view(shape), ids
+        lp, ids, _ = decode_round.topk_lse(logits.reshape(-1, logits.shape[-1]), K)
+        return lp.view(*logits.shape[:-1], K), ids.view(*logits.shape[:-1], K)
     x = logits.float()
     top, ids = x.max(dim=-1, keepdim=True) if K == 1 else x.topk(K, dim=-1)
     return top - torch.logsumexp(x, dim=-1, keepdim=True), ids
