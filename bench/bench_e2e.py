@@ -397,7 +397,7 @@ def plot(path: str) -> str:
         data = json.load(f)
     rows = data["rows"]
     panels = sorted({(r["batch"], r["prefix"]) for r in rows})
-    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
+    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.5), squeeze=False)
     for ax, (B, prefix) in zip(axes[0], panels):
         for spec in sorted({r["spec"] for r in rows}):
             for glue in sorted({r["glue"] for r in rows}):
@@ -416,7 +416,7 @@ def plot(path: str) -> str:
                                   "layers)")
         ax.axhline(1.0, color="gray", lw=0.8)
         ax.set_title(f"B {B}, prefix {prefix} (ORACLE drafter)")
-        ax.set_xlabel("p (oracle proposal correct); numbers: measured acceptance length")
+        ax.set_xlabel("p (oracle proposal correct)\nnumbers: measured acceptance length")
         ax.set_ylabel("speculative / plain decode tok/s")
         ax.legend(fontsize=7)
     fig.suptitle(f"{data.get('preset')}, {data.get('dtype')}, {'eager' if data.get('eager') else 'CUDA graphs'}, "
