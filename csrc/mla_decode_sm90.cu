@@ -7,7 +7,7 @@
 // Work decomposition (as the Triton kernels): a block owns 64 query rows - (node, head) pairs, node-major,
 // so at Kimi's 64 heads one block is one tree node's heads - of one request, and one split of its prefix
 // (whole 64-key tiles); the last split also takes the N tree keys at prefix + node, masked by the ancestor
-// bits. With more than one split each block writes a normalised partial (in q's dtype) and its log2-sum-exp2 (fp32).
+// bits. With more than one split each block writes a normalised fp32 partial and its log2-sum-exp2.
 //
 // Inside a block (FlashMLA's division of labour, written with wgmma directly):
 //  - 64-key tiles are gathered with cp.async (a page-table lookup per key row, so any page size works;
@@ -62,7 +62,7 @@ struct Params {
   const int32_t* tree_mask;   // [B, N, W] contiguous
   void* out;                  // [B * N, G, 512] strides (stride_ot, stride_oh, 1)   (one split)
   float* lse;                 // [B * N, G] contiguous, natural log, or nullptr          (one split)
-  void* part_out;             // [splits, B, N * G, 512] q's dtype contiguous         (splits > 1)
+  float* part_out;            // [splits, B, N * G, 512] fp32 contiguous              (splits > 1)
   float* part_lse;            // [splits, B, N * G] fp32, log2 units                  (splits > 1)
   float scale_log2;
   int B, N, W, G, num_pages, max_pages, page_size, num_splits;
@@ -413,13 +413,11 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
     const float lse2 = (l > 0.f ? m + log2f(l) : -INFINITY) + poison;
     if (p.num_splits > 1) {
       const int64_t prow = (static_cast<int64_t>(split) * p.B + b) * rows_total + row;
-      // (the normalised partial in q's dtype: half the bytes written here and read by the merge, at one
-      // rounding of a value in [-max |v|, max |v|]; the merge weighs them in fp32)
-      T* dst = static_cast<T*>(p.part_out) + prow * kDv + wg * (kDv / 2) + 2 * quad;
+      float* dst = p.part_out + prow * kDv + wg * (kDv / 2) + 2 * quad;
 #pragma unroll
       for (int j = 0; j < 32; ++j) {
-        *reinterpret_cast<uint32_t*>(dst + 8 * j) =
-            Pack2<T>::pack(o[4 * j + 2 * h] * inv + poison, o[4 * j + 2 * h + 1] * inv + poison);
+        *reinterpret_cast<float2*>(dst + 8 * j) =
+            make_float2(o[4 * j + 2 * h] * inv + poison, o[4 * j + 2 * h + 1] * inv + poison);
       }
       if (wg == 0 && quad == 0) p.part_lse[prow] = lse2;
     } else {
@@ -444,7 +442,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
 // page_table  [B, max_pages] int32, last dim contiguous;  prefix_lens [B] int32
 // tree_mask   [B, N, W] int32 contiguous
 // out         [B * N, G, 512]  q's dtype, last dim contiguous;  lse [B * N, G] fp32 contiguous, optional
-// part_out    [num_splits, B, N * G, 512] q's dtype contiguous;  part_lse [num_splits, B, N * G] fp32 contiguous
+// part_out    [num_splits, B, N * G, 512] fp32 contiguous;  part_lse [num_splits, B, N * G] fp32 contiguous
 //             (written when num_splits > 1, then merged by the caller; unused otherwise)
 void tree_attention_mla_sm90_cuda(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& page_table,
                                   const at::Tensor& prefix_lens, const at::Tensor& tree_mask, double scale,
@@ -483,7 +481,7 @@ void tree_attention_mla_sm90_cuda(const at::Tensor& q, const at::Tensor& kv_cach
   }
   TORCH_CHECK_VALUE(num_splits >= 1 && num_splits <= 65535, "num_splits must be in [1, 65535], got ", num_splits);
   if (num_splits > 1) {
-    CHECK_DTYPE(part_out, q.scalar_type());
+    CHECK_DTYPE(part_out, at::kFloat);
     CHECK_SHAPE(part_out, num_splits, B, N * G, kDv);
     TORCH_CHECK_VALUE(part_out.is_contiguous(), "part_out must be contiguous");
     CHECK_DTYPE(part_lse, at::kFloat);
@@ -520,7 +518,7 @@ void tree_attention_mla_sm90_cuda(const at::Tensor& q, const at::Tensor& kv_cach
   p.tree_mask = tree_mask.data_ptr<int32_t>();
   p.out = out.data_ptr();
   p.lse = lse.has_value() ? lse->data_ptr<float>() : nullptr;
-  p.part_out = num_splits > 1 ? part_out.data_ptr() : nullptr;
+  p.part_out = num_splits > 1 ? part_out.data_ptr<float>() : nullptr;
   p.part_lse = num_splits > 1 ? part_lse.data_ptr<float>() : nullptr;
   p.scale_log2 = static_cast<float>(scale * 1.4426950408889634);
   p.B = static_cast<int>(B);

@@ -400,11 +400,11 @@ def tree_attention_mla_sm90(q: Tensor, kv_cache: Tensor, page_table: Tensor, pre
     splits = config.get("splits") or splits_fill(m_blocks * B, max_len, _sm_count(q.device),
                                                  config.get("min_chunk", 256))
     splits = max(1, min(int(splits), 65535))
-    if splits > 1:  # the partials in q's dtype (half of fp32's bytes; weighed in fp32 by the merge)
-        po = torch.empty((splits, B, rows, 512), dtype=q.dtype, device=q.device)
+    if splits > 1:
+        po = torch.empty((splits, B, rows, 512), dtype=torch.float32, device=q.device)
         plse = torch.empty((splits, B, rows), dtype=torch.float32, device=q.device)
     else:
-        po, plse = out.new_empty((0,), dtype=q.dtype), out.new_empty((0,), dtype=torch.float32)
+        po = plse = out.new_empty((0,), dtype=torch.float32)
     torch.ops.eagle3._tree_attention_mla_sm90(q, kv_cache, page_table, prefix_lens, tree_mask, scale, out, lse, po, plse,
                                               splits)
     if splits > 1:

@@ -211,7 +211,7 @@ def _tree_attention_kernel(
 def _merge_kernel(PO, PLSE, O, LSE, N, HKV, NUM_SPLITS, stride_ot, stride_oh,
                   G: tl.constexpr, DV: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_V: tl.constexpr,
                   HAS_LSE: tl.constexpr):
-    # PO [NUM_SPLITS, B * HKV, N * G, DV] fp32 (or the sm90 kernel's bf16 / fp16), PLSE [NUM_SPLITS, B * HKV, N * G] fp32 (see above);
+    # PO [NUM_SPLITS, B * HKV, N * G, DV] fp32, PLSE [NUM_SPLITS, B * HKV, N * G] fp32 (see above);
     # O [B * N, NH, DV] strides (stride_ot, stride_oh, 1); LSE [B * N, NH] fp32 contiguous.
     # One program: one query row, BLOCK_V output dims; splits combined with weights exp2(lse_s - lse), BLOCK_S
     # splits a step with a running max (one step, lse and partials loaded together, when BLOCK_S >= NUM_SPLITS:
@@ -230,8 +230,7 @@ def _merge_kernel(PO, PLSE, O, LSE, N, HKV, NUM_SPLITS, stride_ot, stride_oh,
         ok = s0 + s < NUM_SPLITS
         prow = ((s0 + s) * BH + pid_bh).to(tl.int64) * ROWS + row
         lse_s = tl.load(PLSE + prow, mask=ok, other=float("-inf"))
-        part = tl.load(PO + prow[:, None] * DV + v[None, :], mask=ok[:, None] & (v[None, :] < DV),
-                       other=0.0).to(tl.float32)
+        part = tl.load(PO + prow[:, None] * DV + v[None, :], mask=ok[:, None] & (v[None, :] < DV), other=0.0)
         m_new = tl.maximum(m_run, tl.max(lse_s, 0))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.math.exp2(m_run - m_use)  # 0 on the first step (m_run = -inf)
