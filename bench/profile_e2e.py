@@ -67,6 +67,9 @@ def main(argv=None) -> int:
         if torch.equal(out, reference):
             break
         reference = out
+    else:
+        print("WARNING: the run did not reach its own output in 6 passes: the oracle's reference is the last "
+              "run's output, and its acceptance can fall below p's", flush=True)
     oracle = OracleDrafter(drafter, torch.cat([prompts, reference], 1), args.p, V, start=args.prefix - 1)
 
     # (1) host syncs, by the line that caused them
