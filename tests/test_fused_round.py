@@ -121,6 +121,35 @@ def test_impl_is_checked():
         fused.top_logprobs(torch.zeros(1, 4), 1, impl="cuda")
 
 
+def test_bad_input_is_refused_before_anything_is_written(gen):
+    """Wrong shapes, dtypes, strides and K are named, whichever impl, and no caller tensor is touched."""
+    with pytest.raises(ValueError, match="K must be in"):
+        fused.top_logprobs(torch.zeros(2, 4), 5)
+    with pytest.raises(ValueError, match="K must be in"):
+        fused.top_logprobs(torch.zeros(2, 4), 0)
+    bad = {"accept_len": lambda t: t.long(), "hist": lambda t: t[:-1], "out": lambda t: t[:, :10],
+           "count": lambda t: t.int(), "tokens": lambda t: torch.empty(t.shape[1], t.shape[0], dtype=t.dtype).t()}
+    for impl in ("torch", "triton"):
+        for name, spoil in bad.items():
+            st = _round_state(gen, 3, 4, 61, [1], "cpu")
+            st[name] = spoil(st[name])
+            before = {k: v.clone() for k, v in st.items() if torch.is_tensor(v)}
+            with pytest.raises(ValueError, match=name):
+                fused.accept_update(**st, impl=impl)
+            for k, v in before.items():
+                assert_equal(st[k], v, f"{k} after a refused call")
+        logits, hidden = torch.randn(8, 10, generator=gen), torch.randn(8, 6, generator=gen)
+        last, g = torch.zeros(2, 10), torch.zeros(2, 6)
+        step, prefix = torch.tensor([1, 0], dtype=torch.int32), torch.tensor([5, 6], dtype=torch.int32)
+        with pytest.raises(ValueError, match="g must be"):
+            fused.accept_finish(logits, hidden, last, g.half(), step, prefix, impl=impl)
+        with pytest.raises(ValueError, match="last_logits must be"):
+            fused.accept_finish(logits, hidden, last[:, :5], g, step, prefix, impl=impl)
+        with pytest.raises(ValueError, match="share their rows"):
+            fused.accept_finish(logits[:7], hidden, last, g, step, prefix, impl=impl)
+        assert not last.any() and not g.any() and prefix.tolist() == [5, 6]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("B", [1, 8])
 def test_gpu_top_logprobs_bf16(gen, B):

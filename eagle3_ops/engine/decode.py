@@ -307,8 +307,10 @@ class _Drafting:
         self.eye_words = tree.dense_to_mask(eye)
         self.blk_words = self.eye_words.clone()
         self.cand0 = torch.arange(K, device=dev).expand(B, K)
-        chain = torch.ones(NB, NB, dtype=torch.bool, device=dev).tril().expand(B, NB, NB)
-        self.chain_mask = tree.dense_to_mask(chain.contiguous()) if K == 1 and NB else None
+        self.chain_mask = None  # a chain's block mask: each row sees the rows before it
+        if K == 1 and NB:
+            self.chain_mask = tree.dense_to_mask(torch.ones(NB, NB, dtype=torch.bool, device=dev).tril()
+                                                 .expand(B, NB, NB).contiguous())
 
 
 def _draft_candidates(draft_step, last_logits: Tensor, g: Tensor, prefix_lens: Tensor, spec: SpecConfig,
