@@ -13,7 +13,8 @@ kernels replace the biggest groups:
 - accept_finish: after the catch-up forward: the accepted row's scores and hidden state kept for the next
   round, and the drafter's prefix advanced; ~8 kernels in torch.
 
-No host sync, no allocation but the outputs: capturable in a CUDA graph.
+No host sync; the only allocations are outputs and topk_lse's small scratch (from the graph pool when captured):
+capturable in a CUDA graph.
 """
 
 from __future__ import annotations
