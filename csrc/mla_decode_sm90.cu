@@ -64,6 +64,7 @@ struct Params {
   float* lse;                 // [B * N, G] contiguous, natural log, or nullptr          (one split)
   float* part_out;            // [splits, B, N * G, 512] fp32 contiguous              (splits > 1)
   float* part_lse;            // [splits, B, N * G] fp32, log2 units                  (splits > 1)
+  uint64_t* trace;            // [blocks, kTraceSlots] (kTrace builds only: bench/trace_mla.py)
   float scale_log2;
   int B, N, W, G, num_pages, max_pages, page_size, num_splits;
   int64_t stride_qt, stride_qh, stride_kp, stride_ks, stride_pt, stride_ot, stride_oh;
@@ -106,6 +107,15 @@ __device__ __forceinline__ void mma_pv(float (&o)[128], uint64_t da, uint64_t db
 
 __device__ __forceinline__ int cdiv(int a, int b) { return (a + b - 1) / b; }
 
+// The diagnostic trace (variant bit 2): per block, the SM, then %globaltimer (ns) at entry, when Q and tile
+// 0 have landed, when each later tile t (1 .. 8) has landed, after the last wgmma and after the epilogue.
+constexpr int kTraceSlots = 16;
+__device__ __forceinline__ uint64_t global_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
 // Named barrier `id` over `threads` threads: the producer arrives (does not wait), the consumer syncs.
 __device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
   asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
@@ -114,7 +124,10 @@ __device__ __forceinline__ void named_barrier_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
-template <typename T>
+// kEarly: the prologue issues tiles 0 and 1 (stage 1 is free from the start) and warpgroup 1 reads the page
+// ids of the tile it refills next one iteration ahead, so no page-table round trip sits between a stage
+// freeing and its refill. kTrace: the diagnostic trace.
+template <typename T, bool kEarly, bool kTrace>
 __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_constant__ Params p) {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ uint8_t smem_raw[];
@@ -132,6 +145,16 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
   const int tid = threadIdx.x;
   const int wg = tid / 128, warp = (tid % 128) / 32, lane = tid % 32;
   const int m_block = blockIdx.x, b = blockIdx.y, split = blockIdx.z;
+  uint64_t* trace = nullptr;
+  if constexpr (kTrace) {
+    trace = p.trace + ((static_cast<int64_t>(split) * gridDim.y + b) * gridDim.x + m_block) * kTraceSlots;
+    if (tid == 0) {
+      uint32_t sm;
+      asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+      trace[0] = sm;
+      trace[1] = global_ns();
+    }
+  }
   const int rows_total = p.N * p.G;
   const T* q = static_cast<const T*>(p.q);
   const T* kv = static_cast<const T*>(p.kv);
@@ -175,15 +198,17 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
   // The first tile (and Q): every thread, rows lr and lr + 32, 16-byte chunk lc of each of the 9 column
   // chunks (8 threads read a row's 128-byte column chunk together).
   const int lr = tid / 8, lc = tid % 8;
-  auto load_tile = [&](int t, uint32_t stage) {
+  auto tile_srcs = [&](int t, const T* (&src)[2]) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i) src[i] = row_src(t, lr + 32 * i);
+  };
+  auto issue_tile = [&](const T* const (&src)[2], uint32_t stage) {
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
-      const int r = lr + 32 * i;
-      const T* src = row_src(t, r);
-      const uint32_t dst = stage + sm90::swizzle128(r, lc);
+      const uint32_t dst = stage + sm90::swizzle128(lr + 32 * i, lc);
 #pragma unroll
       for (int c = 0; c < kChunks; ++c) {
-        sm90::cp_async16(dst + c * kChunkBytes, src ? src + c * 64 + lc * 8 : kv, src ? 16 : 0);
+        sm90::cp_async16(dst + c * kChunkBytes, src[i] ? src[i] + c * 64 + lc * 8 : kv, src[i] ? 16 : 0);
       }
     }
   };
@@ -192,11 +217,14 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
   // chunks 0-3 and the rope chunk 8 once warpgroup 0 says its Q K^T and P V are done (barrier 4).
   const int wr = (tid % 128) / 8;
   const T* rows_src[4];
-  auto load_own_chunks = [&](int t, uint32_t stage) {
+  auto refill_srcs = [&](int t) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) rows_src[i] = row_src(t, wr + 16 * i);
+  };
+  auto load_own_chunks = [&](uint32_t stage) {  // of the tile refill_srcs named
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const int r = wr + 16 * i;
-      rows_src[i] = row_src(t, r);
       const uint32_t dst = stage + sm90::swizzle128(r, lc);
 #pragma unroll
       for (int c = 4; c < 8; ++c) {
@@ -217,6 +245,13 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
   };
 
   if (n_tiles > 0) {
+    // every page id of the prologue's tiles first: their round trips overlap each other and Q's loads
+    const T* src0[2];
+    const T* src1[2] = {nullptr, nullptr};
+    tile_srcs(0, src0);
+    if constexpr (kEarly) {
+      if (n_tiles > 1) tile_srcs(1, src1);
+    }
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
       const int r = lr + 32 * i;
@@ -228,8 +263,13 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
 #pragma unroll
       for (int c = 0; c < kChunks; ++c) sm90::cp_async16(dst + c * kChunkBytes, ok ? src + c * 64 : q, ok ? 16 : 0);
     }
-    load_tile(0, s_k);
+    issue_tile(src0, s_k);
     sm90::cp_async_commit();
+    if constexpr (kEarly) {
+      if (n_tiles > 1) issue_tile(src1, s_k + kTileBytes);
+      sm90::cp_async_commit();  // (an empty group without a tile 1: the loop's first wait leaves it pending)
+      if (wg == 1 && n_tiles > 2) refill_srcs(2);
+    }
   }
 
   // This thread's two rows of every accumulator (wgmma layout): r0 and r0 + 8.
@@ -271,11 +311,26 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
       }
     }
   };
+  // kEarly: tile 1 was issued by the prologue, so warpgroup 1 refills from t = 1 on (tile t + 1 into the
+  // stage of tile t - 1, as without it)
+  auto refills = [&](int t) { return (!kEarly || t >= 1) && t + 1 < n_tiles; };
+  auto wait_tile = [&](int t) {  // this thread's part of tile t has landed
+    if constexpr (kEarly) {
+      if (t == 0) {
+        sm90::cp_async_wait<1>();
+        return;
+      }
+    }
+    sm90::cp_async_wait_all();
+  };
   if (wg == 0) {
     for (int t = 0; t < n_tiles; ++t) {
-      sm90::cp_async_wait_all();
+      wait_tile(t);
       sm90::fence_proxy_async();
       named_barrier_sync(3, kThreads);  // tile t landed for every thread
+      if constexpr (kTrace) {
+        if (tid == 0 && t <= 8) trace[2 + t] = global_ns();
+      }
       const uint32_t stage = s_k + (t & 1) * kTileBytes;
       float s[32];
 #pragma unroll
@@ -295,7 +350,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
       sm90::wgmma_wait<0>();  // P V of tile t - 1 and S
       sm90::fence_operand(s);
       sm90::fence_operand(o);
-      if (t + 1 < n_tiles) named_barrier_arrive(4, kThreads);  // done with the stage of tile t - 1
+      if (refills(t)) named_barrier_arrive(4, kThreads);  // done with the stage of tile t - 1
 
       // scale to log2 units; mask the split's partial last tile and the tree block
 #pragma unroll
@@ -365,19 +420,23 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
     }
   } else {
     for (int t = 0; t < n_tiles; ++t) {
-      sm90::cp_async_wait_all();
+      wait_tile(t);
       sm90::fence_proxy_async();
       named_barrier_sync(3, kThreads);  // tile t landed for every thread
       const uint32_t stage = s_k + (t & 1) * kTileBytes;
       sm90::wgmma_wait<0>();  // this warpgroup's P V of tile t - 1 is done:
       sm90::fence_operand(o);
       named_barrier_arrive(2, kThreads);  // P and the rescale factors may be overwritten
-      if (t + 1 < n_tiles) {  // refill the stage of tile t - 1
+      if (refills(t)) {  // refill the stage of tile t - 1
         const uint32_t next = s_k + ((t + 1) & 1) * kTileBytes;
-        load_own_chunks(t + 1, next);
+        if constexpr (!kEarly) refill_srcs(t + 1);  // (kEarly: read one iteration ago)
+        load_own_chunks(next);
         named_barrier_sync(4, kThreads);
         load_other_chunks(next);
         sm90::cp_async_commit();
+        if constexpr (kEarly) {
+          if (t + 2 < n_tiles) refill_srcs(t + 2);  // their round trip overlaps this tile's P V
+        }
       }
       named_barrier_sync(1, kThreads);
       const float alpha[2] = {s_alpha[r0], s_alpha[r0 + 8]};
@@ -387,6 +446,9 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
   }
   sm90::wgmma_wait<0>();
   sm90::fence_operand(o);
+  if constexpr (kTrace) {
+    if (tid == 0) trace[11] = global_ns();
+  }
 
   // Row sums across each quad; the rows' (m, l) to shared memory for warpgroup 1.
   if (wg == 0) {
@@ -432,6 +494,10 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
       if (p.lse != nullptr && wg == 0 && quad == 0) p.lse[token * p.G + head] = lse2 * 0.6931471805599453f;
     }
   }
+  if constexpr (kTrace) {
+    __syncthreads();
+    if (tid == 0) trace[12] = global_ns();
+  }
 #elif defined(__CUDA_ARCH__)
   __trap();  // built for another architecture (TORCH_CUDA_ARCH_LIST without 9.0a): fail, never return garbage
 #endif
@@ -444,10 +510,12 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
 // out         [B * N, G, 512]  q's dtype, last dim contiguous;  lse [B * N, G] fp32 contiguous, optional
 // part_out    [num_splits, B, N * G, 512] fp32 contiguous;  part_lse [num_splits, B, N * G] fp32 contiguous
 //             (written when num_splits > 1, then merged by the caller; unused otherwise)
+// variant     bit 0: kEarly; bit 1: kTrace, into trace [grid blocks, 16] int64 (bf16 only)
 void tree_attention_mla_sm90_cuda(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& page_table,
                                   const at::Tensor& prefix_lens, const at::Tensor& tree_mask, double scale,
                                   const at::Tensor& out, const std::optional<at::Tensor>& lse,
-                                  const at::Tensor& part_out, const at::Tensor& part_lse, int64_t num_splits) {
+                                  const at::Tensor& part_out, const at::Tensor& part_lse, int64_t num_splits,
+                                  int64_t variant, const std::optional<at::Tensor>& trace) {
   TORCH_CHECK_TYPE(q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf,
                    "q must have dtype bfloat16 | float16, got ", q.scalar_type());
   CHECK_CUDA(q);
@@ -506,6 +574,17 @@ void tree_attention_mla_sm90_cuda(const at::Tensor& q, const at::Tensor& kv_cach
   TORCH_CHECK_VALUE(N * G <= (int64_t{1} << 30) && B <= 65535 && kv_cache.size(0) < (int64_t{1} << 31) &&
                         page_table.size(1) * kv_cache.size(1) < (int64_t{1} << 31),
                     "tree_attention_mla sizes out of the kernel's range");
+  TORCH_CHECK_VALUE(variant >= 0 && variant <= 3, "variant must be in [0, 3], got ", variant);
+  const bool traced = (variant & 2) != 0;
+  const int64_t blocks = (N * G + kRows - 1) / kRows * B * num_splits;
+  if (traced) {
+    TORCH_CHECK_VALUE(trace.has_value(), "variant with bit 1 (trace) needs a trace tensor");
+    TORCH_CHECK_TYPE(q.scalar_type() == at::kBFloat16, "the trace variant is built for bfloat16 only");
+    CHECK_DTYPE((*trace), at::kLong);
+    CHECK_SHAPE((*trace), blocks, kTraceSlots);
+    TORCH_CHECK_VALUE(trace->is_contiguous(), "trace must be contiguous");
+    CHECK_SAME_DEVICE((*trace), q);
+  }
   const c10::cuda::OptionalCUDAGuard guard(q.device());
   TORCH_CHECK_VALUE(sm_major(q.get_device()) == 9, "the sm_90a kernel needs a Hopper GPU (compute capability 9.x)");
   if (B == 0 || N == 0 || G == 0) return;
@@ -520,6 +599,7 @@ void tree_attention_mla_sm90_cuda(const at::Tensor& q, const at::Tensor& kv_cach
   p.lse = lse.has_value() ? lse->data_ptr<float>() : nullptr;
   p.part_out = num_splits > 1 ? part_out.data_ptr<float>() : nullptr;
   p.part_lse = num_splits > 1 ? part_lse.data_ptr<float>() : nullptr;
+  p.trace = traced ? reinterpret_cast<uint64_t*>(trace->data_ptr<int64_t>()) : nullptr;
   p.scale_log2 = static_cast<float>(scale * 1.4426950408889634);
   p.B = static_cast<int>(B);
   p.N = static_cast<int>(N);
@@ -549,10 +629,24 @@ void tree_attention_mla_sm90_cuda(const at::Tensor& q, const at::Tensor& kv_cach
     kernel<<<grid, kThreads, kSmemBytes, stream>>>(p);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   };
-  if (q.scalar_type() == at::kBFloat16) {
-    launch(mla_decode_kernel<__nv_bfloat16>);
+  if (traced) {
+    if (variant & 1) {
+      launch(mla_decode_kernel<__nv_bfloat16, true, true>);
+    } else {
+      launch(mla_decode_kernel<__nv_bfloat16, false, true>);
+    }
+  } else if (q.scalar_type() == at::kBFloat16) {
+    if (variant & 1) {
+      launch(mla_decode_kernel<__nv_bfloat16, true, false>);
+    } else {
+      launch(mla_decode_kernel<__nv_bfloat16, false, false>);
+    }
   } else {
-    launch(mla_decode_kernel<__half>);
+    if (variant & 1) {
+      launch(mla_decode_kernel<__half, true, false>);
+    } else {
+      launch(mla_decode_kernel<__half, false, false>);
+    }
   }
 }
 

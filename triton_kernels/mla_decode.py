@@ -386,10 +386,16 @@ def sm90_supported(q: Tensor, kv_cache: Tensor, out: Tensor, page_table: Tensor,
             and out.stride(2) == 1 and out.data_ptr() % 4 == 0)
 
 
+# The sm90 kernel's variant bits (csrc/mla_decode_sm90.cu): 1 = kEarly (tiles 0 and 1 in the prologue, page ids
+# read an iteration ahead); 2 = the diagnostic trace (config trace=<int64 [blocks, 16] tensor>, bench/trace_mla.py).
+SM90_VARIANT = 0
+
+
 def tree_attention_mla_sm90(q: Tensor, kv_cache: Tensor, page_table: Tensor, prefix_lens: Tensor,
                             tree_mask: Tensor, scale: float, out: Tensor, lse: Optional[Tensor], config: dict) -> None:
     """The sm_90a CUDA kernel's launcher (checks done by tree_attention.tree_attention_mla): the split count
-    as this file's fill rule (config: min_chunk, splits), then the kernel, then merge_splits. (Two other ways
+    as this file's fill rule (config: min_chunk, splits), then the kernel (config: variant, trace), then
+    merge_splits. (Two other ways
     lost on the H200 at N1 B1: 129 splits of <= 4 tiles, results/mla_sweep_makespan_h200.log, and splits
     reduced on chip by thread-block clusters, results/mla_sm90_cluster_h200.log.)"""
     B, N, _ = tree_mask.shape
@@ -406,6 +412,6 @@ def tree_attention_mla_sm90(q: Tensor, kv_cache: Tensor, page_table: Tensor, pre
     else:
         po = plse = out.new_empty((0,), dtype=torch.float32)
     torch.ops.eagle3._tree_attention_mla_sm90(q, kv_cache, page_table, prefix_lens, tree_mask, scale, out, lse, po, plse,
-                                              splits)
+                                              splits, int(config.get("variant", SM90_VARIANT)), config.get("trace"))
     if splits > 1:
         merge_splits(po, plse, out, lse, N, 1, G)

@@ -1,0 +1,80 @@
+"""Inside the sm90 MLA kernel, block by block (a diagnosis aid for issue 5, not a benchmark): the kernel built
+with its trace (variant bit 2, csrc/mla_decode_sm90.cu) stamps %globaltimer per block at entry, when Q and
+tile 0 have landed, when each later tile has landed (up to tile 8), after its last wgmma and after its
+epilogue. Printed per shape and variant: how far apart the blocks start, and the median / max over blocks of
+each phase, so the fixed latency of a short split (prologue, epilogue) and the steady time a tile separate.
+
+    python3 bench/trace_mla.py        # on the GPU, from the repo root (built in place)
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+
+from sweep_mla import KIMI_SCALE, _inputs  # noqa: E402
+
+# (B, prefix, N, page_size) -> configs of the sm90 kernel (the trace bit is added)
+CASES = {
+    (1, 32768, 1, 64): [dict(variant=0), dict(variant=1), dict(variant=1, splits=128)],
+    (1, 32768, 16, 64): [dict(variant=0), dict(variant=1)],
+}
+SLOTS = 16
+
+
+def _stats(x: torch.Tensor) -> str:
+    x = x.double()
+    return f"{x.median().item() / 1e3:6.2f} / {x.max().item() / 1e3:6.2f}"
+
+
+def main():
+    from eagle3_ops.triton_kernels import mla_decode
+    from eagle3_ops.triton_kernels.tree_attention import _sm_count
+
+    print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  (us: median / max over blocks)")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for (B, P, N, ps), cfgs in CASES.items():
+        x = _inputs(B, P, N, ps, g)
+        for cfg in cfgs:
+            m_blocks = -(-(N * 64) // 64)
+            max_len = x["page_table"].shape[1] * ps
+            splits = cfg.get("splits") or mla_decode.splits_fill(m_blocks * B, max_len, _sm_count(x["q"].device), 256)
+            trace = torch.zeros(m_blocks * B * splits, SLOTS, dtype=torch.int64, device="cuda")
+            run = dict(cfg, variant=cfg["variant"] | 2, trace=trace, splits=splits)
+            for _ in range(3):  # warm; the last call's stamps are kept
+                trace.zero_()
+                torch.cuda.synchronize()
+                mla_decode.tree_attention_mla_sm90(x["q"], x["k"], x["page_table"], x["prefix_lens"], x["tree_mask"],
+                                                   KIMI_SCALE, x["out"], x["lse"], run)
+                torch.cuda.synchronize()
+            t = trace.cpu()
+            landed = (t[:, 2:11] != 0).sum(1)  # tiles stamped (0 .. 8)
+            work = landed > 0
+            t, landed = t[work], landed[work]
+            t0 = t[:, 1].min()
+            lines = [f"N{N} B{B} P{P} ps{ps} {cfg}: {len(t)} blocks with work of {len(trace)} "
+                     f"({splits} splits), tiles a block {landed.min().item()}-{landed.max().item()}, "
+                     f"on {t[:, 0].unique().numel()} SMs"]
+            lines.append(f"  entry after the first block   {_stats(t[:, 1] - t0)}")
+            lines.append(f"  Q + tile 0 landed             {_stats(t[:, 2] - t[:, 1])}")
+            for k in range(1, 9):
+                has = landed > k
+                if has.any():
+                    lines.append(f"  tile {k} after tile {k - 1}          {_stats(t[has, 2 + k] - t[has, 1 + k])}")
+            last = t[torch.arange(len(t)), 1 + landed]
+            lines.append(f"  last tile landed -> last wgmma {_stats(t[:, 11] - last)}")
+            lines.append(f"  epilogue (O / partials out)   {_stats(t[:, 12] - t[:, 11])}")
+            lines.append(f"  block, entry -> exit          {_stats(t[:, 12] - t[:, 1])}")
+            lines.append(f"  kernel span (first entry -> last exit) {(t[:, 12].max() - t0).item() / 1e3:.2f} us")
+            print("\n".join(lines), flush=True)
+        del x
+
+
+if __name__ == "__main__":
+    main()
