@@ -20,12 +20,12 @@ from sweep_mla import KIMI_SCALE, _counts, _inputs  # noqa: E402
 
 # (B, prefix, N, page_size) -> configs ({} = default: on Hopper the CUDA kernel csrc/mla_decode_sm90.cu;
 # {"kernel": "mla_decode"} is the Triton kernel with 64-key TMA tiles, cut + fill)
-# (variant 1: the sm90 kernel's early prologue and page-id prefetch)
+# (variant 1: the sm90 kernel's KV loads marked L2 evict-first; partials "q": its split partials in q's dtype)
 CASES = {
-    (1, 32768, 1, 64): [{}, dict(variant=1), dict(splits=128), dict(variant=1, splits=128)],
-    (32, 32768, 1, 64): [{}, dict(variant=1)],
-    (1, 32768, 16, 64): [{}, dict(variant=1)],
-    (1, 4096, 16, 64): [{}, dict(variant=1)],
+    (1, 32768, 1, 64): [{}, dict(variant=1), dict(partials="q"), dict(variant=1, partials="q")],
+    (32, 32768, 1, 64): [{}, dict(variant=1), dict(partials="q"), dict(variant=1, partials="q")],
+    (1, 32768, 16, 64): [{}, dict(variant=1, partials="q")],
+    (1, 4096, 16, 64): [{}, dict(variant=1, partials="q")],
     (8, 8192, 16, 64): [{}, dict(variant=1)],
 }
 

@@ -22,8 +22,8 @@ from sweep_mla import KIMI_SCALE, _inputs  # noqa: E402
 
 # (B, prefix, N, page_size) -> configs of the sm90 kernel (the trace bit is added)
 CASES = {
-    (1, 32768, 1, 64): [dict(variant=0), dict(variant=1), dict(variant=1, splits=128)],
-    (1, 32768, 16, 64): [dict(variant=0), dict(variant=1)],
+    (1, 32768, 1, 64): [dict(variant=0), dict(variant=1), dict(variant=0, partials="q"),
+                        dict(variant=1, partials="q")],
 }
 SLOTS = 16
 

@@ -62,10 +62,11 @@ struct Params {
   const int32_t* tree_mask;   // [B, N, W] contiguous
   void* out;                  // [B * N, G, 512] strides (stride_ot, stride_oh, 1)   (one split)
   float* lse;                 // [B * N, G] contiguous, natural log, or nullptr          (one split)
-  float* part_out;            // [splits, B, N * G, 512] fp32 contiguous              (splits > 1)
+  void* part_out;             // [splits, B, N * G, 512] fp32 | q's dtype, contiguous (splits > 1)
   float* part_lse;            // [splits, B, N * G] fp32, log2 units                  (splits > 1)
   uint64_t* trace;            // [blocks, kTraceSlots] (kTrace builds only: bench/trace_mla.py)
   float scale_log2;
+  float evict_first;          // the fraction of the KV loads marked L2 evict-first (0 or 1): variant bit 0
   int B, N, W, G, num_pages, max_pages, page_size, num_splits;
   int64_t stride_qt, stride_qh, stride_kp, stride_ks, stride_pt, stride_ot, stride_oh;
 };
@@ -116,6 +117,13 @@ __device__ __forceinline__ uint64_t global_ns() {
   return t;
 }
 
+// 16 bytes global -> shared with an L2 cache policy (createpolicy): the KV rows are read once
+__device__ __forceinline__ void cp_async16_hint(uint32_t dst, const void* src, uint32_t src_bytes, uint64_t policy) {
+  asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;\n" ::"r"(dst), "l"(src),
+               "r"(src_bytes), "l"(policy)
+               : "memory");
+}
+
 // Named barrier `id` over `threads` threads: the producer arrives (does not wait), the consumer syncs.
 __device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
   asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
@@ -124,10 +132,8 @@ __device__ __forceinline__ void named_barrier_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
-// kEarly: the prologue issues tiles 0 and 1 (stage 1 is free from the start) and warpgroup 1 reads the page
-// ids of the tile it refills next one iteration ahead, so no page-table round trip sits between a stage
-// freeing and its refill. kTrace: the diagnostic trace.
-template <typename T, bool kEarly, bool kTrace>
+// P: the split partials' type (float, or T: half the bytes written and merged). kTrace: the diagnostic trace.
+template <typename T, typename P, bool kTrace>
 __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_constant__ Params p) {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ uint8_t smem_raw[];
@@ -195,7 +201,12 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
     unreal |= valid && !real;
     return valid && real ? kv + page * p.stride_kp + static_cast<int64_t>(upos - pg * ups) * p.stride_ks : nullptr;
   };
-  // The first tile (and Q): every thread, rows lr and lr + 32, 16-byte chunk lc of each of the 9 column
+  uint64_t policy;  // KV loads: evict-first for the fraction p.evict_first, else evict-normal
+  asm volatile("createpolicy.fractional.L2::evict_first.L2::evict_unchanged.b64 %0, %1;" : "=l"(policy) : "f"(p.evict_first));
+  auto kv_load = [&](uint32_t dst, const T* src) {
+    cp_async16_hint(dst, src ? src : kv, src ? 16 : 0, policy);
+  };
+  // The first tiles (and Q): every thread, rows lr and lr + 32, 16-byte chunk lc of each of the 9 column
   // chunks (8 threads read a row's 128-byte column chunk together).
   const int lr = tid / 8, lc = tid % 8;
   auto tile_srcs = [&](int t, const T* (&src)[2]) {
@@ -208,7 +219,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
       const uint32_t dst = stage + sm90::swizzle128(lr + 32 * i, lc);
 #pragma unroll
       for (int c = 0; c < kChunks; ++c) {
-        sm90::cp_async16(dst + c * kChunkBytes, src[i] ? src[i] + c * 64 + lc * 8 : kv, src[i] ? 16 : 0);
+        kv_load(dst + c * kChunkBytes, src[i] ? src[i] + c * 64 + lc * 8 : nullptr);
       }
     }
   };
@@ -228,7 +239,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
       const uint32_t dst = stage + sm90::swizzle128(r, lc);
 #pragma unroll
       for (int c = 4; c < 8; ++c) {
-        sm90::cp_async16(dst + c * kChunkBytes, rows_src[i] ? rows_src[i] + c * 64 + lc * 8 : kv, rows_src[i] ? 16 : 0);
+        kv_load(dst + c * kChunkBytes, rows_src[i] ? rows_src[i] + c * 64 + lc * 8 : nullptr);
       }
     }
   };
@@ -239,7 +250,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
 #pragma unroll
       for (int k = 0; k < 5; ++k) {
         const int c = k < 4 ? k : 8;
-        sm90::cp_async16(dst + c * kChunkBytes, rows_src[i] ? rows_src[i] + c * 64 + lc * 8 : kv, rows_src[i] ? 16 : 0);
+        kv_load(dst + c * kChunkBytes, rows_src[i] ? rows_src[i] + c * 64 + lc * 8 : nullptr);
       }
     }
   };
@@ -249,9 +260,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
     const T* src0[2];
     const T* src1[2] = {nullptr, nullptr};
     tile_srcs(0, src0);
-    if constexpr (kEarly) {
-      if (n_tiles > 1) tile_srcs(1, src1);
-    }
+    if (n_tiles > 1) tile_srcs(1, src1);
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
       const int r = lr + 32 * i;
@@ -263,13 +272,12 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
 #pragma unroll
       for (int c = 0; c < kChunks; ++c) sm90::cp_async16(dst + c * kChunkBytes, ok ? src + c * 64 : q, ok ? 16 : 0);
     }
+    // tile 1 too: stage 1 is free from the start (a separate group; an empty one without a tile 1)
     issue_tile(src0, s_k);
     sm90::cp_async_commit();
-    if constexpr (kEarly) {
-      if (n_tiles > 1) issue_tile(src1, s_k + kTileBytes);
-      sm90::cp_async_commit();  // (an empty group without a tile 1: the loop's first wait leaves it pending)
-      if (wg == 1 && n_tiles > 2) refill_srcs(2);
-    }
+    if (n_tiles > 1) issue_tile(src1, s_k + kTileBytes);
+    sm90::cp_async_commit();
+    if (wg == 1 && n_tiles > 2) refill_srcs(2);  // warpgroup 1 reads its refills' page ids an iteration ahead
   }
 
   // This thread's two rows of every accumulator (wgmma layout): r0 and r0 + 8.
@@ -311,17 +319,14 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
       }
     }
   };
-  // kEarly: tile 1 was issued by the prologue, so warpgroup 1 refills from t = 1 on (tile t + 1 into the
-  // stage of tile t - 1, as without it)
-  auto refills = [&](int t) { return (!kEarly || t >= 1) && t + 1 < n_tiles; };
+  // Tile 1 came with the prologue: warpgroup 1 refills from t = 1 on (tile t + 1 into the stage of t - 1).
+  auto refills = [&](int t) { return t >= 1 && t + 1 < n_tiles; };
   auto wait_tile = [&](int t) {  // this thread's part of tile t has landed
-    if constexpr (kEarly) {
-      if (t == 0) {
-        sm90::cp_async_wait<1>();
-        return;
-      }
+    if (t == 0) {
+      sm90::cp_async_wait<1>();  // (tile 1's group may still fly)
+    } else {
+      sm90::cp_async_wait_all();
     }
-    sm90::cp_async_wait_all();
   };
   if (wg == 0) {
     for (int t = 0; t < n_tiles; ++t) {
@@ -429,14 +434,11 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
       named_barrier_arrive(2, kThreads);  // P and the rescale factors may be overwritten
       if (refills(t)) {  // refill the stage of tile t - 1
         const uint32_t next = s_k + ((t + 1) & 1) * kTileBytes;
-        if constexpr (!kEarly) refill_srcs(t + 1);  // (kEarly: read one iteration ago)
-        load_own_chunks(next);
+        load_own_chunks(next);  // (page ids read an iteration ago)
         named_barrier_sync(4, kThreads);
         load_other_chunks(next);
         sm90::cp_async_commit();
-        if constexpr (kEarly) {
-          if (t + 2 < n_tiles) refill_srcs(t + 2);  // their round trip overlaps this tile's P V
-        }
+        if (t + 2 < n_tiles) refill_srcs(t + 2);  // their round trip overlaps this tile's P V
       }
       named_barrier_sync(1, kThreads);
       const float alpha[2] = {s_alpha[r0], s_alpha[r0 + 8]};
@@ -475,11 +477,15 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
     const float lse2 = (l > 0.f ? m + log2f(l) : -INFINITY) + poison;
     if (p.num_splits > 1) {
       const int64_t prow = (static_cast<int64_t>(split) * p.B + b) * rows_total + row;
-      float* dst = p.part_out + prow * kDv + wg * (kDv / 2) + 2 * quad;
+      P* dst = static_cast<P*>(p.part_out) + prow * kDv + wg * (kDv / 2) + 2 * quad;
 #pragma unroll
       for (int j = 0; j < 32; ++j) {
-        *reinterpret_cast<float2*>(dst + 8 * j) =
-            make_float2(o[4 * j + 2 * h] * inv + poison, o[4 * j + 2 * h + 1] * inv + poison);
+        const float a = o[4 * j + 2 * h] * inv + poison, c = o[4 * j + 2 * h + 1] * inv + poison;
+        if constexpr (std::is_same_v<P, float>) {
+          *reinterpret_cast<float2*>(dst + 8 * j) = make_float2(a, c);
+        } else {
+          *reinterpret_cast<uint32_t*>(dst + 8 * j) = Pack2<T>::pack(a, c);
+        }
       }
       if (wg == 0 && quad == 0) p.part_lse[prow] = lse2;
     } else {
@@ -508,14 +514,16 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
 // page_table  [B, max_pages] int32, last dim contiguous;  prefix_lens [B] int32
 // tree_mask   [B, N, W] int32 contiguous
 // out         [B * N, G, 512]  q's dtype, last dim contiguous;  lse [B * N, G] fp32 contiguous, optional
-// part_out    [num_splits, B, N * G, 512] fp32 contiguous;  part_lse [num_splits, B, N * G] fp32 contiguous
+// part_out    [num_splits, B, N * G, 512] fp32 | q's dtype, contiguous;  part_lse [num_splits, B, N * G] fp32 contiguous
 //             (written when num_splits > 1, then merged by the caller; unused otherwise)
-// variant     bit 0: kEarly; bit 1: kTrace, into trace [grid blocks, 16] int64 (bf16 only)
+//             (part_out: fp32 or q's dtype, which halves the bytes the splits write and the merge reads)
+// variant     bit 0: the KV loads marked L2 evict-first; bit 1: the trace build, into trace [grid blocks, 16]
+//             int64 (bf16 only; bench/trace_mla.py)
 void tree_attention_mla_sm90_cuda(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& page_table,
                                   const at::Tensor& prefix_lens, const at::Tensor& tree_mask, double scale,
                                   const at::Tensor& out, const std::optional<at::Tensor>& lse,
                                   const at::Tensor& part_out, const at::Tensor& part_lse, int64_t num_splits,
-                                  int64_t variant, const std::optional<at::Tensor>& trace) {
+                                  int64_t variant, const std::optional<at::Tensor>& trace_opt) {
   TORCH_CHECK_TYPE(q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf,
                    "q must have dtype bfloat16 | float16, got ", q.scalar_type());
   CHECK_CUDA(q);
@@ -549,7 +557,8 @@ void tree_attention_mla_sm90_cuda(const at::Tensor& q, const at::Tensor& kv_cach
   }
   TORCH_CHECK_VALUE(num_splits >= 1 && num_splits <= 65535, "num_splits must be in [1, 65535], got ", num_splits);
   if (num_splits > 1) {
-    CHECK_DTYPE(part_out, at::kFloat);
+    TORCH_CHECK_TYPE(part_out.scalar_type() == at::kFloat || part_out.scalar_type() == q.scalar_type(),
+                     "part_out must have dtype float32 or q's (", q.scalar_type(), "), got ", part_out.scalar_type());
     CHECK_SHAPE(part_out, num_splits, B, N * G, kDv);
     TORCH_CHECK_VALUE(part_out.is_contiguous(), "part_out must be contiguous");
     CHECK_DTYPE(part_lse, at::kFloat);
@@ -578,12 +587,13 @@ void tree_attention_mla_sm90_cuda(const at::Tensor& q, const at::Tensor& kv_cach
   const bool traced = (variant & 2) != 0;
   const int64_t blocks = (N * G + kRows - 1) / kRows * B * num_splits;
   if (traced) {
-    TORCH_CHECK_VALUE(trace.has_value(), "variant with bit 1 (trace) needs a trace tensor");
+    TORCH_CHECK_VALUE(trace_opt.has_value(), "variant with bit 1 (trace) needs a trace tensor");
     TORCH_CHECK_TYPE(q.scalar_type() == at::kBFloat16, "the trace variant is built for bfloat16 only");
-    CHECK_DTYPE((*trace), at::kLong);
-    CHECK_SHAPE((*trace), blocks, kTraceSlots);
-    TORCH_CHECK_VALUE(trace->is_contiguous(), "trace must be contiguous");
-    CHECK_SAME_DEVICE((*trace), q);
+    const at::Tensor& trace = *trace_opt;
+    CHECK_DTYPE(trace, at::kLong);
+    CHECK_SHAPE(trace, blocks, kTraceSlots);
+    TORCH_CHECK_VALUE(trace.is_contiguous(), "trace must be contiguous");
+    CHECK_SAME_DEVICE(trace, q);
   }
   const c10::cuda::OptionalCUDAGuard guard(q.device());
   TORCH_CHECK_VALUE(sm_major(q.get_device()) == 9, "the sm_90a kernel needs a Hopper GPU (compute capability 9.x)");
@@ -597,9 +607,10 @@ void tree_attention_mla_sm90_cuda(const at::Tensor& q, const at::Tensor& kv_cach
   p.tree_mask = tree_mask.data_ptr<int32_t>();
   p.out = out.data_ptr();
   p.lse = lse.has_value() ? lse->data_ptr<float>() : nullptr;
-  p.part_out = num_splits > 1 ? part_out.data_ptr<float>() : nullptr;
+  p.part_out = num_splits > 1 ? part_out.data_ptr() : nullptr;
+  p.evict_first = (variant & 1) ? 1.f : 0.f;
   p.part_lse = num_splits > 1 ? part_lse.data_ptr<float>() : nullptr;
-  p.trace = traced ? reinterpret_cast<uint64_t*>(trace->data_ptr<int64_t>()) : nullptr;
+  p.trace = traced ? reinterpret_cast<uint64_t*>(trace_opt->data_ptr<int64_t>()) : nullptr;
   p.scale_log2 = static_cast<float>(scale * 1.4426950408889634);
   p.B = static_cast<int>(B);
   p.N = static_cast<int>(N);
@@ -629,24 +640,16 @@ void tree_attention_mla_sm90_cuda(const at::Tensor& q, const at::Tensor& kv_cach
     kernel<<<grid, kThreads, kSmemBytes, stream>>>(p);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   };
-  if (traced) {
-    if (variant & 1) {
-      launch(mla_decode_kernel<__nv_bfloat16, true, true>);
+  const bool narrow = num_splits > 1 && part_out.scalar_type() != at::kFloat;
+  if (q.scalar_type() == at::kBFloat16) {
+    using T = __nv_bfloat16;
+    if (traced) {
+      narrow ? launch(mla_decode_kernel<T, T, true>) : launch(mla_decode_kernel<T, float, true>);
     } else {
-      launch(mla_decode_kernel<__nv_bfloat16, false, true>);
-    }
-  } else if (q.scalar_type() == at::kBFloat16) {
-    if (variant & 1) {
-      launch(mla_decode_kernel<__nv_bfloat16, true, false>);
-    } else {
-      launch(mla_decode_kernel<__nv_bfloat16, false, false>);
+      narrow ? launch(mla_decode_kernel<T, T, false>) : launch(mla_decode_kernel<T, float, false>);
     }
   } else {
-    if (variant & 1) {
-      launch(mla_decode_kernel<__half, true, false>);
-    } else {
-      launch(mla_decode_kernel<__half, false, false>);
-    }
+    narrow ? launch(mla_decode_kernel<__half, __half, false>) : launch(mla_decode_kernel<__half, float, false>);
   }
 }
 

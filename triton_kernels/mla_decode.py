@@ -386,15 +386,17 @@ def sm90_supported(q: Tensor, kv_cache: Tensor, out: Tensor, page_table: Tensor,
             and out.stride(2) == 1 and out.data_ptr() % 4 == 0)
 
 
-# The sm90 kernel's variant bits (csrc/mla_decode_sm90.cu): 1 = kEarly (tiles 0 and 1 in the prologue, page ids
-# read an iteration ahead); 2 = the diagnostic trace (config trace=<int64 [blocks, 16] tensor>, bench/trace_mla.py).
+# The sm90 kernel's variant bits (csrc/mla_decode_sm90.cu): 1 = the KV loads marked L2 evict-first; 2 = the
+# diagnostic trace (config trace=<int64 [blocks, 16] tensor>, bench/trace_mla.py). config partials="q" writes the
+# split partials in q's dtype instead of fp32.
 SM90_VARIANT = 0
+SM90_PARTIALS = "fp32"
 
 
 def tree_attention_mla_sm90(q: Tensor, kv_cache: Tensor, page_table: Tensor, prefix_lens: Tensor,
                             tree_mask: Tensor, scale: float, out: Tensor, lse: Optional[Tensor], config: dict) -> None:
     """The sm_90a CUDA kernel's launcher (checks done by tree_attention.tree_attention_mla): the split count
-    as this file's fill rule (config: min_chunk, splits), then the kernel (config: variant, trace), then
+    as this file's fill rule (config: min_chunk, splits), then the kernel (config: variant, trace, partials), then
     merge_splits. (Two other ways
     lost on the H200 at N1 B1: 129 splits of <= 4 tiles, results/mla_sweep_makespan_h200.log, and splits
     reduced on chip by thread-block clusters, results/mla_sm90_cluster_h200.log.)"""
@@ -407,7 +409,8 @@ def tree_attention_mla_sm90(q: Tensor, kv_cache: Tensor, page_table: Tensor, pre
                                                  config.get("min_chunk", 256))
     splits = max(1, min(int(splits), 65535))
     if splits > 1:
-        po = torch.empty((splits, B, rows, 512), dtype=torch.float32, device=q.device)
+        narrow = config.get("partials", SM90_PARTIALS) == "q"
+        po = torch.empty((splits, B, rows, 512), dtype=q.dtype if narrow else torch.float32, device=q.device)
         plse = torch.empty((splits, B, rows), dtype=torch.float32, device=q.device)
     else:
         po = plse = out.new_empty((0,), dtype=torch.float32)
