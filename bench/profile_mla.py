@@ -20,13 +20,14 @@ from sweep_mla import KIMI_SCALE, _counts, _inputs  # noqa: E402
 
 # (B, prefix, N, page_size) -> configs ({} = default: on Hopper the CUDA kernel csrc/mla_decode_sm90.cu;
 # {"kernel": "mla_decode"} is the Triton kernel with 64-key TMA tiles, cut + fill)
-# (variant 1: the sm90 kernel's KV loads marked L2 evict-first; partials "q": its split partials in q's dtype)
+# (evict_first=False: the sm90 kernel's KV loads with the normal L2 policy; the default marks them evict-first
+# when the call splits)
 CASES = {
-    (1, 32768, 1, 64): [{}, dict(variant=1), dict(partials="q"), dict(variant=1, partials="q")],
-    (32, 32768, 1, 64): [{}, dict(variant=1), dict(partials="q"), dict(variant=1, partials="q")],
-    (1, 32768, 16, 64): [{}, dict(variant=1, partials="q")],
-    (1, 4096, 16, 64): [{}, dict(variant=1, partials="q")],
-    (8, 8192, 16, 64): [{}, dict(variant=1)],
+    (1, 32768, 1, 64): [{}, dict(evict_first=False)],
+    (32, 32768, 1, 64): [{}, dict(evict_first=False)],
+    (1, 32768, 16, 64): [{}, dict(evict_first=False)],
+    (1, 4096, 16, 64): [{}, dict(evict_first=False)],
+    (8, 8192, 16, 64): [{}],
 }
 
 

@@ -40,7 +40,6 @@ CANDIDATES = {
     "triton": dict(kernel="mla_decode"),  # tma64, cut + fill (results/mla_sweep_cut_h200.log)
     "sm90.mc128": dict(kernel="sm90", min_chunk=128),  # more, shorter splits
     "sm90.mc512": dict(kernel="sm90", min_chunk=512),
-    "sm90.narrow": dict(kernel="sm90", variant=1, partials="q"),  # partials in q's dtype, KV loads evict-first
 }
 # (lost at N1 B1 and gone: 129 splits of <= 4 tiles, results/mla_sweep_makespan_h200.log; splits reduced on chip in
 # thread-block clusters, results/mla_sm90_cluster_h200.log)

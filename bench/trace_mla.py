@@ -1,5 +1,5 @@
 """Inside the sm90 MLA kernel, block by block (a diagnosis aid for issue 5, not a benchmark): the kernel built
-with its trace (variant bit 2, csrc/mla_decode_sm90.cu) stamps %globaltimer per block at entry, when Q and
+with its trace (a trace tensor given, csrc/mla_decode_sm90.cu) stamps %globaltimer per block at entry, when Q and
 tile 0 have landed, when each later tile has landed (up to tile 8), after its last wgmma and after its
 epilogue. Printed per shape and variant: how far apart the blocks start, and the median / max over blocks of
 each phase, so the fixed latency of a short split (prologue, epilogue) and the steady time a tile separate.
@@ -20,10 +20,10 @@ sys.path.insert(0, os.path.join(ROOT, "bench"))
 
 from sweep_mla import KIMI_SCALE, _inputs  # noqa: E402
 
-# (B, prefix, N, page_size) -> configs of the sm90 kernel (the trace bit is added)
+# (B, prefix, N, page_size) -> configs of the sm90 kernel (the trace tensor is added)
 CASES = {
-    (1, 32768, 1, 64): [dict(variant=0), dict(variant=1), dict(variant=0, partials="q"),
-                        dict(variant=1, partials="q")],
+    (1, 32768, 1, 64): [{}, dict(evict_first=False)],
+    (1, 4096, 16, 64): [{}],
 }
 SLOTS = 16
 
@@ -46,7 +46,7 @@ def main():
             max_len = x["page_table"].shape[1] * ps
             splits = cfg.get("splits") or mla_decode.splits_fill(m_blocks * B, max_len, _sm_count(x["q"].device), 256)
             trace = torch.zeros(m_blocks * B * splits, SLOTS, dtype=torch.int64, device="cuda")
-            run = dict(cfg, variant=cfg["variant"] | 2, trace=trace, splits=splits)
+            run = dict(cfg, trace=trace, splits=splits)
             for _ in range(3):  # warm; the last call's stamps are kept
                 trace.zero_()
                 torch.cuda.synchronize()

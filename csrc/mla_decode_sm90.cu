@@ -12,8 +12,10 @@
 // Inside a block (FlashMLA's division of labour, written with wgmma directly):
 //  - 64-key tiles are gathered with cp.async (a page-table lookup per key row, so any page size works;
 //    invalid rows are zero-filled, never read) into 128-byte-swizzled shared memory, two stages; Q (64 x
-//    576) and the first tile by all 256 threads, every later tile by warpgroup 1 while the current one is
-//    used;
+//    576) and the first two tiles by all 256 threads (every page id read before the first load is issued),
+//    every later tile by warpgroup 1 into the stage the tile before last freed, with its page ids read one
+//    iteration ahead; with splits the KV loads are marked L2 evict-first, so the partials stay in L2 for
+//    the merge;
 //  - warpgroup 0 computes S = Q K^T (36 wgmma m64n64k16) right behind its P V of the previous tile, masks
 //    it, runs the online softmax, and writes P (bf16 / fp16) and the rows' rescale factors to shared memory;
 //  - both warpgroups rescale and accumulate their half of O (64 x 256 fp32 each, 128 registers a thread):
@@ -62,11 +64,11 @@ struct Params {
   const int32_t* tree_mask;   // [B, N, W] contiguous
   void* out;                  // [B * N, G, 512] strides (stride_ot, stride_oh, 1)   (one split)
   float* lse;                 // [B * N, G] contiguous, natural log, or nullptr          (one split)
-  void* part_out;             // [splits, B, N * G, 512] fp32 | q's dtype, contiguous (splits > 1)
+  float* part_out;            // [splits, B, N * G, 512] fp32 contiguous              (splits > 1)
   float* part_lse;            // [splits, B, N * G] fp32, log2 units                  (splits > 1)
   uint64_t* trace;            // [blocks, kTraceSlots] (kTrace builds only: bench/trace_mla.py)
   float scale_log2;
-  float evict_first;          // the fraction of the KV loads marked L2 evict-first (0 or 1): variant bit 0
+  float evict_first;          // the fraction of the KV loads marked L2 evict-first: 0 or 1
   int B, N, W, G, num_pages, max_pages, page_size, num_splits;
   int64_t stride_qt, stride_qh, stride_kp, stride_ks, stride_pt, stride_ot, stride_oh;
 };
@@ -108,7 +110,7 @@ __device__ __forceinline__ void mma_pv(float (&o)[128], uint64_t da, uint64_t db
 
 __device__ __forceinline__ int cdiv(int a, int b) { return (a + b - 1) / b; }
 
-// The diagnostic trace (variant bit 2): per block, the SM, then %globaltimer (ns) at entry, when Q and tile
+// The diagnostic trace (a trace tensor given): per block, the SM, then %globaltimer (ns) at entry, when Q and tile
 // 0 have landed, when each later tile t (1 .. 8) has landed, after the last wgmma and after the epilogue.
 constexpr int kTraceSlots = 16;
 __device__ __forceinline__ uint64_t global_ns() {
@@ -132,8 +134,8 @@ __device__ __forceinline__ void named_barrier_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
-// P: the split partials' type (float, or T: half the bytes written and merged). kTrace: the diagnostic trace.
-template <typename T, typename P, bool kTrace>
+// kTrace: the diagnostic trace.
+template <typename T, bool kTrace>
 __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_constant__ Params p) {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ uint8_t smem_raw[];
@@ -477,15 +479,11 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
     const float lse2 = (l > 0.f ? m + log2f(l) : -INFINITY) + poison;
     if (p.num_splits > 1) {
       const int64_t prow = (static_cast<int64_t>(split) * p.B + b) * rows_total + row;
-      P* dst = static_cast<P*>(p.part_out) + prow * kDv + wg * (kDv / 2) + 2 * quad;
+      float* dst = p.part_out + prow * kDv + wg * (kDv / 2) + 2 * quad;
 #pragma unroll
       for (int j = 0; j < 32; ++j) {
-        const float a = o[4 * j + 2 * h] * inv + poison, c = o[4 * j + 2 * h + 1] * inv + poison;
-        if constexpr (std::is_same_v<P, float>) {
-          *reinterpret_cast<float2*>(dst + 8 * j) = make_float2(a, c);
-        } else {
-          *reinterpret_cast<uint32_t*>(dst + 8 * j) = Pack2<T>::pack(a, c);
-        }
+        *reinterpret_cast<float2*>(dst + 8 * j) =
+            make_float2(o[4 * j + 2 * h] * inv + poison, o[4 * j + 2 * h + 1] * inv + poison);
       }
       if (wg == 0 && quad == 0) p.part_lse[prow] = lse2;
     } else {
@@ -514,16 +512,17 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
 // page_table  [B, max_pages] int32, last dim contiguous;  prefix_lens [B] int32
 // tree_mask   [B, N, W] int32 contiguous
 // out         [B * N, G, 512]  q's dtype, last dim contiguous;  lse [B * N, G] fp32 contiguous, optional
-// part_out    [num_splits, B, N * G, 512] fp32 | q's dtype, contiguous;  part_lse [num_splits, B, N * G] fp32 contiguous
+// part_out    [num_splits, B, N * G, 512] fp32 contiguous;  part_lse [num_splits, B, N * G] fp32 contiguous
 //             (written when num_splits > 1, then merged by the caller; unused otherwise)
-//             (part_out: fp32 or q's dtype, which halves the bytes the splits write and the merge reads)
-// variant     bit 0: the KV loads marked L2 evict-first; bit 1: the trace build, into trace [grid blocks, 16]
-//             int64 (bf16 only; bench/trace_mla.py)
+// evict_first the KV loads marked L2 evict-first (when num_splits > 1: the partials, written last and read
+//             by the merge, then stay in L2)
+// trace       [grid blocks, 16] int64: the diagnostic trace build writes its stamps there (bf16 only;
+//             bench/trace_mla.py)
 void tree_attention_mla_sm90_cuda(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& page_table,
                                   const at::Tensor& prefix_lens, const at::Tensor& tree_mask, double scale,
                                   const at::Tensor& out, const std::optional<at::Tensor>& lse,
                                   const at::Tensor& part_out, const at::Tensor& part_lse, int64_t num_splits,
-                                  int64_t variant, const std::optional<at::Tensor>& trace_opt) {
+                                  bool evict_first, const std::optional<at::Tensor>& trace_opt) {
   TORCH_CHECK_TYPE(q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf,
                    "q must have dtype bfloat16 | float16, got ", q.scalar_type());
   CHECK_CUDA(q);
@@ -557,8 +556,7 @@ void tree_attention_mla_sm90_cuda(const at::Tensor& q, const at::Tensor& kv_cach
   }
   TORCH_CHECK_VALUE(num_splits >= 1 && num_splits <= 65535, "num_splits must be in [1, 65535], got ", num_splits);
   if (num_splits > 1) {
-    TORCH_CHECK_TYPE(part_out.scalar_type() == at::kFloat || part_out.scalar_type() == q.scalar_type(),
-                     "part_out must have dtype float32 or q's (", q.scalar_type(), "), got ", part_out.scalar_type());
+    CHECK_DTYPE(part_out, at::kFloat);
     CHECK_SHAPE(part_out, num_splits, B, N * G, kDv);
     TORCH_CHECK_VALUE(part_out.is_contiguous(), "part_out must be contiguous");
     CHECK_DTYPE(part_lse, at::kFloat);
@@ -583,11 +581,9 @@ void tree_attention_mla_sm90_cuda(const at::Tensor& q, const at::Tensor& kv_cach
   TORCH_CHECK_VALUE(N * G <= (int64_t{1} << 30) && B <= 65535 && kv_cache.size(0) < (int64_t{1} << 31) &&
                         page_table.size(1) * kv_cache.size(1) < (int64_t{1} << 31),
                     "tree_attention_mla sizes out of the kernel's range");
-  TORCH_CHECK_VALUE(variant >= 0 && variant <= 3, "variant must be in [0, 3], got ", variant);
-  const bool traced = (variant & 2) != 0;
+  const bool traced = trace_opt.has_value();
   const int64_t blocks = (N * G + kRows - 1) / kRows * B * num_splits;
   if (traced) {
-    TORCH_CHECK_VALUE(trace_opt.has_value(), "variant with bit 1 (trace) needs a trace tensor");
     TORCH_CHECK_TYPE(q.scalar_type() == at::kBFloat16, "the trace variant is built for bfloat16 only");
     const at::Tensor& trace = *trace_opt;
     CHECK_DTYPE(trace, at::kLong);
@@ -607,8 +603,8 @@ void tree_attention_mla_sm90_cuda(const at::Tensor& q, const at::Tensor& kv_cach
   p.tree_mask = tree_mask.data_ptr<int32_t>();
   p.out = out.data_ptr();
   p.lse = lse.has_value() ? lse->data_ptr<float>() : nullptr;
-  p.part_out = num_splits > 1 ? part_out.data_ptr() : nullptr;
-  p.evict_first = (variant & 1) ? 1.f : 0.f;
+  p.part_out = num_splits > 1 ? part_out.data_ptr<float>() : nullptr;
+  p.evict_first = evict_first ? 1.f : 0.f;
   p.part_lse = num_splits > 1 ? part_lse.data_ptr<float>() : nullptr;
   p.trace = traced ? reinterpret_cast<uint64_t*>(trace_opt->data_ptr<int64_t>()) : nullptr;
   p.scale_log2 = static_cast<float>(scale * 1.4426950408889634);
@@ -640,16 +636,12 @@ void tree_attention_mla_sm90_cuda(const at::Tensor& q, const at::Tensor& kv_cach
     kernel<<<grid, kThreads, kSmemBytes, stream>>>(p);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   };
-  const bool narrow = num_splits > 1 && part_out.scalar_type() != at::kFloat;
-  if (q.scalar_type() == at::kBFloat16) {
-    using T = __nv_bfloat16;
-    if (traced) {
-      narrow ? launch(mla_decode_kernel<T, T, true>) : launch(mla_decode_kernel<T, float, true>);
-    } else {
-      narrow ? launch(mla_decode_kernel<T, T, false>) : launch(mla_decode_kernel<T, float, false>);
-    }
+  if (traced) {
+    launch(mla_decode_kernel<__nv_bfloat16, true>);
+  } else if (q.scalar_type() == at::kBFloat16) {
+    launch(mla_decode_kernel<__nv_bfloat16, false>);
   } else {
-    narrow ? launch(mla_decode_kernel<__half, __half, false>) : launch(mla_decode_kernel<__half, float, false>);
+    launch(mla_decode_kernel<__half, false>);
   }
 }
 

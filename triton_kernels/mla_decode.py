@@ -386,18 +386,13 @@ def sm90_supported(q: Tensor, kv_cache: Tensor, out: Tensor, page_table: Tensor,
             and out.stride(2) == 1 and out.data_ptr() % 4 == 0)
 
 
-# The sm90 kernel's variant bits (csrc/mla_decode_sm90.cu): 1 = the KV loads marked L2 evict-first; 2 = the
-# diagnostic trace (config trace=<int64 [blocks, 16] tensor>, bench/trace_mla.py). config partials="q" writes the
-# split partials in q's dtype instead of fp32.
-SM90_VARIANT = 0
-SM90_PARTIALS = "fp32"
-
-
 def tree_attention_mla_sm90(q: Tensor, kv_cache: Tensor, page_table: Tensor, prefix_lens: Tensor,
                             tree_mask: Tensor, scale: float, out: Tensor, lse: Optional[Tensor], config: dict) -> None:
     """The sm_90a CUDA kernel's launcher (checks done by tree_attention.tree_attention_mla): the split count
-    as this file's fill rule (config: min_chunk, splits), then the kernel (config: variant, trace, partials), then
-    merge_splits. (Two other ways
+    as this file's fill rule (config: min_chunk, splits), then the kernel, then merge_splits. With more than one
+    split the KV loads are marked L2 evict-first (config evict_first=False leaves them normal), which keeps the
+    partials in L2 for the merge: N1 B1 P32768 26.9 vs 27.7 us on the H200, results/mla_sm90_early_h200.log); config trace=<int64 [blocks,
+    16] tensor> runs the diagnostic trace build (bench/trace_mla.py). (Two other ways
     lost on the H200 at N1 B1: 129 splits of <= 4 tiles, results/mla_sweep_makespan_h200.log, and splits
     reduced on chip by thread-block clusters, results/mla_sm90_cluster_h200.log.)"""
     B, N, _ = tree_mask.shape
@@ -409,12 +404,11 @@ def tree_attention_mla_sm90(q: Tensor, kv_cache: Tensor, page_table: Tensor, pre
                                                  config.get("min_chunk", 256))
     splits = max(1, min(int(splits), 65535))
     if splits > 1:
-        narrow = config.get("partials", SM90_PARTIALS) == "q"
-        po = torch.empty((splits, B, rows, 512), dtype=q.dtype if narrow else torch.float32, device=q.device)
+        po = torch.empty((splits, B, rows, 512), dtype=torch.float32, device=q.device)
         plse = torch.empty((splits, B, rows), dtype=torch.float32, device=q.device)
     else:
         po = plse = out.new_empty((0,), dtype=torch.float32)
     torch.ops.eagle3._tree_attention_mla_sm90(q, kv_cache, page_table, prefix_lens, tree_mask, scale, out, lse, po, plse,
-                                              splits, int(config.get("variant", SM90_VARIANT)), config.get("trace"))
+                                              splits, bool(config.get("evict_first", splits > 1)), config.get("trace"))
     if splits > 1:
         merge_splits(po, plse, out, lse, N, 1, G)

@@ -211,7 +211,7 @@ def _tree_attention_kernel(
 def _merge_kernel(PO, PLSE, O, LSE, N, HKV, NUM_SPLITS, stride_ot, stride_oh,
                   G: tl.constexpr, DV: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_V: tl.constexpr,
                   HAS_LSE: tl.constexpr):
-    # PO [NUM_SPLITS, B * HKV, N * G, DV] fp32 (or q's dtype: the sm90 kernel's partials="q"), PLSE [NUM_SPLITS, B * HKV, N * G] fp32 (see above);
+    # PO [NUM_SPLITS, B * HKV, N * G, DV] fp32, PLSE [NUM_SPLITS, B * HKV, N * G] fp32 (see above);
     # O [B * N, NH, DV] strides (stride_ot, stride_oh, 1); LSE [B * N, NH] fp32 contiguous.
     # One program: one query row, BLOCK_V output dims; splits combined with weights exp2(lse_s - lse), BLOCK_S
     # splits a step with a running max (one step, lse and partials loaded together, when BLOCK_S >= NUM_SPLITS:
@@ -230,8 +230,7 @@ def _merge_kernel(PO, PLSE, O, LSE, N, HKV, NUM_SPLITS, stride_ot, stride_oh,
         ok = s0 + s < NUM_SPLITS
         prow = ((s0 + s) * BH + pid_bh).to(tl.int64) * ROWS + row
         lse_s = tl.load(PLSE + prow, mask=ok, other=float("-inf"))
-        part = tl.load(PO + prow[:, None] * DV + v[None, :], mask=ok[:, None] & (v[None, :] < DV),
-                       other=0.0).to(tl.float32)  # (fp32, or the sm90 kernel's partials in q's dtype)
+        part = tl.load(PO + prow[:, None] * DV + v[None, :], mask=ok[:, None] & (v[None, :] < DV), other=0.0)
         m_new = tl.maximum(m_run, tl.max(lse_s, 0))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.math.exp2(m_run - m_use)  # 0 on the first step (m_run = -inf)
@@ -258,8 +257,7 @@ def merge_splits(po: Tensor, plse: Tensor, out: Tensor, lse: Optional[Tensor], N
     (N 1, B 1, prefix 32768; bench/profile_mla.py)."""
     splits, BH, rows, DV = po.shape
     block_s = min(128, _pow2(splits, 2))
-    es = po.element_size()  # (the sm90 kernel's partials may be 2-byte: the same 16 KB a program, 128-byte rows)
-    block_v = min(_pow2(DV), max(128 // es, 16384 // (block_s * es)))
+    block_v = min(_pow2(DV), max(32, 4096 // block_s))
     _merge_kernel[(rows, BH, -(-DV // block_v))](
         po, plse, out, lse if lse is not None else out, N, HKV, splits, out.stride(0), out.stride(1),
         G=G, DV=DV, BLOCK_S=block_s, BLOCK_V=block_v, HAS_LSE=lse is not None, num_warps=4)
