@@ -20,14 +20,13 @@ from sweep_mla import KIMI_SCALE, _counts, _inputs  # noqa: E402
 
 # (B, prefix, N, page_size) -> configs ({} = default: on Hopper the CUDA kernel csrc/mla_decode_sm90.cu;
 # {"kernel": "mla_decode"} is the Triton kernel with 64-key TMA tiles, cut + fill)
-# (evict_first=False: the sm90 kernel's KV loads with the normal L2 policy; the default marks them evict-first
-# when the call splits)
+# (evict_first=False: the sm90 kernel's KV loads with the normal L2 policy, the default marks them evict-first
+# when the call splits; bulk_store=True: partial rows staged in shared memory and written by bulk copies)
 CASES = {
-    (1, 32768, 1, 64): [{}, dict(evict_first=False)],
-    (32, 32768, 1, 64): [{}, dict(evict_first=False)],
-    (1, 32768, 16, 64): [{}, dict(evict_first=False)],
-    (1, 4096, 16, 64): [{}, dict(evict_first=False)],
-    (8, 8192, 16, 64): [{}],
+    (1, 32768, 1, 64): [{}, dict(bulk_store=True)],
+    (32, 32768, 1, 64): [{}, dict(bulk_store=True)],
+    (1, 32768, 16, 64): [{}, dict(bulk_store=True)],
+    (1, 4096, 16, 64): [{}, dict(bulk_store=True)],
 }
 
 
@@ -66,8 +65,47 @@ def main():
             parts = "; ".join(f"{k[:28]} x{c // 20 if c >= 20 else c}: {t:.1f} us" for k, c, t in kernels)
             print(f"N{N} B{B} P{P} {str(cfg or 'default'):<16} graph {us:7.1f} us  {flops / us * 1e-6:6.1f} TFLOP/s  "
                   f"{100 * nbytes / us * 1e6 / ceil.copy_bw:5.1f}% copy  | {parts}", flush=True)
+        if N == 1:  # what the cache's bytes alone cost at this size: read once (amax), and copied (read + written)
+            red = [torch.empty(x["k"].shape[:2], dtype=x["k"].dtype, device="cuda") for x in sets]
+            dst = [torch.empty_like(x["k"]) for x in sets]
+            kv = sets[0]["k"].numel() * sets[0]["k"].element_size()
+            us_read = graph_time_us([lambda x=x, r=r: torch.amax(x["k"], dim=-1, out=r) for x, r in zip(sets, red)],
+                                    reps=10)
+            us_copy = graph_time_us([lambda x=x, d=d: d.copy_(x["k"]) for x, d in zip(sets, dst)], reps=10)
+            print(f"N{N} B{B} P{P} the cache's {kv / 1e6:.1f} MB read once (torch.amax): {us_read:.1f} us "
+                  f"= {100 * kv / us_read * 1e6 / ceil.copy_bw:.1f}% copy; copied (read + written): {us_copy:.1f} us "
+                  f"= {100 * 2 * kv / us_copy * 1e6 / ceil.copy_bw:.1f}% copy", flush=True)
+            del red, dst
         del sets
+
+
+def merge_variants():
+    """The split merge alone at N1 B1 P32768's shape (119 splits of 64 rows x 512): the launcher's tiles and
+    others, with the partials hot in L2 (one set, as right after the attention kernel) and rotated past it."""
+    import triton
+
+    from common import graph_time_us
+    from eagle3_ops.triton_kernels import tree_attention as ta
+
+    splits, rows, DV = 119, 64, 512
+    sets = []
+    for _ in range(4):
+        po = torch.randn(splits, 1, rows, DV, device="cuda")
+        plse = torch.randn(splits, 1, rows, device="cuda")
+        sets.append((po, plse, torch.empty(1, rows, DV, dtype=torch.bfloat16, device="cuda"),
+                     torch.empty(1, rows, device="cuda")))
+    for block_s, block_v, warps in [(128, 32, 4), (128, 64, 4), (128, 64, 8), (128, 128, 8), (64, 64, 4)]:
+        def call(st, block_s=block_s, block_v=block_v, warps=warps):
+            po, plse, out, lse = st
+            ta._merge_kernel[(rows, 1, triton.cdiv(DV, block_v))](
+                po, plse, out, lse, 1, 1, splits, out.stride(0), out.stride(1), G=rows, DV=DV, BLOCK_S=block_s,
+                BLOCK_V=block_v, HAS_LSE=True, num_warps=warps)
+        hot = graph_time_us([lambda: call(sets[0])], reps=10)
+        cold = graph_time_us([lambda st=st: call(st) for st in sets], reps=10)
+        print(f"merge 119 x 64 x 512 fp32 BLOCK_S {block_s} BLOCK_V {block_v} warps {warps}: "
+              f"L2-hot {hot:.1f} us, rotated {cold:.1f} us", flush=True)
 
 
 if __name__ == "__main__":
     main()
+    merge_variants()

@@ -55,6 +55,10 @@ constexpr int kPBytes = kRows * kKeys * 2;           // P: one chunk
 constexpr int kThreads = 256;                        // two warpgroups
 constexpr int kSmemBytes = 3 * kTileBytes + kPBytes + 3 * kRows * 4 + 1024;  // + alpha, l, m; + alignment
 static_assert(kKeys == 64 && kRows == 64, "the tile code assumes 64 x 64 score tiles");
+// bulk_store: a partial row staged in shared memory, padded by 32 bytes so that the 8 rows of a warp's float2
+// stores spread over all banks (two wavefronts, the least for 256 bytes)
+constexpr int kStagedRow = kDv + 8;
+static_assert(kRows * kStagedRow * 4 <= 2 * kTileBytes, "staged partial rows fit in the key stages");
 
 struct Params {
   const void* q;              // [B * N, G, 576] strides (stride_qt, stride_qh, 1)
@@ -69,6 +73,7 @@ struct Params {
   uint64_t* trace;            // [blocks, kTraceSlots] (kTrace builds only: bench/trace_mla.py)
   float scale_log2;
   float evict_first;          // the fraction of the KV loads marked L2 evict-first: 0 or 1
+  int bulk_store;             // splits > 1: partial rows staged in shared memory, written by bulk copies
   int B, N, W, G, num_pages, max_pages, page_size, num_splits;
   int64_t stride_qt, stride_qh, stride_kp, stride_ks, stride_pt, stride_ot, stride_oh;
 };
@@ -479,7 +484,9 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
     const float lse2 = (l > 0.f ? m + log2f(l) : -INFINITY) + poison;
     if (p.num_splits > 1) {
       const int64_t prow = (static_cast<int64_t>(split) * p.B + b) * rows_total + row;
-      float* dst = p.part_out + prow * kDv + wg * (kDv / 2) + 2 * quad;
+      float* dst = p.bulk_store ? reinterpret_cast<float*>(smem + kTileBytes) + r * kStagedRow
+                                : p.part_out + prow * kDv;
+      dst += wg * (kDv / 2) + 2 * quad;
 #pragma unroll
       for (int j = 0; j < 32; ++j) {
         *reinterpret_cast<float2*>(dst + 8 * j) =
@@ -496,6 +503,19 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
             Pack2<T>::pack(o[4 * j + 2 * h] * inv + poison, o[4 * j + 2 * h + 1] * inv + poison);
       }
       if (p.lse != nullptr && wg == 0 && quad == 0) p.lse[token * p.G + head] = lse2 * 0.6931471805599453f;
+    }
+  }
+  if (p.num_splits > 1 && p.bulk_store) {  // the staged rows (in the idle key stages) out, 2 KB a bulk copy
+    sm90::fence_proxy_async();
+    __syncthreads();
+    const int row = m_block * kRows + tid;
+    if (tid < kRows && row < rows_total) {
+      const int64_t prow = (static_cast<int64_t>(split) * p.B + b) * rows_total + row;
+      asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n" ::"l"(p.part_out + prow * kDv),
+                   "r"(s_k + static_cast<uint32_t>(tid * kStagedRow * 4)), "n"(kDv * 4)
+                   : "memory");
+      asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+      asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");  // shared memory read: the block may exit
     }
   }
   if constexpr (kTrace) {
@@ -516,13 +536,14 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
 //             (written when num_splits > 1, then merged by the caller; unused otherwise)
 // evict_first the KV loads marked L2 evict-first (when num_splits > 1: the partials, written last and read
 //             by the merge, then stay in L2)
+// bulk_store  with splits: each block stages its partial rows in shared memory and writes them with bulk copies
 // trace       [grid blocks, 16] int64: the diagnostic trace build writes its stamps there (bf16 only;
 //             bench/trace_mla.py)
 void tree_attention_mla_sm90_cuda(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& page_table,
                                   const at::Tensor& prefix_lens, const at::Tensor& tree_mask, double scale,
                                   const at::Tensor& out, const std::optional<at::Tensor>& lse,
                                   const at::Tensor& part_out, const at::Tensor& part_lse, int64_t num_splits,
-                                  bool evict_first, const std::optional<at::Tensor>& trace_opt) {
+                                  bool evict_first, bool bulk_store, const std::optional<at::Tensor>& trace_opt) {
   TORCH_CHECK_TYPE(q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf,
                    "q must have dtype bfloat16 | float16, got ", q.scalar_type());
   CHECK_CUDA(q);
@@ -605,6 +626,7 @@ void tree_attention_mla_sm90_cuda(const at::Tensor& q, const at::Tensor& kv_cach
   p.lse = lse.has_value() ? lse->data_ptr<float>() : nullptr;
   p.part_out = num_splits > 1 ? part_out.data_ptr<float>() : nullptr;
   p.evict_first = evict_first ? 1.f : 0.f;
+  p.bulk_store = bulk_store ? 1 : 0;
   p.part_lse = num_splits > 1 ? part_lse.data_ptr<float>() : nullptr;
   p.trace = traced ? reinterpret_cast<uint64_t*>(trace_opt->data_ptr<int64_t>()) : nullptr;
   p.scale_log2 = static_cast<float>(scale * 1.4426950408889634);

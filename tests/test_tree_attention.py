@@ -740,14 +740,14 @@ SM90_CASES = [  # (N, prefix, B, page_size, kind, NH, splits, dtype)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("evict_first", [False, True])
+@pytest.mark.parametrize("evict_first, bulk_store", [(False, False), (True, True)])
 @pytest.mark.parametrize("case", SM90_CASES, ids=lambda c: f"N{c[0]}-prefix{c[1]}-B{c[2]}-ps{c[3]}-{c[4]}-NH{c[5]}"
                          f"-splits{c[6]}-{str(c[7])[6:]}")
-def test_gpu_sm90_against_float64(case, evict_first):
+def test_gpu_sm90_against_float64(case, evict_first, bulk_store):
     N, prefix, B, page_size, kind, NH, splits, dtype = case
     c = GpuCase(zlib.crc32(repr(case).encode()), B=B, prefix=prefix, N=N, kind=kind, page_size=page_size,
                 dtype=dtype, mla=True, NH=NH, D=576, Dv=512)
-    cfg = dict(kernel="sm90", evict_first=evict_first, **({"splits": splits} if splits else {}))
+    cfg = dict(kernel="sm90", evict_first=evict_first, bulk_store=bulk_store, **({"splits": splits} if splits else {}))
     out, lse = _kernel(c, config=cfg)
     _check_against(c, out, lse, *c.truth())
     without, _ = _kernel(c, config=cfg, with_lse=False)
@@ -789,9 +789,9 @@ def test_gpu_sm90_internal_op_refuses_bad_input():
     with pytest.raises(ValueError, match="part_lse must be on the same device"):
         op(c.q, c.k_cache, *common, out, None, po, plse.cpu(), 2)
     with pytest.raises(ValueError, match="trace must have shape"):
-        op(c.q, c.k_cache, *common, out, None, po, plse, 2, False, torch.zeros(3, 16, dtype=torch.int64, device="cuda"))
+        op(c.q, c.k_cache, *common, out, None, po, plse, 2, trace=torch.zeros(3, 16, dtype=torch.int64, device="cuda"))
     with pytest.raises(TypeError, match="trace must have dtype"):
-        op(c.q, c.k_cache, *common, out, None, po, plse, 2, False, torch.zeros(16, 16, dtype=torch.int32, device="cuda"))
+        op(c.q, c.k_cache, *common, out, None, po, plse, 2, trace=torch.zeros(16, 16, dtype=torch.int32, device="cuda"))
 
 
 @pytest.mark.gpu
@@ -809,7 +809,7 @@ def test_gpu_sm90_trace_build():
     poison_(out)
     trace = torch.zeros(3 * 2 * 3, 16, dtype=torch.int64, device="cuda")  # 3 row blocks (192 rows) x B x splits
     mla_decode.tree_attention_mla_sm90(c.q, c.k_cache, c.page_table, c.prefix_lens, c.tree_mask, c.scale, out, lse,
-                                       dict(trace=trace, splits=3))
+                                       dict(trace=trace, splits=3, bulk_store=True))
     assert_equal(out, base[0], "out traced vs untraced")
     assert_equal(lse, base[1], "lse traced vs untraced")
     t = trace.cpu()
