@@ -21,12 +21,12 @@ from sweep_mla import KIMI_SCALE, _counts, _inputs  # noqa: E402
 # (B, prefix, N, page_size) -> configs ({} = default: on Hopper the CUDA kernel csrc/mla_decode_sm90.cu;
 # {"kernel": "mla_decode"} is the Triton kernel with 64-key TMA tiles, cut + fill)
 # (evict_first=False: the sm90 kernel's KV loads with the normal L2 policy, the default marks them evict-first
-# when the call splits; bulk_store=True: partial rows staged in shared memory and written by bulk copies)
+# when the call splits; partials="q": 2-byte split partials, staged in shared memory, written by bulk copies)
 CASES = {
-    (1, 32768, 1, 64): [{}, dict(bulk_store=True)],
-    (32, 32768, 1, 64): [{}, dict(bulk_store=True)],
-    (1, 32768, 16, 64): [{}, dict(bulk_store=True)],
-    (1, 4096, 16, 64): [{}, dict(bulk_store=True)],
+    (1, 32768, 1, 64): [{}, dict(partials="q")],
+    (32, 32768, 1, 64): [{}, dict(partials="q")],
+    (1, 32768, 16, 64): [{}, dict(partials="q")],
+    (1, 4096, 16, 64): [{}, dict(partials="q")],
 }
 
 
@@ -82,19 +82,25 @@ def main():
 def merge_variants():
     """The split merge alone at N1 B1 P32768's shape (119 splits of 64 rows x 512): the launcher's tiles and
     others, with the partials hot in L2 (one set, as right after the attention kernel) and rotated past it."""
+    splits, rows, DV = 119, 64, 512
+    for dtype, variants in ((torch.float32, [(128, 32, 4), (128, 64, 4)]),
+                            (torch.bfloat16, [(128, 32, 4), (128, 64, 4), (128, 128, 4)])):
+        _merge_variants(splits, rows, DV, dtype, variants)
+
+
+def _merge_variants(splits, rows, DV, dtype, variants):
     import triton
 
     from common import graph_time_us
     from eagle3_ops.triton_kernels import tree_attention as ta
 
-    splits, rows, DV = 119, 64, 512
     sets = []
     for _ in range(4):
-        po = torch.randn(splits, 1, rows, DV, device="cuda")
+        po = torch.randn(splits, 1, rows, DV, device="cuda").to(dtype)
         plse = torch.randn(splits, 1, rows, device="cuda")
         sets.append((po, plse, torch.empty(1, rows, DV, dtype=torch.bfloat16, device="cuda"),
                      torch.empty(1, rows, device="cuda")))
-    for block_s, block_v, warps in [(128, 32, 4), (128, 64, 4), (128, 64, 8), (128, 128, 8), (64, 64, 4)]:
+    for block_s, block_v, warps in variants:
         def call(st, block_s=block_s, block_v=block_v, warps=warps):
             po, plse, out, lse = st
             ta._merge_kernel[(rows, 1, triton.cdiv(DV, block_v))](
@@ -102,7 +108,7 @@ def merge_variants():
                 BLOCK_V=block_v, HAS_LSE=True, num_warps=warps)
         hot = graph_time_us([lambda: call(sets[0])], reps=10)
         cold = graph_time_us([lambda st=st: call(st) for st in sets], reps=10)
-        print(f"merge 119 x 64 x 512 fp32 BLOCK_S {block_s} BLOCK_V {block_v} warps {warps}: "
+        print(f"merge 119 x 64 x 512 {str(dtype)[6:]} BLOCK_S {block_s} BLOCK_V {block_v} warps {warps}: "
               f"L2-hot {hot:.1f} us, rotated {cold:.1f} us", flush=True)
 
 

@@ -404,12 +404,12 @@ def tree_attention_mla_sm90(q: Tensor, kv_cache: Tensor, page_table: Tensor, pre
                                                  config.get("min_chunk", 256))
     splits = max(1, min(int(splits), 65535))
     if splits > 1:
-        po = torch.empty((splits, B, rows, 512), dtype=torch.float32, device=q.device)
+        narrow = config.get("partials", "fp32") == "q"  # 2-byte partials (bench/profile_mla.py's experiment)
+        po = torch.empty((splits, B, rows, 512), dtype=q.dtype if narrow else torch.float32, device=q.device)
         plse = torch.empty((splits, B, rows), dtype=torch.float32, device=q.device)
     else:
         po = plse = out.new_empty((0,), dtype=torch.float32)
     torch.ops.eagle3._tree_attention_mla_sm90(q, kv_cache, page_table, prefix_lens, tree_mask, scale, out, lse, po, plse,
-                                              splits, bool(config.get("evict_first", splits > 1)),
-                                              bool(config.get("bulk_store", False)), config.get("trace"))
+                                              splits, bool(config.get("evict_first", splits > 1)), config.get("trace"))
     if splits > 1:
         merge_splits(po, plse, out, lse, N, 1, G)

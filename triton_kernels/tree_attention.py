@@ -230,7 +230,8 @@ def _merge_kernel(PO, PLSE, O, LSE, N, HKV, NUM_SPLITS, stride_ot, stride_oh,
         ok = s0 + s < NUM_SPLITS
         prow = ((s0 + s) * BH + pid_bh).to(tl.int64) * ROWS + row
         lse_s = tl.load(PLSE + prow, mask=ok, other=float("-inf"))
-        part = tl.load(PO + prow[:, None] * DV + v[None, :], mask=ok[:, None] & (v[None, :] < DV), other=0.0)
+        part = tl.load(PO + prow[:, None] * DV + v[None, :], mask=ok[:, None] & (v[None, :] < DV),
+                       other=0.0).to(tl.float32)  # (fp32, or the sm90 kernel's 2-byte partials)
         m_new = tl.maximum(m_run, tl.max(lse_s, 0))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.math.exp2(m_run - m_use)  # 0 on the first step (m_run = -inf)
@@ -257,7 +258,7 @@ def merge_splits(po: Tensor, plse: Tensor, out: Tensor, lse: Optional[Tensor], N
     (N 1, B 1, prefix 32768; bench/profile_mla.py)."""
     splits, BH, rows, DV = po.shape
     block_s = min(128, _pow2(splits, 2))
-    block_v = min(_pow2(DV), max(32, 4096 // block_s))
+    block_v = min(_pow2(DV), max(32, 8192 // block_s))
     _merge_kernel[(rows, BH, -(-DV // block_v))](
         po, plse, out, lse if lse is not None else out, N, HKV, splits, out.stride(0), out.stride(1),
         G=G, DV=DV, BLOCK_S=block_s, BLOCK_V=block_v, HAS_LSE=lse is not None, num_warps=4)
