@@ -55,11 +55,6 @@ constexpr int kPBytes = kRows * kKeys * 2;           // P: one chunk
 constexpr int kThreads = 256;                        // two warpgroups
 constexpr int kSmemBytes = 3 * kTileBytes + kPBytes + 3 * kRows * 4 + 1024;  // + alpha, l, m; + alignment
 static_assert(kKeys == 64 && kRows == 64, "the tile code assumes 64 x 64 score tiles");
-// 2-byte partials: a block's rows are staged in shared memory (in the idle key stages), each padded by 16
-// bytes so that the 8 rows of a warp's 4-byte stores fall on distinct banks, then written a row (1 KB) per
-// bulk copy (4-byte stores straight to global memory made the epilogue 5.6 us instead of fp32's 3.5)
-constexpr int kStagedRow = kDv + 8;  // elements
-static_assert(kRows * kStagedRow * 2 <= 2 * kTileBytes, "staged partial rows fit in the key stages");
 
 struct Params {
   const void* q;              // [B * N, G, 576] strides (stride_qt, stride_qh, 1)
@@ -69,7 +64,7 @@ struct Params {
   const int32_t* tree_mask;   // [B, N, W] contiguous
   void* out;                  // [B * N, G, 512] strides (stride_ot, stride_oh, 1)   (one split)
   float* lse;                 // [B * N, G] contiguous, natural log, or nullptr          (one split)
-  void* part_out;             // [splits, B, N * G, 512] fp32 | q's dtype contiguous  (splits > 1)
+  float* part_out;            // [splits, B, N * G, 512] fp32 contiguous              (splits > 1)
   float* part_lse;            // [splits, B, N * G] fp32, log2 units                  (splits > 1)
   uint64_t* trace;            // [blocks, kTraceSlots] (kTrace builds only: bench/trace_mla.py)
   float scale_log2;
@@ -139,8 +134,8 @@ __device__ __forceinline__ void named_barrier_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
-// P: the split partials' type, float or T. kTrace: the diagnostic trace.
-template <typename T, typename P, bool kTrace>
+// kTrace: the diagnostic trace.
+template <typename T, bool kTrace>
 __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_constant__ Params p) {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ uint8_t smem_raw[];
@@ -484,20 +479,11 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
     const float lse2 = (l > 0.f ? m + log2f(l) : -INFINITY) + poison;
     if (p.num_splits > 1) {
       const int64_t prow = (static_cast<int64_t>(split) * p.B + b) * rows_total + row;
-      if constexpr (std::is_same_v<P, float>) {
-        float* dst = static_cast<float*>(p.part_out) + prow * kDv + wg * (kDv / 2) + 2 * quad;
+      float* dst = p.part_out + prow * kDv + wg * (kDv / 2) + 2 * quad;
 #pragma unroll
-        for (int j = 0; j < 32; ++j) {
-          *reinterpret_cast<float2*>(dst + 8 * j) =
-              make_float2(o[4 * j + 2 * h] * inv + poison, o[4 * j + 2 * h + 1] * inv + poison);
-        }
-      } else {
-        uint8_t* dst = smem + kTileBytes + (r * kStagedRow + wg * (kDv / 2) + 2 * quad) * 2;
-#pragma unroll
-        for (int j = 0; j < 32; ++j) {
-          *reinterpret_cast<uint32_t*>(dst + 16 * j) =
-              Pack2<T>::pack(o[4 * j + 2 * h] * inv + poison, o[4 * j + 2 * h + 1] * inv + poison);
-        }
+      for (int j = 0; j < 32; ++j) {
+        *reinterpret_cast<float2*>(dst + 8 * j) =
+            make_float2(o[4 * j + 2 * h] * inv + poison, o[4 * j + 2 * h + 1] * inv + poison);
       }
       if (wg == 0 && quad == 0) p.part_lse[prow] = lse2;
     } else {
@@ -510,20 +496,6 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
             Pack2<T>::pack(o[4 * j + 2 * h] * inv + poison, o[4 * j + 2 * h + 1] * inv + poison);
       }
       if (p.lse != nullptr && wg == 0 && quad == 0) p.lse[token * p.G + head] = lse2 * 0.6931471805599453f;
-    }
-  }
-  if (!std::is_same_v<P, float> && p.num_splits > 1) {  // the staged rows out, a bulk copy each
-    sm90::fence_proxy_async();
-    __syncthreads();
-    const int row = m_block * kRows + tid;
-    if (tid < kRows && row < rows_total) {
-      const int64_t prow = (static_cast<int64_t>(split) * p.B + b) * rows_total + row;
-      asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n"
-                   ::"l"(static_cast<P*>(p.part_out) + prow * kDv), "r"(s_k + static_cast<uint32_t>(tid * kStagedRow * 2)),
-                   "n"(kDv * 2)
-                   : "memory");
-      asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
-      asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");  // shared memory read: the block may exit
     }
   }
   if constexpr (kTrace) {
@@ -540,7 +512,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
 // page_table  [B, max_pages] int32, last dim contiguous;  prefix_lens [B] int32
 // tree_mask   [B, N, W] int32 contiguous
 // out         [B * N, G, 512]  q's dtype, last dim contiguous;  lse [B * N, G] fp32 contiguous, optional
-// part_out    [num_splits, B, N * G, 512] fp32 | q's dtype contiguous;  part_lse [num_splits, B, N * G] fp32 contiguous
+// part_out    [num_splits, B, N * G, 512] fp32 contiguous;  part_lse [num_splits, B, N * G] fp32 contiguous
 //             (written when num_splits > 1, then merged by the caller; unused otherwise)
 // evict_first the KV loads marked L2 evict-first (when num_splits > 1: the partials, written last and read
 //             by the merge, then stay in L2)
@@ -584,8 +556,7 @@ void tree_attention_mla_sm90_cuda(const at::Tensor& q, const at::Tensor& kv_cach
   }
   TORCH_CHECK_VALUE(num_splits >= 1 && num_splits <= 65535, "num_splits must be in [1, 65535], got ", num_splits);
   if (num_splits > 1) {
-    TORCH_CHECK_TYPE(part_out.scalar_type() == at::kFloat || part_out.scalar_type() == q.scalar_type(),
-                     "part_out must have dtype float32 or q's (", q.scalar_type(), "), got ", part_out.scalar_type());
+    CHECK_DTYPE(part_out, at::kFloat);
     CHECK_SHAPE(part_out, num_splits, B, N * G, kDv);
     TORCH_CHECK_VALUE(part_out.is_contiguous(), "part_out must be contiguous");
     CHECK_DTYPE(part_lse, at::kFloat);
@@ -632,7 +603,7 @@ void tree_attention_mla_sm90_cuda(const at::Tensor& q, const at::Tensor& kv_cach
   p.tree_mask = tree_mask.data_ptr<int32_t>();
   p.out = out.data_ptr();
   p.lse = lse.has_value() ? lse->data_ptr<float>() : nullptr;
-  p.part_out = num_splits > 1 ? part_out.data_ptr() : nullptr;
+  p.part_out = num_splits > 1 ? part_out.data_ptr<float>() : nullptr;
   p.evict_first = evict_first ? 1.f : 0.f;
   p.part_lse = num_splits > 1 ? part_lse.data_ptr<float>() : nullptr;
   p.trace = traced ? reinterpret_cast<uint64_t*>(trace_opt->data_ptr<int64_t>()) : nullptr;
@@ -665,16 +636,12 @@ void tree_attention_mla_sm90_cuda(const at::Tensor& q, const at::Tensor& kv_cach
     kernel<<<grid, kThreads, kSmemBytes, stream>>>(p);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   };
-  const bool narrow = num_splits > 1 && part_out.scalar_type() != at::kFloat;
-  if (q.scalar_type() == at::kBFloat16) {
-    using T = __nv_bfloat16;
-    if (traced) {
-      narrow ? launch(mla_decode_kernel<T, T, true>) : launch(mla_decode_kernel<T, float, true>);
-    } else {
-      narrow ? launch(mla_decode_kernel<T, T, false>) : launch(mla_decode_kernel<T, float, false>);
-    }
+  if (traced) {
+    launch(mla_decode_kernel<__nv_bfloat16, true>);
+  } else if (q.scalar_type() == at::kBFloat16) {
+    launch(mla_decode_kernel<__nv_bfloat16, false>);
   } else {
-    narrow ? launch(mla_decode_kernel<__half, __half, false>) : launch(mla_decode_kernel<__half, float, false>);
+    launch(mla_decode_kernel<__half, false>);
   }
 }
 

@@ -404,8 +404,7 @@ def tree_attention_mla_sm90(q: Tensor, kv_cache: Tensor, page_table: Tensor, pre
                                                  config.get("min_chunk", 256))
     splits = max(1, min(int(splits), 65535))
     if splits > 1:
-        narrow = config.get("partials", "fp32") == "q"  # 2-byte partials (bench/profile_mla.py's experiment)
-        po = torch.empty((splits, B, rows, 512), dtype=q.dtype if narrow else torch.float32, device=q.device)
+        po = torch.empty((splits, B, rows, 512), dtype=torch.float32, device=q.device)
         plse = torch.empty((splits, B, rows), dtype=torch.float32, device=q.device)
     else:
         po = plse = out.new_empty((0,), dtype=torch.float32)
