@@ -24,7 +24,8 @@ from sweep_mla import KIMI_SCALE, _counts, _inputs  # noqa: E402
 # when the call splits. Tried and gone: 2-byte split partials, stored directly or staged and bulk-copied, and
 # fp32 partials bulk-copied: results/mla_sm90_early_h200.log)
 CASES = {
-    (1, 32768, 1, 64): [{}, dict(evict_first=False)],
+    (1, 32768, 1, 64): [{}, dict(evict_first=False), dict(splits=48), dict(splits=64), dict(splits=80),
+                        dict(splits=96)],
     (32, 32768, 1, 64): [{}],
     (1, 32768, 16, 64): [{}],
     (1, 4096, 16, 64): [{}],
