@@ -20,15 +20,15 @@ from sweep_mla import KIMI_SCALE, _counts, _inputs  # noqa: E402
 
 # (B, prefix, N, page_size) -> configs ({} = default: on Hopper the CUDA kernel csrc/mla_decode_sm90.cu;
 # {"kernel": "mla_decode"} is the Triton kernel with 64-key TMA tiles, cut + fill)
-# (evict_first=False: the sm90 kernel's KV loads with the normal L2 policy; the default marks them evict-first
-# when the call splits. Tried and gone: 2-byte split partials, stored directly or staged and bulk-copied, and
+# (evict_first=False: the sm90 kernel's KV loads as plain cp.async; the default gives them an L2 evict-first
+# policy when the call splits. Tried and gone: 2-byte split partials, stored directly or staged and bulk-copied, and
 # fp32 partials bulk-copied: results/mla_sm90_early_h200.log)
 CASES = {
-    (1, 32768, 1, 64): [{}, dict(evict_first=False), dict(splits=48), dict(splits=64), dict(splits=80),
-                        dict(splits=96)],
-    (32, 32768, 1, 64): [{}],
-    (1, 32768, 16, 64): [{}],
-    (1, 4096, 16, 64): [{}],
+    (1, 32768, 1, 64): [{}, dict(evict_first=False)],
+    (32, 32768, 1, 64): [{}, dict(evict_first=False)],
+    (1, 32768, 16, 64): [{}, dict(evict_first=False)],
+    (1, 4096, 16, 64): [{}, dict(evict_first=False)],
+    (8, 8192, 16, 64): [{}, dict(evict_first=True)],
 }
 
 

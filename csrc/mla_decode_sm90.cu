@@ -69,7 +69,6 @@ struct Params {
   float* part_lse;            // [splits, B, N * G] fp32, log2 units                  (splits > 1)
   uint64_t* trace;            // [blocks, kTraceSlots] (kTrace builds only: bench/trace_mla.py)
   float scale_log2;
-  float evict_first;          // the fraction of the KV loads marked L2 evict-first: 0 or 1
   int B, N, W, G, num_pages, max_pages, page_size, num_splits;
   int64_t stride_qt, stride_qh, stride_kp, stride_ks, stride_pt, stride_ot, stride_oh;
 };
@@ -135,8 +134,8 @@ __device__ __forceinline__ void named_barrier_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
-// kTrace: the diagnostic trace.
-template <typename T, bool kTrace>
+// kEvictFirst: the KV loads carry an L2 evict-first policy (else plain cp.async). kTrace: the diagnostic trace.
+template <typename T, bool kEvictFirst, bool kTrace>
 __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_constant__ Params p) {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ uint8_t smem_raw[];
@@ -204,10 +203,14 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
     unreal |= valid && !real;
     return valid && real ? kv + page * p.stride_kp + static_cast<int64_t>(upos - pg * ups) * p.stride_ks : nullptr;
   };
-  uint64_t policy;  // KV loads: evict-first for the fraction p.evict_first, else evict-normal
-  asm volatile("createpolicy.fractional.L2::evict_first.L2::evict_unchanged.b64 %0, %1;" : "=l"(policy) : "f"(p.evict_first));
+  uint64_t policy = 0;
+  if constexpr (kEvictFirst) asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
   auto kv_load = [&](uint32_t dst, const T* src) {
-    cp_async16_hint(dst, src ? src : kv, src ? 16 : 0, policy);
+    if constexpr (kEvictFirst) {
+      cp_async16_hint(dst, src ? src : kv, src ? 16 : 0, policy);
+    } else {
+      sm90::cp_async16(dst, src ? src : kv, src ? 16 : 0);
+    }
   };
   // The first tiles (and Q): every thread, rows lr and lr + 32, 16-byte chunk lc of each of the 9 column
   // chunks (8 threads read a row's 128-byte column chunk together).
@@ -605,7 +608,6 @@ void tree_attention_mla_sm90_cuda(const at::Tensor& q, const at::Tensor& kv_cach
   p.out = out.data_ptr();
   p.lse = lse.has_value() ? lse->data_ptr<float>() : nullptr;
   p.part_out = num_splits > 1 ? part_out.data_ptr<float>() : nullptr;
-  p.evict_first = evict_first ? 1.f : 0.f;
   p.part_lse = num_splits > 1 ? part_lse.data_ptr<float>() : nullptr;
   p.trace = traced ? reinterpret_cast<uint64_t*>(trace_opt->data_ptr<int64_t>()) : nullptr;
   p.scale_log2 = static_cast<float>(scale * 1.4426950408889634);
@@ -638,11 +640,13 @@ void tree_attention_mla_sm90_cuda(const at::Tensor& q, const at::Tensor& kv_cach
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   };
   if (traced) {
-    launch(mla_decode_kernel<__nv_bfloat16, true>);
+    evict_first ? launch(mla_decode_kernel<__nv_bfloat16, true, true>)
+                : launch(mla_decode_kernel<__nv_bfloat16, false, true>);
   } else if (q.scalar_type() == at::kBFloat16) {
-    launch(mla_decode_kernel<__nv_bfloat16, false>);
+    evict_first ? launch(mla_decode_kernel<__nv_bfloat16, true, false>)
+                : launch(mla_decode_kernel<__nv_bfloat16, false, false>);
   } else {
-    launch(mla_decode_kernel<__half, false>);
+    evict_first ? launch(mla_decode_kernel<__half, true, false>) : launch(mla_decode_kernel<__half, false, false>);
   }
 }
 
