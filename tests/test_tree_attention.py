@@ -789,9 +789,9 @@ def test_gpu_sm90_internal_op_refuses_bad_input():
     with pytest.raises(ValueError, match="part_lse must be on the same device"):
         op(c.q, c.k_cache, *common, out, None, po, plse.cpu(), 2)
     with pytest.raises(ValueError, match="trace must have shape"):
-        op(c.q, c.k_cache, *common, out, None, po, plse, 2, False, torch.zeros(3, 16, dtype=torch.int64, device="cuda"))
+        op(c.q, c.k_cache, *common, out, None, po, plse, 2, trace=torch.zeros(3, 16, dtype=torch.int64, device="cuda"))
     with pytest.raises(TypeError, match="trace must have dtype"):
-        op(c.q, c.k_cache, *common, out, None, po, plse, 2, False, torch.zeros(16, 16, dtype=torch.int32, device="cuda"))
+        op(c.q, c.k_cache, *common, out, None, po, plse, 2, trace=torch.zeros(16, 16, dtype=torch.int32, device="cuda"))
 
 
 @pytest.mark.gpu

@@ -390,11 +390,12 @@ def tree_attention_mla_sm90(q: Tensor, kv_cache: Tensor, page_table: Tensor, pre
                             tree_mask: Tensor, scale: float, out: Tensor, lse: Optional[Tensor], config: dict) -> None:
     """The sm_90a CUDA kernel's launcher (checks done by tree_attention.tree_attention_mla): the split count
     as this file's fill rule (config: min_chunk, splits), then the kernel, then merge_splits. With more than one
-    split the KV loads are marked L2 evict-first (config evict_first=False leaves them normal), which keeps the
-    partials in L2 for the merge: N1 B1 P32768 26.9 vs 27.7 us on the H200, results/mla_sm90_early_h200.log); config trace=<int64 [blocks,
-    16] tensor> runs the diagnostic trace build (bench/trace_mla.py). (Two other ways
-    lost on the H200 at N1 B1: 129 splits of <= 4 tiles, results/mla_sweep_makespan_h200.log, and splits
-    reduced on chip by thread-block clusters, results/mla_sm90_cluster_h200.log.)"""
+    split the KV loads are marked L2 evict-first (config evict_first: False / True forces plain / marked loads),
+    which keeps the partials in L2 for the merge: on the H200, N1 B1 P32768 25.8 vs 27.7 us; unsplit, plain loads
+    are faster (N16 B8 P8192 286 vs 300 us; results/mla_sm90_early_h200.log). config trace=<int64 [blocks, 16]
+    tensor> runs the diagnostic trace build (bench/trace_mla.py). (Ways that lost on the H200 at N1 B1: 129 splits
+    of <= 4 tiles, results/mla_sweep_makespan_h200.log; splits reduced on chip by thread-block clusters,
+    results/mla_sm90_cluster_h200.log; 2-byte split partials and bulk-copied partials, mla_sm90_early_h200.log.)"""
     B, N, _ = tree_mask.shape
     G = q.shape[1]
     rows = N * G
