@@ -84,23 +84,19 @@ def main():
 def merge_variants():
     """The split merge alone at N1 B1 P32768's shape (119 splits of 64 rows x 512): the launcher's tiles and
     others, with the partials hot in L2 (one set, as right after the attention kernel) and rotated past it."""
-    splits, rows, DV = 119, 64, 512
-    _merge_variants(splits, rows, DV, torch.float32, [(128, 32, 4), (128, 64, 4)])
-
-
-def _merge_variants(splits, rows, DV, dtype, variants):
     import triton
 
     from common import graph_time_us
     from eagle3_ops.triton_kernels import tree_attention as ta
 
+    splits, rows, DV = 119, 64, 512
     sets = []
     for _ in range(4):
-        po = torch.randn(splits, 1, rows, DV, device="cuda").to(dtype)
+        po = torch.randn(splits, 1, rows, DV, device="cuda")
         plse = torch.randn(splits, 1, rows, device="cuda")
         sets.append((po, plse, torch.empty(1, rows, DV, dtype=torch.bfloat16, device="cuda"),
                      torch.empty(1, rows, device="cuda")))
-    for block_s, block_v, warps in variants:
+    for block_s, block_v, warps in [(128, 32, 4), (128, 64, 4)]:  # 64: merge_splits' tile at 128 splits
         def call(st, block_s=block_s, block_v=block_v, warps=warps):
             po, plse, out, lse = st
             ta._merge_kernel[(rows, 1, triton.cdiv(DV, block_v))](
@@ -108,7 +104,7 @@ def _merge_variants(splits, rows, DV, dtype, variants):
                 BLOCK_V=block_v, HAS_LSE=True, num_warps=warps)
         hot = graph_time_us([lambda: call(sets[0])], reps=10)
         cold = graph_time_us([lambda st=st: call(st) for st in sets], reps=10)
-        print(f"merge 119 x 64 x 512 {str(dtype)[6:]} BLOCK_S {block_s} BLOCK_V {block_v} warps {warps}: "
+        print(f"merge 119 x 64 x 512 fp32 BLOCK_S {block_s} BLOCK_V {block_v} warps {warps}: "
               f"L2-hot {hot:.1f} us, rotated {cold:.1f} us", flush=True)
 
 

@@ -42,7 +42,7 @@ def main():
     for (B, P, N, ps), cfgs in CASES.items():
         x = _inputs(B, P, N, ps, g)
         for cfg in cfgs:
-            m_blocks = -(-(N * 64) // 64)
+            m_blocks = -(-(N * x["q"].shape[1]) // 64)  # the kernel's 64-row blocks
             max_len = x["page_table"].shape[1] * ps
             splits = cfg.get("splits") or mla_decode.splits_fill(m_blocks * B, max_len, _sm_count(x["q"].device), 256)
             trace = torch.zeros(m_blocks * B * splits, SLOTS, dtype=torch.int64, device="cuda")
