@@ -6,9 +6,8 @@ bench/common.py times benchmarks (CUDA-graph replays of back-to-back calls over 
   contiguous span, loads pipelined), over a sweep of program counts and tile sizes, best and all printed;
   torch.amax beside it. No attention kernel can read the cache faster than the best of these.
 - launch: a kernel that reads and writes 4 bytes: the per-call floor of one launch in such a graph.
-- op: the op as the benchmark times it (its split merge launched by PDL; also launched plainly, and the Triton
-  merge); the attention kernel alone (the internal op with the launcher's split count, merge 0) and the
-  Triton split merge alone (partials hot in L2, as right after the kernel).
+- op: the op as the benchmark times it; kernel alone (the internal op with the split count the launcher picks)
+  and the split merge alone (partials hot in L2, as right after the kernel).
 - op, KV in L2: the same call with every page id pointing into 8 pages (590 KB, L2-resident): what the kernel
   costs when its 37.8 MB come from L2 instead of HBM - its compute, latency and merge without the HBM stream.
 
@@ -111,10 +110,6 @@ def main():
                               x["out"], x["lse"], config=cfg)
 
     us_op = graph_time_us([lambda x=x: op(x) for x in sets], reps=10)
-    for merge in ("cuda", "triton"):  # the split merge launched without PDL, and the Triton merge
-        us = graph_time_us([lambda x=x: op(x, dict(merge=merge)) for x in sets], reps=10)
-        print(f"op with config merge={merge}: {us:.2f} us = {pct(us)} (default, merge by PDL: {us_op:.2f} us)",
-              flush=True)
     splits = splits_fill(1, sets[0]["page_table"].shape[1] * ps, torch.cuda.get_device_properties(0).multi_processor_count,
                          256)
     po = torch.empty((splits, B, N * 64, 512), device="cuda")
@@ -122,7 +117,7 @@ def main():
 
     def kernel(x):
         torch.ops.eagle3._tree_attention_mla_sm90(x["q"], x["k"], x["page_table"], x["prefix_lens"], x["tree_mask"],
-                                                  KIMI_SCALE, x["out"], x["lse"], po, plse, splits, True, None, 0)
+                                                  KIMI_SCALE, x["out"], x["lse"], po, plse, splits, True)
 
     us_kernel = graph_time_us([lambda x=x: kernel(x) for x in sets], reps=10)
     us_merge = graph_time_us([lambda: ta.merge_splits(po, plse, sets[0]["out"], sets[0]["lse"], N, 1, 64)], reps=10)

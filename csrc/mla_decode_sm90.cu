@@ -40,8 +40,6 @@
 
 #include "eagle3/checks.h"
 #include "eagle3/device.h"
-#include "eagle3/launch.h"
-#include "eagle3/pdl.cuh"
 #include "eagle3/wgmma.cuh"
 
 namespace eagle3 {
@@ -155,9 +153,6 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
   const int tid = threadIdx.x;
   const int wg = tid / 128, warp = (tid % 128) / 32, lane = tid % 32;
   const int m_block = blockIdx.x, b = blockIdx.y, split = blockIdx.z;
-  // The split merge, launched after this grid with PDL, may place its blocks once every block of this grid has
-  // started (it waits for this grid to complete before it reads anything): its launch overlaps this grid's tail.
-  allow_next_grid();
   uint64_t* trace = nullptr;
   if constexpr (kTrace) {
     trace = p.trace + ((static_cast<int64_t>(split) * gridDim.y + b) * gridDim.x + m_block) * kTraceSlots;
@@ -516,66 +511,6 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
 #endif
 }
 
-// The split merge (the Triton merge_splits' semantics): out[row] = sum_s w_s part_out[s, row] / sum_s w_s with
-// w_s = 2^(part_lse[s, row] - max_s part_lse), lse = (max + log2 sum w) ln 2; a NaN partial (a poisoned request)
-// makes its rows NaN. Block (row, b, 128-dim chunk), 8 warps: warp w takes splits w, w + 8, ..., a lane 4
-// dims; the warps' sums meet in shared memory. With PDL (merge mode 2) it is placed while the attention grid
-// runs and waits for it in wait_previous_grid.
-constexpr int kMergeWarps = 8;
-template <typename T>
-__global__ void __launch_bounds__(kMergeWarps * 32) merge_splits_kernel(const float* __restrict__ part_out,
-                                                                         const float* __restrict__ part_lse,
-                                                                         T* __restrict__ out, float* __restrict__ lse,
-                                                                         int S, int B, int rows, int G,
-                                                                         int64_t stride_ot, int64_t stride_oh) {
-  __shared__ float4 s_acc[kMergeWarps][32];
-  __shared__ float s_w[kMergeWarps];
-  wait_previous_grid();
-  const int row = blockIdx.x, b = blockIdx.y, dim = blockIdx.z * 128 + (threadIdx.x % 32) * 4;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int64_t split_stride = static_cast<int64_t>(B) * rows;  // part_lse rows a split
-  const int64_t prow0 = static_cast<int64_t>(b) * rows + row;
-  float m = -INFINITY;
-  for (int s = lane; s < S; s += 32) m = fmaxf(m, part_lse[s * split_stride + prow0]);
-#pragma unroll
-  for (int o = 16; o > 0; o /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-  const float m_use = m == -INFINITY ? 0.f : m;
-  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-  float wsum = 0.f;
-#pragma unroll 4
-  for (int s = warp; s < S; s += kMergeWarps) {
-    const int64_t prow = s * split_stride + prow0;
-    const float w = exp2f(part_lse[prow] - m_use);
-    const float4 v = *reinterpret_cast<const float4*>(part_out + prow * kDv + dim);
-    acc.x += w * v.x;
-    acc.y += w * v.y;
-    acc.z += w * v.z;
-    acc.w += w * v.w;
-    wsum += w;
-  }
-  s_acc[warp][lane] = acc;
-  if (lane == 0) s_w[warp] = wsum;
-  __syncthreads();
-  if (warp != 0) return;
-  float4 a = s_acc[0][lane];
-  float total = s_w[0];
-#pragma unroll
-  for (int w = 1; w < kMergeWarps; ++w) {
-    const float4 v = s_acc[w][lane];
-    a.x += v.x;
-    a.y += v.y;
-    a.z += v.z;
-    a.w += v.w;
-    total += s_w[w];
-  }
-  const int node = row / G, head = row % G;
-  const int64_t token = static_cast<int64_t>(b) * (rows / G) + node;
-  T* dst = out + token * stride_ot + head * stride_oh + dim;
-  *reinterpret_cast<uint32_t*>(dst) = Pack2<T>::pack(a.x / total, a.y / total);
-  *reinterpret_cast<uint32_t*>(dst + 2) = Pack2<T>::pack(a.z / total, a.w / total);
-  if (lse != nullptr && blockIdx.z == 0 && lane == 0) lse[token * G + head] = (m_use + log2f(total)) * 0.6931471805599453f;
-}
-
 // q           [B * N, G, 576]  bf16 | fp16, rows 16-byte aligned, last dim contiguous
 // kv_cache    [num_pages, page_size, 576]  q's dtype, rows 16-byte aligned, last dim contiguous
 // page_table  [B, max_pages] int32, last dim contiguous;  prefix_lens [B] int32
@@ -587,14 +522,11 @@ __global__ void __launch_bounds__(kMergeWarps * 32) merge_splits_kernel(const fl
 //             by the merge, then stay in L2)
 // trace       [grid blocks, 16] int64: the diagnostic trace build writes its stamps there (bf16 only;
 //             bench/trace_mla.py)
-// merge       with num_splits > 1: 0 leaves the partials to the caller (out and lse unwritten); 1 merges them
-//             into out and lse (merge_splits_kernel); 2 does so with the merge launched by PDL, its launch
-//             overlapping the attention grid's tail
 void tree_attention_mla_sm90_cuda(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& page_table,
                                   const at::Tensor& prefix_lens, const at::Tensor& tree_mask, double scale,
                                   const at::Tensor& out, const std::optional<at::Tensor>& lse,
                                   const at::Tensor& part_out, const at::Tensor& part_lse, int64_t num_splits,
-                                  bool evict_first, const std::optional<at::Tensor>& trace_opt, int64_t merge) {
+                                  bool evict_first, const std::optional<at::Tensor>& trace_opt) {
   TORCH_CHECK_TYPE(q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf,
                    "q must have dtype bfloat16 | float16, got ", q.scalar_type());
   CHECK_CUDA(q);
@@ -627,7 +559,6 @@ void tree_attention_mla_sm90_cuda(const at::Tensor& q, const at::Tensor& kv_cach
     TORCH_CHECK_VALUE(lse->is_contiguous(), "lse must be contiguous");
   }
   TORCH_CHECK_VALUE(num_splits >= 1 && num_splits <= 65535, "num_splits must be in [1, 65535], got ", num_splits);
-  TORCH_CHECK_VALUE(merge >= 0 && merge <= 2, "merge must be 0 (the caller merges), 1 or 2 (PDL), got ", merge);
   if (num_splits > 1) {
     CHECK_DTYPE(part_out, at::kFloat);
     CHECK_SHAPE(part_out, num_splits, B, N * G, kDv);
@@ -716,18 +647,6 @@ void tree_attention_mla_sm90_cuda(const at::Tensor& q, const at::Tensor& kv_cach
                 : launch(mla_decode_kernel<__nv_bfloat16, false, false>);
   } else {
     evict_first ? launch(mla_decode_kernel<__half, true, false>) : launch(mla_decode_kernel<__half, false, false>);
-  }
-  if (num_splits > 1 && merge > 0) {
-    const dim3 merge_grid(static_cast<unsigned>(N * G), static_cast<unsigned>(B), kDv / 128);
-    auto launch_merge = [&](auto kernel, auto* out_ptr) {
-      launch_ex(kernel, merge_grid, dim3(kMergeWarps * 32), 0, stream, 0, merge == 2, p.part_out, p.part_lse,
-                out_ptr, p.lse, p.num_splits, p.B, static_cast<int>(N * G), p.G, p.stride_ot, p.stride_oh);
-    };
-    if (q.scalar_type() == at::kBFloat16) {
-      launch_merge(merge_splits_kernel<__nv_bfloat16>, static_cast<__nv_bfloat16*>(p.out));
-    } else {
-      launch_merge(merge_splits_kernel<__half>, static_cast<__half*>(p.out));
-    }
   }
 }
 

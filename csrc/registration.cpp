@@ -41,12 +41,11 @@ TORCH_LIBRARY(eagle3, m) {
       "tree_attention_mla(Tensor q, Tensor kv_cache, Tensor page_table, Tensor prefix_lens, "
       "Tensor tree_mask, float scale, Tensor(a!) out, Tensor(b!)? lse) -> ()");
   // internal, Hopper only: tree_attention_mla's sm_90a kernel at 576 / 512 dims (csrc/mla_decode_sm90.cu),
-  // called by its CUDA launcher, which checks the arguments; with num_splits > 1 it merges the partials itself
-  // (merge 1, or 2: launched by PDL) or leaves them to the caller (merge 0)
+  // called by its CUDA launcher, which checks the arguments and merges the num_splits partials
   m.def(
       "_tree_attention_mla_sm90(Tensor q, Tensor kv_cache, Tensor page_table, Tensor prefix_lens, "
       "Tensor tree_mask, float scale, Tensor(a!) out, Tensor(b!)? lse, Tensor(c!) part_out, "
-      "Tensor(d!) part_lse, int num_splits, bool evict_first=False, Tensor(e!)? trace=None, int merge=2) -> ()");
+      "Tensor(d!) part_lse, int num_splits, bool evict_first=False, Tensor(e!)? trace=None) -> ()");
   m.def(
       "tree_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor page_table, Tensor prefix_lens, "
       "Tensor tree_mask, float scale, Tensor(a!) out, Tensor(b!)? lse) -> ()");

@@ -635,11 +635,10 @@ def test_gpu_dtypes(shape, dtype):
 # The second MLA kernel at Kimi's shape: TMA at page size 64 (BLOCK_N 32 and 64), gathered at page sizes 1
 # and 16 (BLOCK_N 64) - decode at 32768 (page size 1), the two 16-node targets, a 64-node tree at 32768.
 # tma64 is the default (cut + fill for bf16); tma64.nocut keeps the chained score dots and num_splits_for's count.
-# sm90 is csrc/mla_decode_sm90.cu's CUDA kernel (the bf16 / fp16 default on Hopper; no fp32), its split merge
-# launched by PDL; sm90.merge_plain launches that merge without PDL.
+# sm90 is csrc/mla_decode_sm90.cu's CUDA kernel (the bf16 / fp16 default on Hopper; no fp32).
 GPU_TMA = {"tma64": dict(tma=True), "tma64.nocut": dict(tma=True, cut=False, fill=False),
            "tma32.eager": dict(tma=True, BLOCK_N=32, rescale_tau=0.0, cut=False), "gather64": dict(tma=False),
-           "sm90": dict(kernel="sm90"), "sm90.merge_plain": dict(kernel="sm90", merge="cuda")}
+           "sm90": dict(kernel="sm90")}
 
 
 @pytest.mark.gpu
@@ -702,7 +701,7 @@ def test_gpu_tma_against_float64(case, dtype, config):
     N, prefix, B, page_size, kind = case
     c = GpuCase(zlib.crc32(repr(case).encode()), B=B, prefix=prefix, N=N, kind=kind, page_size=page_size,
                 dtype=dtype, **KIMI_MLA)
-    if config.startswith("sm90") and dtype == torch.float32:
+    if config == "sm90" and dtype == torch.float32:
         pytest.skip("the sm90 kernel is bf16 / fp16 only (fp32 takes the Triton kernel)")
     cfg = {k: v for k, v in GPU_TMA[config].items() if dtype != torch.float32 or k != "BLOCK_N"}  # fp32: its tiles
     out, lse = _kernel(c, config=cfg)
@@ -741,15 +740,14 @@ SM90_CASES = [  # (N, prefix, B, page_size, kind, NH, splits, dtype)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("evict_first, merge", [(False, "pdl"), (True, "pdl"), (True, "cuda"), (True, "triton")])
+@pytest.mark.parametrize("evict_first", [False, True])
 @pytest.mark.parametrize("case", SM90_CASES, ids=lambda c: f"N{c[0]}-prefix{c[1]}-B{c[2]}-ps{c[3]}-{c[4]}-NH{c[5]}"
                          f"-splits{c[6]}-{str(c[7])[6:]}")
-def test_gpu_sm90_against_float64(case, evict_first, merge):
-    # (merge: the split partials merged by the op's CUDA merge, launched by PDL or plainly, or by the Triton one)
+def test_gpu_sm90_against_float64(case, evict_first):
     N, prefix, B, page_size, kind, NH, splits, dtype = case
     c = GpuCase(zlib.crc32(repr(case).encode()), B=B, prefix=prefix, N=N, kind=kind, page_size=page_size,
                 dtype=dtype, mla=True, NH=NH, D=576, Dv=512)
-    cfg = dict(kernel="sm90", evict_first=evict_first, merge=merge, **({"splits": splits} if splits else {}))
+    cfg = dict(kernel="sm90", evict_first=evict_first, **({"splits": splits} if splits else {}))
     out, lse = _kernel(c, config=cfg)
     _check_against(c, out, lse, *c.truth())
     without, _ = _kernel(c, config=cfg, with_lse=False)
@@ -794,8 +792,6 @@ def test_gpu_sm90_internal_op_refuses_bad_input():
         op(c.q, c.k_cache, *common, out, None, po, plse, 2, trace=torch.zeros(3, 16, dtype=torch.int64, device="cuda"))
     with pytest.raises(TypeError, match="trace must have dtype"):
         op(c.q, c.k_cache, *common, out, None, po, plse, 2, trace=torch.zeros(16, 16, dtype=torch.int32, device="cuda"))
-    with pytest.raises(ValueError, match="merge must be 0"):
-        op(c.q, c.k_cache, *common, out, None, po, plse, 2, merge=3)
 
 
 @pytest.mark.gpu

@@ -395,9 +395,7 @@ def tree_attention_mla_sm90(q: Tensor, kv_cache: Tensor, page_table: Tensor, pre
     are faster (N16 B8 P8192 286 vs 300 us; results/mla_sm90_early_h200.log). config trace=<int64 [blocks, 16]
     tensor> runs the diagnostic trace build (bench/trace_mla.py). (Ways that lost on the H200 at N1 B1: 129 splits
     of <= 4 tiles, results/mla_sweep_makespan_h200.log; splits reduced on chip by thread-block clusters,
-    results/mla_sm90_cluster_h200.log; 2-byte split partials and bulk-copied partials, mla_sm90_early_h200.log.)
-    The split partials are merged by the CUDA op itself, its merge kernel launched by programmatic dependent
-    launch (config merge: "pdl", the default; "cuda" a plain launch; "triton" merge_splits here)."""
+    results/mla_sm90_cluster_h200.log; 2-byte split partials and bulk-copied partials, mla_sm90_early_h200.log.)"""
     B, N, _ = tree_mask.shape
     G = q.shape[1]
     rows = N * G
@@ -411,11 +409,7 @@ def tree_attention_mla_sm90(q: Tensor, kv_cache: Tensor, page_table: Tensor, pre
         plse = torch.empty((splits, B, rows), dtype=torch.float32, device=q.device)
     else:
         po = plse = out.new_empty((0,), dtype=torch.float32)
-    merge = config.get("merge", "pdl")
-    if merge not in ("pdl", "cuda", "triton"):
-        raise ValueError(f"config merge must be 'pdl', 'cuda' or 'triton', got {merge!r}")
     torch.ops.eagle3._tree_attention_mla_sm90(q, kv_cache, page_table, prefix_lens, tree_mask, scale, out, lse, po, plse,
-                                              splits, bool(config.get("evict_first", splits > 1)), config.get("trace"),
-                                              {"triton": 0, "cuda": 1, "pdl": 2}[merge])
-    if splits > 1 and merge == "triton":
+                                              splits, bool(config.get("evict_first", splits > 1)), config.get("trace"))
+    if splits > 1:
         merge_splits(po, plse, out, lse, N, 1, G)
