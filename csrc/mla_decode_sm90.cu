@@ -119,6 +119,15 @@ __device__ __forceinline__ uint64_t global_ns() {
   return t;
 }
 
+// 2^x by the MUFU alone: results below 2^-126 flush to 0 (exp2f adds a denormal-range fix-up, 3 more
+// instructions for each of the 32 a thread computes per tile; a probability under 2^-126 of the row's max is 0
+// either way in bf16 P)
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
 // 16 bytes global -> shared with an L2 cache policy (createpolicy): the KV rows are read once
 __device__ __forceinline__ void cp_async16_hint(uint32_t dst, const void* src, uint32_t src_bytes, uint64_t policy) {
   asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;\n" ::"r"(dst), "l"(src),
@@ -363,9 +372,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
       sm90::fence_operand(o);
       if (refills(t)) named_barrier_arrive(4, kThreads);  // done with the stage of tile t - 1
 
-      // scale to log2 units; mask the split's partial last tile and the tree block
-#pragma unroll
-      for (int i = 0; i < 32; ++i) s[i] *= p.scale_log2;
+      // mask the split's partial last tile and the tree block (raw scores: the scale, > 0, is applied below)
       if (t >= n_prefix_tiles) {
         const int j0 = (t - n_prefix_tiles) * kKeys;
 #pragma unroll
@@ -398,9 +405,11 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
       }
 
 
-        float alpha[2];
-        named_barrier_sync(2, kThreads);  // warpgroup 1 is done reading the previous P
-      // online softmax over the tile's 64 keys (a row's 64 scores sit in the 4 threads of a quad)
+      float alpha[2];
+      named_barrier_sync(2, kThreads);  // warpgroup 1 is done reading the previous P
+      // online softmax over the tile's 64 keys (a row's 64 scores sit in the 4 threads of a quad), in log2 units:
+      // the max of the raw scores times the scale is the max of the scaled ones (scale > 0), and each
+      // probability is one FFMA and one MUFU
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         float mx = -INFINITY;
@@ -408,15 +417,15 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
         for (int j = 0; j < 8; ++j) mx = fmaxf(mx, fmaxf(s[4 * j + 2 * h], s[4 * j + 2 * h + 1]));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        const float m_new = fmaxf(m_run[h], mx);
+        const float m_new = fmaxf(m_run[h], mx * p.scale_log2);
         const float m_use = m_new == -INFINITY ? 0.f : m_new;  // a row that has seen nothing stays at 0
-        alpha[h] = exp2f(m_run[h] - m_use);
+        alpha[h] = fast_exp2(m_run[h] - m_use);
         m_run[h] = m_new;
         float sum = 0.f;
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
-          const float p0 = exp2f(s[4 * j + 2 * h] - m_use);
-          const float p1 = exp2f(s[4 * j + 2 * h + 1] - m_use);
+          const float p0 = fast_exp2(fmaf(s[4 * j + 2 * h], p.scale_log2, -m_use));
+          const float p1 = fast_exp2(fmaf(s[4 * j + 2 * h + 1], p.scale_log2, -m_use));
           sum += p0 + p1;
           const int r = r0 + 8 * h;
           *reinterpret_cast<uint32_t*>(p_tile + sm90::swizzle128(r, j) + quad * 4) = Pack2<T>::pack(p0, p1);
@@ -559,6 +568,7 @@ void tree_attention_mla_sm90_cuda(const at::Tensor& q, const at::Tensor& kv_cach
     TORCH_CHECK_VALUE(lse->is_contiguous(), "lse must be contiguous");
   }
   TORCH_CHECK_VALUE(num_splits >= 1 && num_splits <= 65535, "num_splits must be in [1, 65535], got ", num_splits);
+  TORCH_CHECK_VALUE(scale > 0 && std::isfinite(scale), "scale must be finite and > 0, got ", scale);
   if (num_splits > 1) {
     CHECK_DTYPE(part_out, at::kFloat);
     CHECK_SHAPE(part_out, num_splits, B, N * G, kDv);
