@@ -395,7 +395,8 @@ def tree_attention_mla_sm90(q: Tensor, kv_cache: Tensor, page_table: Tensor, pre
     are faster (N16 B8 P8192 286 vs 300 us; results/mla_sm90_early_h200.log). config trace=<int64 [blocks, 16]
     tensor> runs the diagnostic trace build (bench/trace_mla.py). (Ways that lost on the H200 at N1 B1: 129 splits
     of <= 4 tiles, results/mla_sweep_makespan_h200.log; splits reduced on chip by thread-block clusters,
-    results/mla_sm90_cluster_h200.log; 2-byte split partials and bulk-copied partials, mla_sm90_early_h200.log.)"""
+    results/mla_sm90_cluster_h200.log; 2-byte split partials and bulk-copied partials, mla_sm90_early_h200.log; the
+    merge as a CUDA kernel, launched plainly or by PDL, mla_sm90_merge_h200.log.)"""
     B, N, _ = tree_mask.shape
     G = q.shape[1]
     rows = N * G
