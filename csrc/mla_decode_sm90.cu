@@ -43,6 +43,9 @@
 #include "eagle3/device.h"
 #include "eagle3/wgmma.cuh"
 
+#ifndef EAGLE3_EARLY_RELEASE
+#define EAGLE3_EARLY_RELEASE 1
+#endif
 namespace eagle3 {
 namespace {
 
@@ -353,6 +356,13 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
         if (tid == 0 && t <= 8) trace[2 + t] = global_ns();
       }
       const uint32_t stage = s_k + (t & 1) * kTileBytes;
+#if EAGLE3_EARLY_RELEASE
+      if (t > 0) {
+        sm90::wgmma_wait<0>();  // P V of tile t - 1: the stage of tile t - 1 is free before Q K^T is issued
+        sm90::fence_operand(o);
+        if (refills(t)) named_barrier_arrive(4, kThreads);
+      }
+#endif
       float s[32];
 #pragma unroll
       for (int i = 0; i < 32; ++i) s[i] = 0.f;
@@ -371,7 +381,9 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
       sm90::wgmma_wait<0>();  // P V of tile t - 1 and S
       sm90::fence_operand(s);
       sm90::fence_operand(o);
+#if !EAGLE3_EARLY_RELEASE
       if (refills(t)) named_barrier_arrive(4, kThreads);  // done with the stage of tile t - 1
+#endif
 
       // mask the split's partial last tile and the tree block (raw scores: the scale, > 0, is applied below)
       if (t >= n_prefix_tiles) {
