@@ -16,8 +16,8 @@
 //    every later tile by warpgroup 1 into the stage the tile before last freed, with its page ids read one
 //    iteration ahead; with splits the KV loads are marked L2 evict-first, so the partials stay in L2 for
 //    the merge;
-//  - warpgroup 0 computes S = Q K^T (36 wgmma m64n64k16) right behind its P V of the previous tile, masks
-//    it, runs the online softmax, and writes P (bf16 / fp16) and the rows' rescale factors to shared memory;
+//  - warpgroup 0 computes S = Q K^T (36 wgmma m64n64k16) once its P V of the previous tile is done (that
+//    stage is then released for the refill), masks it, runs the online softmax, and writes P (bf16 / fp16) and the rows' rescale factors to shared memory;
 //  - both warpgroups rescale and accumulate their half of O (64 x 256 fp32 each, 128 registers a thread):
 //    O_half += P V_half, 4 wgmma m64n256k16 with V read transposed from the same key tile.
 // On the H200 (bench/results/mla_sm90_fastexp_h200.log): 16-node trees at 61-63% of the bf16 matmul rate,
@@ -43,9 +43,6 @@
 #include "eagle3/device.h"
 #include "eagle3/wgmma.cuh"
 
-#ifndef EAGLE3_EARLY_RELEASE
-#define EAGLE3_EARLY_RELEASE 1
-#endif
 namespace eagle3 {
 namespace {
 
@@ -244,7 +241,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
   };
   // Later tiles: warpgroup 1 loads them (its own work is the smaller half), 16 threads a pass over rows wr,
   // wr + 16, wr + 32, wr + 48: first the chunks only its P V reads (4-7), as soon as that P V is done, then
-  // chunks 0-3 and the rope chunk 8 once warpgroup 0 says its Q K^T and P V are done (barrier 4).
+  // chunks 0-3 and the rope chunk 8 once warpgroup 0 says its P V is done (barrier 4).
   const int wr = (tid % 128) / 8;
   const T* rows_src[4];
   auto refill_srcs = [&](int t) {
@@ -308,9 +305,10 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
   float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};  // warpgroup 0: running max and (partial) sum
 
   // The two warpgroups run separate loops (ptxas analyses each path alone). Per tile: a block barrier
-  // (tile t landed, barrier 3); warpgroup 0 issues S = Q K^T right behind its P V of tile t - 1 (never waited
-  // for inside a tile, so the tensor cores see the two back to back), waits for both, lets warpgroup 1
-  // refill the stage (barrier 4), softmaxes, hands P over (barrier 1) and issues its P V; warpgroup 1 waits
+  // (tile t landed, barrier 3); warpgroup 0 waits for its P V of tile t - 1, lets warpgroup 1 refill that
+  // stage (barrier 4), issues S = Q K^T and waits for it, softmaxes, hands P over (barrier 1) and issues its
+  // P V (before, Q K^T was issued right behind that P V and the stage released after both: 1-8% slower at 16
+  // nodes, results/mla_sm90_release_h200.log); warpgroup 1 waits
   // for its own P V of tile t - 1, says P may be overwritten (barrier 2), loads tile t + 1 into the stage of
   // tile t - 1, takes P and issues its P V. (A wait_group 1 that lets Q K^T run on while the loads are
   // issued made ptxas serialise every wgmma, C7514.)
@@ -356,13 +354,13 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
         if (tid == 0 && t <= 8) trace[2 + t] = global_ns();
       }
       const uint32_t stage = s_k + (t & 1) * kTileBytes;
-#if EAGLE3_EARLY_RELEASE
       if (t > 0) {
-        sm90::wgmma_wait<0>();  // P V of tile t - 1: the stage of tile t - 1 is free before Q K^T is issued
+        // P V of tile t - 1 done before Q K^T is issued: its stage is released a Q K^T earlier than after both
+        // (the refill's chunks 0-3 and rope then have longer to land; results/mla_sm90_release_h200.log)
+        sm90::wgmma_wait<0>();
         sm90::fence_operand(o);
         if (refills(t)) named_barrier_arrive(4, kThreads);
       }
-#endif
       float s[32];
 #pragma unroll
       for (int i = 0; i < 32; ++i) s[i] = 0.f;
@@ -381,9 +379,6 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
       sm90::wgmma_wait<0>();  // P V of tile t - 1 and S
       sm90::fence_operand(s);
       sm90::fence_operand(o);
-#if !EAGLE3_EARLY_RELEASE
-      if (refills(t)) named_barrier_arrive(4, kThreads);  // done with the stage of tile t - 1
-#endif
 
       // mask the split's partial last tile and the tree block (raw scores: the scale, > 0, is applied below)
       if (t >= n_prefix_tiles) {
