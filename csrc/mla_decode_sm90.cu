@@ -20,8 +20,8 @@
 //    stage is then released for the refill), masks it, runs the online softmax, and writes P (bf16 / fp16) and the rows' rescale factors to shared memory;
 //  - both warpgroups rescale and accumulate their half of O (64 x 256 fp32 each, 128 registers a thread):
 //    O_half += P V_half, 4 wgmma m64n256k16 with V read transposed from the same key tile.
-// On the H200 (bench/results/mla_sm90_fastexp_h200.log): 16-node trees at 61-63% of the bf16 matmul rate,
-// N 1 at B 32 at 82% of the copy rate over the KV bytes, N 1 at B 1 at 34% - bound by the tiles' math, not the
+// On the H200 (bench/results/tree_attention_sm90_release_h200.log): 16-node trees at 64-69% of the bf16 matmul
+// rate, N 1 at B 32 at 81% of the copy rate over the KV bytes, N 1 at B 1 at 35% - bound by the tiles' work, not the
 // bytes: 23.9 us with its KV in L2 against 26.5 us from HBM (bench/ceiling_mla.py, results/mla_ceiling_h200.log;
 // where its time goes: bench/trace_mla.py, results/mla_sm90_early_h200.log); 1.5x the Triton kernel.
 // Bad values: positions stop at the page table's capacity, page ids outside [0, num_pages) are never
