@@ -17,13 +17,15 @@
 //    iteration ahead; with splits the KV loads are marked L2 evict-first, so the partials stay in L2 for
 //    the merge;
 //  - warpgroup 0 computes S = Q K^T (36 wgmma m64n64k16) once its P V of the previous tile is done (that
-//    stage is then released for the refill), masks it, runs the online softmax, and writes P (bf16 / fp16) and the rows' rescale factors to shared memory;
+//    stage is then released for the refill), masks it, runs the online softmax, and writes P (bf16 / fp16)
+//    and the rows' rescale factors to shared memory;
 //  - both warpgroups rescale and accumulate their half of O (64 x 256 fp32 each, 128 registers a thread):
 //    O_half += P V_half, 4 wgmma m64n256k16 with V read transposed from the same key tile.
-// On the H200 (bench/results/tree_attention_sm90_release_h200.log): 16-node trees at 64-69% of the bf16 matmul
-// rate, N 1 at B 32 at 81% of the copy rate over the KV bytes, N 1 at B 1 at 35% - bound by the tiles' work, not the
-// bytes: 23.9 us with its KV in L2 against 26.5 us from HBM (bench/ceiling_mla.py, results/mla_ceiling_h200.log;
-// where its time goes: bench/trace_mla.py, results/mla_sm90_early_h200.log); 1.5x the Triton kernel.
+// On the H200 (bench/results/tree_attention_sm90_release_h200.log): 16-node trees at 64-69% of the bf16
+// matmul rate, N 1 at B 32 at 81% of the copy rate over the KV bytes, N 1 at B 1 at 35% - bound by the
+// tiles' work, not the bytes: 23.9 us with its KV in L2 against 26.5 us from HBM (bench/ceiling_mla.py,
+// results/mla_ceiling_h200.log; where its time goes: bench/trace_mla.py, results/mla_sm90_early_h200.log);
+// 1.5x the Triton kernel.
 // Bad values: positions stop at the page table's capacity, page ids outside [0, num_pages) are never
 // dereferenced, and a request with a bad prefix length or such a page id gets NaN in all its rows.
 
