@@ -4,7 +4,8 @@ bench/common.py times benchmarks (CUDA-graph replays of back-to-back calls over 
 
 - read: the cache's bytes read once and nothing else - a Triton kernel summing its rows (each program a
   contiguous span, loads pipelined), over a sweep of program counts and tile sizes, best and all printed;
-  torch.amax beside it. No attention kernel can read the cache faster than the best of these.
+  torch.amax beside it (bench/read_ceiling.py's torch reductions are no read ceiling at this size: amax takes
+  twice the best). No attention kernel can read the cache faster than the best of these.
 - launch: a kernel that reads and writes 4 bytes: the per-call floor of one launch in such a graph.
 - op: the op as the benchmark times it; kernel alone (the internal op with the split count the launcher picks)
   and the split merge alone (partials hot in L2, as right after the kernel).

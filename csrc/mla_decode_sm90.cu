@@ -123,8 +123,8 @@ __device__ __forceinline__ uint64_t global_ns() {
 }
 
 // 2^x by the MUFU alone: results below 2^-126 flush to 0 (exp2f adds a denormal-range fix-up, 3 more
-// instructions for each of the 32 a thread computes per tile; a probability under 2^-126 of the row's max is 0
-// either way in bf16 P)
+// instructions for each of the 32 a thread computes per tile). Arguments are score - row max <= 0, so only
+// probabilities under 2^-126 of the row's largest (which is 1) are flushed: nothing next to it in l or in P V.
 __device__ __forceinline__ float fast_exp2(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
@@ -378,7 +378,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
         }
       }
       sm90::wgmma_commit();
-      sm90::wgmma_wait<0>();  // P V of tile t - 1 and S
+      sm90::wgmma_wait<0>();  // S (this warpgroup's P V of tile t - 1 was waited for above)
       sm90::fence_operand(s);
       sm90::fence_operand(o);
 

@@ -792,6 +792,9 @@ def test_gpu_sm90_internal_op_refuses_bad_input():
         op(c.q, c.k_cache, *common, out, None, po, plse, 2, trace=torch.zeros(3, 16, dtype=torch.int64, device="cuda"))
     with pytest.raises(TypeError, match="trace must have dtype"):
         op(c.q, c.k_cache, *common, out, None, po, plse, 2, trace=torch.zeros(16, 16, dtype=torch.int32, device="cuda"))
+    for bad_scale in (0.0, -c.scale, math.inf):  # the softmax takes the row max of the unscaled scores
+        with pytest.raises(ValueError, match="scale must be finite and > 0"):
+            op(c.q, c.k_cache, c.page_table, c.prefix_lens, c.tree_mask, bad_scale, out, None, po, plse, 2)
 
 
 @pytest.mark.gpu
