@@ -57,7 +57,7 @@ constexpr int kChunkBytes = kRows * 128;             // one [64 x 64] swizzled c
 constexpr int kTileBytes = kChunks * kChunkBytes;    // Q: 73,728 bytes; the key stages together: twice that
 constexpr int kPBytes = kRows * 64 * 2;              // P: one chunk (a 32-key tile uses its first 64 bytes a row)
 constexpr int kThreads = 256;                        // two warpgroups
-constexpr int kSmemBytes = 3 * kTileBytes + kPBytes + 3 * kRows * 4 + 1024;  // + alpha, l, m; + alignment
+constexpr int kSmemBytes = 3 * kTileBytes + kPBytes + 4 * kRows * 4 + 1024;  // + alpha (two), l, m; + alignment
 
 // A key tile of KEYS (64 or 32) rows: [KEYS x 64] chunks, 128 / KEYS stages in the same 147,456 bytes, so
 // 32-key tiles keep three tiles in flight behind the one in compute (64-key tiles: one).
@@ -174,7 +174,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
   const uint32_t s_p = s_q + 3 * kTileBytes;
   uint8_t* p_tile = smem + 3 * kTileBytes;
   float* s_alpha = reinterpret_cast<float*>(smem + 3 * kTileBytes + kPBytes);
-  float* s_l = s_alpha + kRows;
+  float* s_l = s_alpha + 2 * kRows;
   float* s_m = s_l + kRows;
 
   const int tid = threadIdx.x;
@@ -290,18 +290,8 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
     }
   };
 
-  if (n_tiles > 0) {
-    // every page id of the prologue's tiles first: their round trips overlap each other and Q's loads
-    const T* src[kStages][kLoadRows];
-#pragma unroll
-    for (int t = 0; t < kStages; ++t) {
-      if (t < n_tiles) {
-        tile_srcs(t, src[t]);
-      } else {
-#pragma unroll
-        for (int i = 0; i < kLoadRows; ++i) src[t][i] = nullptr;
-      }
-    }
+  // Q: every thread, rows lr and lr + 32 (the first group's loads)
+  auto load_q = [&]() {
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
       const int r = lr + 32 * i;
@@ -313,13 +303,52 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
 #pragma unroll
       for (int c = 0; c < kChunks; ++c) sm90::cp_async16(dst + c * kChunkBytes, ok ? src + c * 64 : q, ok ? 16 : 0);
     }
-    // tiles 1 .. kStages - 1 too: every stage is free from the start (a group each, empty past the last tile)
+  };
+  if (n_tiles > 0 && KEYS == 64) {
+    // every page id of the prologue's tiles first: their round trips overlap each other and Q's loads
+    const T* src[kStages][kLoadRows];
+#pragma unroll
+    for (int t = 0; t < kStages; ++t) {
+      if (t < n_tiles) {
+        tile_srcs(t, src[t]);
+      } else {
+#pragma unroll
+        for (int i = 0; i < kLoadRows; ++i) src[t][i] = nullptr;
+      }
+    }
+    load_q();
+    // tile 1 too: every stage is free from the start (a group each, empty past the last tile)
 #pragma unroll
     for (int t = 0; t < kStages; ++t) {
       if (t < n_tiles) issue_tile(src[t], s_k + t * kStageBytes);
       sm90::cp_async_commit();
     }
     if (wg == 1 && n_tiles > kStages) refill_srcs(kStages);  // warpgroup 1 reads refills' page ids an iteration ahead
+  } else if (n_tiles > 0) {
+    // 32-key tiles: every key tile by warpgroup 1 alone (it tells warpgroup 0 when each has landed), Q by all
+    if (wg == 1) {
+      const T* src[kStages][kRefillRows];
+#pragma unroll
+      for (int t = 0; t < kStages; ++t) {
+#pragma unroll
+        for (int i = 0; i < kRefillRows; ++i) src[t][i] = t < n_tiles ? row_src(t, wr + 16 * i) : nullptr;
+      }
+      load_q();
+#pragma unroll
+      for (int t = 0; t < kStages; ++t) {
+#pragma unroll
+        for (int i = 0; i < kRefillRows; ++i) rows_src[i] = src[t][i];
+        if (t < n_tiles) {
+          load_own_chunks(s_k + t * kStageBytes);
+          load_other_chunks(s_k + t * kStageBytes);
+        }
+        sm90::cp_async_commit();
+      }
+      if (n_tiles > kStages) refill_srcs(kStages);
+    } else {
+      load_q();
+      sm90::cp_async_commit();
+    }
   }
 
   // This thread's two rows of every accumulator (wgmma layout): r0 and r0 + 8.
@@ -338,12 +367,12 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
   // for its own P V of tile t - 1, says P may be overwritten (barrier 2), loads tile t + kStages - 1 into the
   // stage of tile t - 1, takes P and issues its P V. (A wait_group 1 that lets Q K^T run on while the loads are
   // issued made ptxas serialise every wgmma, C7514.)
-  auto pv = [&](uint32_t stage) {
+  auto pv = [&](uint32_t stage, int p_col) {  // P at byte column p_col of its chunk
     sm90::fence_operand(o);
     sm90::wgmma_fence();
 #pragma unroll
     for (int k = 0; k < KEYS / 16; ++k) {
-      const uint64_t da = sm90::desc_sw128(s_p + k * 32, 16, 1024);
+      const uint64_t da = sm90::desc_sw128(s_p + p_col + k * 32, 16, 1024);
       const uint64_t db = sm90::desc_sw128(stage + wg * 4 * kKvChunk + k * 16 * 128, kKvChunk, 1024);
       mma_pv<T>(o, da, db);
     }
@@ -362,145 +391,244 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
       }
     }
   };
-  // Tiles 0 .. kStages - 1 came with the prologue: warpgroup 1 refills from t = 1 on (tile t + kStages - 1
-  // into the stage of t - 1), committing a group every iteration (empty without a refill), so its wait for
-  // tile t leaves kStages - 2 later groups in flight (kStages - 1 at t = 0, behind the prologue's). Warpgroup 0
-  // has only the prologue's groups.
+  // The first kStages tiles came with the prologue: warpgroup 1 refills from t = 1 on (tile t + kStages - 1 into
+  // the stage of t - 1).
   auto refills = [&](int t) { return t >= 1 && t + kStages - 1 < n_tiles; };
-  auto wait_tile = [&](int t) {  // this thread's part of tile t has landed
-    const int later = wg == 0 ? kStages - 1 - t : (t == 0 ? kStages - 1 : kStages - 2);
-    if (kStages > 3 && later >= 3) {
-      sm90::cp_async_wait<3>();
-    } else if (kStages > 2 && later == 2) {
-      sm90::cp_async_wait<2>();
-    } else if (later == 1) {
-      sm90::cp_async_wait<1>();
+  auto wait_tile = [&](int t) {  // 64-key tiles: this thread's part of tile t has landed
+    if (t == 0) {
+      sm90::cp_async_wait<1>();  // (tile 1's group may still fly)
     } else {
       sm90::cp_async_wait_all();
     }
   };
-  if (wg == 0) {
-    for (int t = 0; t < n_tiles; ++t) {
-      wait_tile(t);
-      sm90::fence_proxy_async();
-      named_barrier_sync(3, kThreads);  // tile t landed for every thread
-      if constexpr (kTrace) {
-        if (tid == 0 && t <= 8) trace[2 + t] = global_ns();
+  // Warpgroup 0's pieces of a tile: S = Q K^T issued (not waited for), the mask, and the online softmax that
+  // writes P (at byte column p_col of the P chunk) and the rows' rescale factors (at s_alpha + alpha_off).
+  auto issue_qk = [&](uint32_t stage, float (&s)[KEYS / 2]) {
+#pragma unroll
+    for (int i = 0; i < KEYS / 2; ++i) s[i] = 0.f;
+    sm90::fence_operand(s);
+    sm90::wgmma_fence();
+#pragma unroll
+    for (int c = 0; c < kChunks; ++c) {
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const uint64_t da = sm90::desc_sw128(s_q + c * kChunkBytes + k * 32, 16, 1024);
+        const uint64_t db = sm90::desc_sw128(stage + c * kKvChunk + k * 32, 16, 1024);
+        mma_qk<T, KEYS>(s, da, db, (c | k) != 0);
       }
-      const uint32_t stage = s_k + (t % kStages) * kStageBytes;
-      if (t > 0) {
-        // P V of tile t - 1 done before Q K^T is issued: its stage is released a Q K^T earlier than after both
-        // (the refill's chunks 0-3 and rope then have longer to land; results/mla_sm90_release_h200.log)
-        sm90::wgmma_wait<0>();
-        sm90::fence_operand(o);
-        if (refills(t)) named_barrier_arrive(4, kThreads);
-      }
-      float s[KEYS / 2];
-#pragma unroll
-      for (int i = 0; i < KEYS / 2; ++i) s[i] = 0.f;
-      sm90::fence_operand(s);
-      sm90::wgmma_fence();
-#pragma unroll
-      for (int c = 0; c < kChunks; ++c) {
-#pragma unroll
-        for (int k = 0; k < 4; ++k) {
-          const uint64_t da = sm90::desc_sw128(s_q + c * kChunkBytes + k * 32, 16, 1024);
-          const uint64_t db = sm90::desc_sw128(stage + c * kKvChunk + k * 32, 16, 1024);
-          mma_qk<T, KEYS>(s, da, db, (c | k) != 0);
-        }
-      }
-      sm90::wgmma_commit();
-      sm90::wgmma_wait<0>();  // S (this warpgroup's P V of tile t - 1 was waited for above)
-      sm90::fence_operand(s);
-      sm90::fence_operand(o);
-
-      // mask the split's partial last tile and the tree block (raw scores: the scale, > 0, is applied below)
-      if (t >= n_prefix_tiles) {
-        const int j0 = (t - n_prefix_tiles) * KEYS;
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int row = m_block * kRows + r0 + 8 * h;
-          const bool row_ok = row < rows_total;
-          const int32_t* words = p.tree_mask + (static_cast<int64_t>(b) * p.N + (row_ok ? row / p.G : 0)) * p.W;
-          const uint32_t lo = row_ok ? static_cast<uint32_t>(words[j0 / 32]) : 0u;
-          const uint32_t hi = KEYS > 32 && row_ok && j0 / 32 + 1 < p.W ? static_cast<uint32_t>(words[j0 / 32 + 1]) : 0u;
-#pragma unroll
-          for (int j = 0; j < KEYS / 8; ++j) {
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-              const int col = 8 * j + 2 * quad + e;
-              const uint32_t word = col < 32 ? lo : hi;
-              const bool visible = j0 + col < p.N && prefix + j0 + col < capacity && ((word >> (col & 31)) & 1u);
-              if (!visible) s[4 * j + 2 * h + e] = -INFINITY;
-            }
-          }
-        }
-      } else if (start + static_cast<int64_t>(t + 1) * KEYS > end) {
-        const int64_t pos0 = start + static_cast<int64_t>(t) * KEYS;
-#pragma unroll
-        for (int j = 0; j < KEYS / 8; ++j) {
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            if (pos0 + 8 * j + 2 * quad + (e & 1) >= end) s[4 * j + e] = -INFINITY;
-          }
-        }
-      }
-
-
-      float alpha[2];
-      named_barrier_sync(2, kThreads);  // warpgroup 1 is done reading the previous P
-      // online softmax over the tile's keys (a row's scores sit in the 4 threads of a quad), in log2 units:
-      // the max of the raw scores times the scale is the max of the scaled ones (scale > 0), and each
-      // probability is one FFMA and one MUFU
+    }
+    sm90::wgmma_commit();
+    sm90::fence_operand(s);
+  };
+  // mask the split's partial last tile and the tree block (raw scores: the scale, > 0, is applied below)
+  auto mask = [&](int t, float (&s)[KEYS / 2]) {
+    if (t >= n_prefix_tiles) {
+      const int j0 = (t - n_prefix_tiles) * KEYS;
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        float mx = -INFINITY;
-#pragma unroll
-        for (int j = 0; j < KEYS / 8; ++j) mx = fmaxf(mx, fmaxf(s[4 * j + 2 * h], s[4 * j + 2 * h + 1]));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        const float m_new = fmaxf(m_run[h], mx * p.scale_log2);
-        const float m_use = m_new == -INFINITY ? 0.f : m_new;  // a row that has seen nothing stays at 0
-        alpha[h] = fast_exp2(m_run[h] - m_use);
-        m_run[h] = m_new;
-        float sum = 0.f;
+        const int row = m_block * kRows + r0 + 8 * h;
+        const bool row_ok = row < rows_total;
+        const int32_t* words = p.tree_mask + (static_cast<int64_t>(b) * p.N + (row_ok ? row / p.G : 0)) * p.W;
+        const uint32_t lo = row_ok ? static_cast<uint32_t>(words[j0 / 32]) : 0u;
+        const uint32_t hi = KEYS > 32 && row_ok && j0 / 32 + 1 < p.W ? static_cast<uint32_t>(words[j0 / 32 + 1]) : 0u;
 #pragma unroll
         for (int j = 0; j < KEYS / 8; ++j) {
-          const float p0 = fast_exp2(fmaf(s[4 * j + 2 * h], p.scale_log2, -m_use));
-          const float p1 = fast_exp2(fmaf(s[4 * j + 2 * h + 1], p.scale_log2, -m_use));
-          sum += p0 + p1;
-          const int r = r0 + 8 * h;
-          *reinterpret_cast<uint32_t*>(p_tile + sm90::swizzle128(r, j) + quad * 4) = Pack2<T>::pack(p0, p1);
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int col = 8 * j + 2 * quad + e;
+            const uint32_t word = col < 32 ? lo : hi;
+            const bool visible = j0 + col < p.N && prefix + j0 + col < capacity && ((word >> (col & 31)) & 1u);
+            if (!visible) s[4 * j + 2 * h + e] = -INFINITY;
+          }
         }
-        l_run[h] = l_run[h] * alpha[h] + sum;
-        if (quad == 0) s_alpha[r0 + 8 * h] = alpha[h];
       }
-      sm90::fence_proxy_async();
-      named_barrier_arrive(1, kThreads);  // P and the rescale factors are in shared memory
-      rescale(alpha);
-      pv(stage);
+    } else if (start + static_cast<int64_t>(t + 1) * KEYS > end) {
+      const int64_t pos0 = start + static_cast<int64_t>(t) * KEYS;
+#pragma unroll
+      for (int j = 0; j < KEYS / 8; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          if (pos0 + 8 * j + 2 * quad + (e & 1) >= end) s[4 * j + e] = -INFINITY;
+        }
+      }
+    }
+  };
+  // online softmax over the tile's keys (a row's scores sit in the 4 threads of a quad), in log2 units: the max
+  // of the raw scores times the scale is the max of the scaled ones (scale > 0), and each probability is one
+  // FFMA and one MUFU
+  auto softmax = [&](const float (&s)[KEYS / 2], float (&alpha)[2], int p_col, int alpha_off) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float mx = -INFINITY;
+#pragma unroll
+      for (int j = 0; j < KEYS / 8; ++j) mx = fmaxf(mx, fmaxf(s[4 * j + 2 * h], s[4 * j + 2 * h + 1]));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float m_new = fmaxf(m_run[h], mx * p.scale_log2);
+      const float m_use = m_new == -INFINITY ? 0.f : m_new;  // a row that has seen nothing stays at 0
+      alpha[h] = fast_exp2(m_run[h] - m_use);
+      m_run[h] = m_new;
+      float sum = 0.f;
+#pragma unroll
+      for (int j = 0; j < KEYS / 8; ++j) {
+        const float p0 = fast_exp2(fmaf(s[4 * j + 2 * h], p.scale_log2, -m_use));
+        const float p1 = fast_exp2(fmaf(s[4 * j + 2 * h + 1], p.scale_log2, -m_use));
+        sum += p0 + p1;
+        const int r = r0 + 8 * h;
+        *reinterpret_cast<uint32_t*>(p_tile + sm90::swizzle128(r, p_col / 16 + j) + quad * 4) = Pack2<T>::pack(p0, p1);
+      }
+      l_run[h] = l_run[h] * alpha[h] + sum;
+      if (quad == 0) s_alpha[alpha_off + r0 + 8 * h] = alpha[h];
+    }
+  };
+
+  if constexpr (KEYS == 64) {
+    if (wg == 0) {
+      for (int t = 0; t < n_tiles; ++t) {
+        wait_tile(t);
+        sm90::fence_proxy_async();
+        named_barrier_sync(3, kThreads);  // tile t landed for every thread
+        if constexpr (kTrace) {
+          if (tid == 0 && t <= 8) trace[2 + t] = global_ns();
+        }
+        const uint32_t stage = s_k + (t % kStages) * kStageBytes;
+        if (t > 0) {
+          // P V of tile t - 1 done before Q K^T is issued: its stage is released a Q K^T earlier than after both
+          // (the refill's chunks 0-3 and rope then have longer to land; results/mla_sm90_release_h200.log)
+          sm90::wgmma_wait<0>();
+          sm90::fence_operand(o);
+          if (refills(t)) named_barrier_arrive(4, kThreads);
+        }
+        float s[KEYS / 2];
+        issue_qk(stage, s);
+        sm90::wgmma_wait<0>();  // S (this warpgroup's P V of tile t - 1 was waited for above)
+        sm90::fence_operand(s);
+        sm90::fence_operand(o);
+        mask(t, s);
+        float alpha[2];
+        named_barrier_sync(2, kThreads);  // warpgroup 1 is done reading the previous P
+        softmax(s, alpha, 0, 0);
+        sm90::fence_proxy_async();
+        named_barrier_arrive(1, kThreads);  // P and the rescale factors are in shared memory
+        rescale(alpha);
+        pv(stage, 0);
+      }
+    } else {
+      for (int t = 0; t < n_tiles; ++t) {
+        wait_tile(t);
+        sm90::fence_proxy_async();
+        named_barrier_sync(3, kThreads);  // tile t landed for every thread
+        const uint32_t stage = s_k + (t % kStages) * kStageBytes;
+        sm90::wgmma_wait<0>();  // this warpgroup's P V of tile t - 1 is done:
+        sm90::fence_operand(o);
+        named_barrier_arrive(2, kThreads);  // P and the rescale factors may be overwritten
+        if (refills(t)) {  // tile t + 1 into the stage of tile t - 1
+          const uint32_t next = s_k + ((t + kStages - 1) % kStages) * kStageBytes;
+          load_own_chunks(next);  // (page ids read an iteration ago)
+          named_barrier_sync(4, kThreads);
+          load_other_chunks(next);
+          sm90::cp_async_commit();
+          if (t + kStages < n_tiles) refill_srcs(t + kStages);  // their round trip overlaps this tile's P V
+        }
+        named_barrier_sync(1, kThreads);
+        const float alpha[2] = {s_alpha[r0], s_alpha[r0 + 8]};
+        rescale(alpha);
+        pv(stage, 0);
+      }
     }
   } else {
-    for (int t = 0; t < n_tiles; ++t) {
-      wait_tile(t);
-      sm90::fence_proxy_async();
-      named_barrier_sync(3, kThreads);  // tile t landed for every thread
-      const uint32_t stage = s_k + (t % kStages) * kStageBytes;
-      sm90::wgmma_wait<0>();  // this warpgroup's P V of tile t - 1 is done:
-      sm90::fence_operand(o);
-      named_barrier_arrive(2, kThreads);  // P and the rescale factors may be overwritten
-      if (refills(t)) {  // tile t + kStages - 1 into the stage of tile t - 1
-        const uint32_t next = s_k + ((t + kStages - 1) % kStages) * kStageBytes;
-        load_own_chunks(next);  // (page ids read an iteration ago)
-        named_barrier_sync(4, kThreads);
-        load_other_chunks(next);
-        if (t + kStages < n_tiles) refill_srcs(t + kStages);  // their round trip overlaps this tile's P V
+    // 32-key tiles, Q K^T one tile ahead: warpgroup 0 issues S(t + 1) = Q K^T before it softmaxes S(t), so the
+    // tensor cores run it (and the P V of t - 1) under the softmax; P and the rescale factors alternate between
+    // two buffers (P(t) at byte column 64 (t & 1) of the P chunk). Warpgroup 1 loads every key tile and tells
+    // warpgroup 0 they landed (barrier 3, producer arrives: tiles 0 and 1 at t = 0, tile t + 1 at 1 <= t <=
+    // n - 2); it says buffer (t - 1) & 1 is free once it has taken P(t) (barrier 2, at t <= n - 2; its P V of
+    // t - 1 is done by then), which also keeps warpgroup 0 from arriving twice at barrier 1. Warpgroup 0 says its
+    // P V of t - 1 is done when warpgroup 1 refills that stage (barrier 4). No barrier sees a second arrival
+    // from one side before the other side's: each producer's next arrival waits on the consumer's progress.
+    if (wg == 0) {
+      float sa[KEYS / 2], sb[KEYS / 2];
+      if (n_tiles > 0) {
+        sm90::cp_async_wait_all();  // this thread's part of Q
+        sm90::fence_proxy_async();
+        named_barrier_sync(3, kThreads);  // Q, tiles 0 and 1 (if any) landed
+        if constexpr (kTrace) {
+          if (tid == 0) {
+            trace[2] = global_ns();
+            if (n_tiles > 1) trace[3] = trace[2];
+          }
+        }
+        issue_qk(s_k, sa);
       }
-      if (t >= 1) sm90::cp_async_commit();  // (a group every iteration: wait_tile's count)
-      named_barrier_sync(1, kThreads);
-      const float alpha[2] = {s_alpha[r0], s_alpha[r0 + 8]};
-      rescale(alpha);
-      pv(stage);
+      auto step = [&](int t, float (&s)[KEYS / 2], float (&s_next)[KEYS / 2]) {
+        const bool ahead = t + 1 < n_tiles;
+        if (t == 0) {
+          sm90::wgmma_wait<0>();  // S(0)
+        } else {
+          sm90::wgmma_wait<1>();  // S(t) (the P V of t - 1 may still run)
+        }
+        sm90::fence_operand(s);
+        if (ahead) {
+          if (t >= 1) {
+            named_barrier_sync(3, kThreads);  // tile t + 1 landed
+            if constexpr (kTrace) {
+              if (tid == 0 && t + 1 <= 8) trace[2 + t + 1] = global_ns();
+            }
+          }
+          issue_qk(s_k + ((t + 1) % kStages) * kStageBytes, s_next);
+        }
+        mask(t, s);
+        float alpha[2];
+        if (t >= 1) named_barrier_sync(2, kThreads);  // P buffer t & 1 is free (P V of t - 2 done)
+        softmax(s, alpha, (t & 1) * 64, (t & 1) * kRows);
+        sm90::fence_proxy_async();
+        named_barrier_arrive(1, kThreads);  // P(t) and its rescale factors are in shared memory
+        if (t >= 1) {
+          if (ahead) {
+            sm90::wgmma_wait<1>();  // this warpgroup's P V of t - 1 (S(t + 1) may still run)
+          } else {
+            sm90::wgmma_wait<0>();
+          }
+          sm90::fence_operand(o);
+          if (refills(t)) named_barrier_arrive(4, kThreads);
+        }
+        rescale(alpha);
+        pv(s_k + (t % kStages) * kStageBytes, (t & 1) * 64);
+      };
+      for (int t = 0; t < n_tiles; t += 2) {
+        step(t, sa, sb);
+        if (t + 1 < n_tiles) step(t + 1, sb, sa);
+      }
+    } else {
+      for (int t = 0; t < n_tiles; ++t) {
+        // tiles landed for warpgroup 0: 0 and 1 at t = 0, t + 1 after (groups: the prologue's kStages, then
+        // one an iteration from t = 1)
+        if (t == 0 || t + 1 < n_tiles) {
+          if (t == 0 && n_tiles > 1) {
+            sm90::cp_async_wait<kStages - 2>();
+          } else if (t == 0) {
+            sm90::cp_async_wait<kStages - 1>();
+          } else {
+            sm90::cp_async_wait<kStages - 3>();
+          }
+          sm90::fence_proxy_async();
+          named_barrier_arrive(3, kThreads);
+        }
+        sm90::wgmma_wait<0>();  // this warpgroup's P V of tile t - 1 is done
+        sm90::fence_operand(o);
+        if (refills(t)) {  // tile t + kStages - 1 into the stage of tile t - 1
+          const uint32_t next = s_k + ((t + kStages - 1) % kStages) * kStageBytes;
+          load_own_chunks(next);  // (page ids read an iteration ago)
+          named_barrier_sync(4, kThreads);
+          load_other_chunks(next);
+          if (t + kStages < n_tiles) refill_srcs(t + kStages);  // their round trip overlaps this tile's P V
+        }
+        if (t >= 1) sm90::cp_async_commit();  // (a group every iteration: the waits' count)
+        named_barrier_sync(1, kThreads);  // P(t)
+        const float alpha[2] = {s_alpha[(t & 1) * kRows + r0], s_alpha[(t & 1) * kRows + r0 + 8]};
+        if (t + 1 < n_tiles) named_barrier_arrive(2, kThreads);  // P buffer (t - 1) & 1 is free
+        rescale(alpha);
+        pv(s_k + (t % kStages) * kStageBytes, (t & 1) * 64);
+      }
     }
   }
   sm90::wgmma_wait<0>();
