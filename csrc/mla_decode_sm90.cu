@@ -105,9 +105,17 @@ struct Pack2<__half> {
 template <typename T, int KEYS>
 __device__ __forceinline__ void mma_qk(float (&s)[KEYS / 2], uint64_t da, uint64_t db, int scale_d) {
   if constexpr (KEYS == 32 && std::is_same_v<T, __nv_bfloat16>) {
-    sm90::wgmma_m64n32k16_bf16<0>(s, da, db, scale_d);
+    if (scale_d) {
+      sm90::wgmma_m64n32k16_bf16<0>(s, da, db, 1);
+    } else {
+      sm90::wgmma_m64n32k16_bf16_zero<0>(s, da, db);
+    }
   } else if constexpr (KEYS == 32) {
-    sm90::wgmma_m64n32k16_f16<0>(s, da, db, scale_d);
+    if (scale_d) {
+      sm90::wgmma_m64n32k16_f16<0>(s, da, db, 1);
+    } else {
+      sm90::wgmma_m64n32k16_f16_zero<0>(s, da, db);
+    }
   } else if constexpr (std::is_same_v<T, __nv_bfloat16>) {
     sm90::wgmma_m64n64k16_bf16<0>(s, da, db, scale_d);
   } else {
@@ -357,6 +365,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
   float o[128];
 #pragma unroll
   for (int i = 0; i < 128; ++i) o[i] = 0.f;
+  sm90::fence_operand(o);  // (zeroed here, not under a wgmma in flight: ptxas would serialise them all, C7515)
   float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};  // warpgroup 0: running max and (partial) sum
 
   // The two warpgroups run separate loops (ptxas analyses each path alone). Per tile: a block barrier
@@ -404,8 +413,10 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
   // Warpgroup 0's pieces of a tile: S = Q K^T issued (not waited for), the mask, and the online softmax that
   // writes P (at byte column p_col of the P chunk) and the rows' rescale factors (at s_alpha + alpha_off).
   auto issue_qk = [&](uint32_t stage, float (&s)[KEYS / 2]) {
-#pragma unroll
-    for (int i = 0; i < KEYS / 2; ++i) s[i] = 0.f;
+    if constexpr (KEYS == 64) {  // (the first wgmma overwrites S; 32-key tiles must not write registers of a wgmma
+#pragma unroll                   // while another is in flight: ptxas then serialises every wgmma, C7515)
+      for (int i = 0; i < KEYS / 2; ++i) s[i] = 0.f;
+    }
     sm90::fence_operand(s);
     sm90::wgmma_fence();
 #pragma unroll
@@ -537,16 +548,17 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
       }
     }
   } else {
-    // 32-key tiles, Q K^T one tile ahead: warpgroup 0 issues S(t + 1) = Q K^T before it softmaxes S(t), so the
-    // tensor cores run it (and the P V of t - 1) under the softmax; P and the rescale factors alternate between
-    // two buffers (P(t) at byte column 64 (t & 1) of the P chunk). Warpgroup 1 loads every key tile and tells
-    // warpgroup 0 they landed (barrier 3, producer arrives: tiles 0 and 1 at t = 0, tile t + 1 at 1 <= t <=
-    // n - 2); it says buffer (t - 1) & 1 is free once it has taken P(t) (barrier 2, at t <= n - 2; its P V of
-    // t - 1 is done by then), which also keeps warpgroup 0 from arriving twice at barrier 1. Warpgroup 0 says its
-    // P V of t - 1 is done when warpgroup 1 refills that stage (barrier 4). No barrier sees a second arrival
-    // from one side before the other side's: each producer's next arrival waits on the consumer's progress.
+    // 32-key tiles, Q K^T one tile ahead (FA3's intra-warpgroup overlap): in iteration t warpgroup 0 issues
+    // S(t + 1) = Q K^T and its P V of t back to back, then softmaxes S(t + 1) while that P V runs. S lives inside
+    // an iteration (a wgmma's registers written by other instructions while another wgmma is in flight make
+    // ptxas serialise every wgmma, C7515); P and the rescale factors alternate between two buffers (P(t) at byte
+    // column 64 (t & 1) of the P chunk). Warpgroup 1 loads every key tile and tells warpgroup 0 they landed
+    // (barrier 3, producer arrives: tiles 0 and 1 before P(0), tile t + 1 after taking P(t)); it says buffer
+    // (t - 1) & 1 is free once it has taken P(t) (barrier 2: its P V of t - 1 is done by then); warpgroup 0 says
+    // its P V of t - 1 is done before warpgroup 1 refills that stage (barrier 4). No producer can arrive twice
+    // at a barrier before its consumer's wait: each next arrival waits on the consumer's progress.
     if (wg == 0) {
-      float sa[KEYS / 2], sb[KEYS / 2];
+      float alpha[2] = {1.f, 1.f};
       if (n_tiles > 0) {
         sm90::cp_async_wait_all();  // this thread's part of Q
         sm90::fence_proxy_async();
@@ -557,62 +569,57 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
             if (n_tiles > 1) trace[3] = trace[2];
           }
         }
-        issue_qk(s_k, sa);
-      }
-      auto step = [&](int t, float (&s)[KEYS / 2], float (&s_next)[KEYS / 2]) {
-        const bool ahead = t + 1 < n_tiles;
-        if (t == 0) {
-          sm90::wgmma_wait<0>();  // S(0)
-        } else {
-          sm90::wgmma_wait<1>();  // S(t) (the P V of t - 1 may still run)
-        }
+        float s[KEYS / 2];
+        issue_qk(s_k, s);
+        sm90::wgmma_wait<0>();
         sm90::fence_operand(s);
-        if (ahead) {
+        mask(0, s);
+        softmax(s, alpha, 0, 0);
+        sm90::fence_proxy_async();
+        named_barrier_arrive(1, kThreads);  // P(0)
+      }
+      // (the last tile peeled: no wgmma is issued or waited for under a condition, which made ptxas serialise
+      // them all, C7514 / C7515)
+      auto step = [&](int t, auto ahead) {
+        rescale(alpha);  // (nothing in flight)
+        sm90::fence_operand(o);  // (the multiplies stay here, not under S(t + 1)'s wgmmas)
+        if constexpr (decltype(ahead)::value) {
           if (t >= 1) {
             named_barrier_sync(3, kThreads);  // tile t + 1 landed
             if constexpr (kTrace) {
               if (tid == 0 && t + 1 <= 8) trace[2 + t + 1] = global_ns();
             }
           }
-          issue_qk(s_k + ((t + 1) % kStages) * kStageBytes, s_next);
-        }
-        mask(t, s);
-        float alpha[2];
-        if (t >= 1) named_barrier_sync(2, kThreads);  // P buffer t & 1 is free (P V of t - 2 done)
-        softmax(s, alpha, (t & 1) * 64, (t & 1) * kRows);
-        sm90::fence_proxy_async();
-        named_barrier_arrive(1, kThreads);  // P(t) and its rescale factors are in shared memory
-        if (t >= 1) {
-          if (ahead) {
-            sm90::wgmma_wait<1>();  // this warpgroup's P V of t - 1 (S(t + 1) may still run)
-          } else {
-            sm90::wgmma_wait<0>();
-          }
-          sm90::fence_operand(o);
-          if (refills(t)) named_barrier_arrive(4, kThreads);
-        }
-        rescale(alpha);
-        pv(s_k + (t % kStages) * kStageBytes, (t & 1) * 64);
-      };
-      for (int t = 0; t < n_tiles; t += 2) {
-        step(t, sa, sb);
-        if (t + 1 < n_tiles) step(t + 1, sb, sa);
-      }
-    } else {
-      for (int t = 0; t < n_tiles; ++t) {
-        // tiles landed for warpgroup 0: 0 and 1 at t = 0, t + 1 after (groups: the prologue's kStages, then
-        // one an iteration from t = 1)
-        if (t == 0 || t + 1 < n_tiles) {
-          if (t == 0 && n_tiles > 1) {
-            sm90::cp_async_wait<kStages - 2>();
-          } else if (t == 0) {
-            sm90::cp_async_wait<kStages - 1>();
-          } else {
-            sm90::cp_async_wait<kStages - 3>();
-          }
+          float s[KEYS / 2];
+          issue_qk(s_k + ((t + 1) % kStages) * kStageBytes, s);
+          pv(s_k + (t % kStages) * kStageBytes, (t & 1) * 64);
+          sm90::wgmma_wait<1>();  // S(t + 1); P V(t) runs on
+          sm90::fence_operand(s);
+          mask(t + 1, s);
+          named_barrier_sync(2, kThreads);  // P buffer (t + 1) & 1 is free (warpgroup 1's P V of t - 1 done)
+          softmax(s, alpha, ((t + 1) & 1) * 64, ((t + 1) & 1) * kRows);
           sm90::fence_proxy_async();
-          named_barrier_arrive(3, kThreads);
+          named_barrier_arrive(1, kThreads);  // P(t + 1) and its rescale factors
+        } else {
+          pv(s_k + (t % kStages) * kStageBytes, (t & 1) * 64);
         }
+        sm90::wgmma_wait<0>();  // P V(t)
+        sm90::fence_operand(o);
+        if (refills(t + 1)) named_barrier_arrive(4, kThreads);  // the stage of t may be refilled
+      };
+      for (int t = 0; t + 1 < n_tiles; ++t) step(t, std::true_type{});
+      if (n_tiles > 0) step(n_tiles - 1, std::false_type{});
+    } else {
+      if (n_tiles > 0) {  // tiles 0 and 1 (and this thread's part of Q) landed
+        if (n_tiles > 1) {
+          sm90::cp_async_wait<kStages - 2>();
+        } else {
+          sm90::cp_async_wait<kStages - 1>();
+        }
+        sm90::fence_proxy_async();
+        named_barrier_arrive(3, kThreads);
+      }
+      for (int t = 0; t < n_tiles; ++t) {
         sm90::wgmma_wait<0>();  // this warpgroup's P V of tile t - 1 is done
         sm90::fence_operand(o);
         if (refills(t)) {  // tile t + kStages - 1 into the stage of tile t - 1
@@ -623,10 +630,17 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
           if (t + kStages < n_tiles) refill_srcs(t + kStages);  // their round trip overlaps this tile's P V
         }
         if (t >= 1) sm90::cp_async_commit();  // (a group every iteration: the waits' count)
-        named_barrier_sync(1, kThreads);  // P(t)
-        const float alpha[2] = {s_alpha[(t & 1) * kRows + r0], s_alpha[(t & 1) * kRows + r0 + 8]};
-        if (t + 1 < n_tiles) named_barrier_arrive(2, kThreads);  // P buffer (t - 1) & 1 is free
-        rescale(alpha);
+        named_barrier_sync(1, kThreads);  // P(t) (and every thread of this warpgroup waited for tile t)
+        const float alpha_t[2] = {s_alpha[(t & 1) * kRows + r0], s_alpha[(t & 1) * kRows + r0 + 8]};
+        if (t + 1 < n_tiles) {
+          if (t >= 1) {  // tile t + 1 landed (groups after it: this iteration's and the last one's)
+            sm90::cp_async_wait<kStages - 2>();
+            sm90::fence_proxy_async();
+            named_barrier_arrive(3, kThreads);
+          }
+          named_barrier_arrive(2, kThreads);  // P buffer (t - 1) & 1 is free
+        }
+        rescale(alpha_t);
         pv(s_k + (t % kStages) * kStageBytes, (t & 1) * 64);
       }
     }

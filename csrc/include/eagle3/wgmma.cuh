@@ -77,6 +77,19 @@ __device__ __forceinline__ void wgmma_m64n32k16_##TY(float (&d)[16], uint64_t de
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),                \
         "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])           \
       : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(kTransB));                                                         \
+}                                                                                                                      \
+/* D = A B, D write-only: no register moves into D before the wgmma (which, with another wgmma in flight, make */     \
+/* ptxas serialise them all, C7515) */                                                                                 \
+template <int kTransB>                                                                                                 \
+__device__ __forceinline__ void wgmma_m64n32k16_##TY##_zero(float (&d)[16], uint64_t desc_a, uint64_t desc_b) {        \
+  asm volatile(                                                                                                        \
+      "{\n.reg .pred p;\nsetp.ne.b32 p, 0, 0;\n"                                                                       \
+      "wgmma.mma_async.sync.aligned.m64n32k16.f32." #TY "." #TY " {"                                                   \
+      "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15"                                                          \
+      "}, %16, %17, p, 1, 1, 0, %18;\n}\n"                                                                             \
+      : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3]), "=f"(d[4]), "=f"(d[5]), "=f"(d[6]), "=f"(d[7]),                \
+        "=f"(d[8]), "=f"(d[9]), "=f"(d[10]), "=f"(d[11]), "=f"(d[12]), "=f"(d[13]), "=f"(d[14]), "=f"(d[15])           \
+      : "l"(desc_a), "l"(desc_b), "n"(kTransB));                                                                       \
 }
 
 #define EAGLE3_WGMMA_SS_N64(TY)                                                                                        \
