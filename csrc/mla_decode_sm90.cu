@@ -57,7 +57,8 @@ constexpr int kChunkBytes = kRows * 128;             // one [64 x 64] swizzled c
 constexpr int kTileBytes = kChunks * kChunkBytes;    // Q: 73,728 bytes; the key stages together: twice that
 constexpr int kPBytes = kRows * 64 * 2;              // P: one chunk (a 32-key tile uses its first 64 bytes a row)
 constexpr int kThreads = 256;                        // two warpgroups
-constexpr int kSmemBytes = 3 * kTileBytes + kPBytes + 4 * kRows * 4 + 1024;  // + alpha (two), l, m; + alignment
+constexpr int kSmemBytes = 3 * kTileBytes + kPBytes + 4 * kRows * 4 + 32 + 1024;  // + alpha (two), l, m; 4 mbarriers;
+                                                                                 // + alignment
 
 // A key tile of KEYS (64 or 32) rows: [KEYS x 64] chunks, 128 / KEYS stages in the same 147,456 bytes, so
 // 32-key tiles keep three tiles in flight behind the one in compute (64-key tiles: one).
@@ -184,6 +185,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
   float* s_alpha = reinterpret_cast<float*>(smem + 3 * kTileBytes + kPBytes);
   float* s_l = s_alpha + 2 * kRows;
   float* s_m = s_l + kRows;
+  const uint32_t s_full = sm90::smem_addr(s_m + kRows);  // 32-key tiles: an mbarrier a stage, "its tile landed"
 
   const int tid = threadIdx.x;
   const int wg = tid / 128, warp = (tid % 128) / 32, lane = tid % 32;
@@ -197,6 +199,13 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
       trace[0] = sm;
       trace[1] = global_ns();
     }
+  }
+  if constexpr (KEYS == 32) {
+    if (tid == 0) {
+#pragma unroll
+      for (int st = 0; st < kStages; ++st) sm90::mbarrier_init(s_full + 8 * st, 128);
+    }
+    __syncthreads();
   }
   const int rows_total = p.N * p.G;
   const T* q = static_cast<const T*>(p.q);
@@ -333,7 +342,9 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
     }
     if (wg == 1 && n_tiles > kStages) refill_srcs(kStages);  // warpgroup 1 reads refills' page ids an iteration ahead
   } else if (n_tiles > 0) {
-    // 32-key tiles: every key tile by warpgroup 1 alone (it tells warpgroup 0 when each has landed), Q by all
+    // 32-key tiles: every key tile by warpgroup 1 alone, each thread's loads of a tile followed by an arrival on
+    // its stage's mbarrier when they complete (128 arrivals a phase); Q by all (warpgroup 1's part lands before
+    // its first arrival on tile 0's barrier)
     if (wg == 1) {
       const T* src[kStages][kRefillRows];
 #pragma unroll
@@ -349,8 +360,8 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
         if (t < n_tiles) {
           load_own_chunks(s_k + t * kStageBytes);
           load_other_chunks(s_k + t * kStageBytes);
+          sm90::cp_async_mbarrier_arrive_noinc(s_full + 8 * t);
         }
-        sm90::cp_async_commit();
       }
       if (n_tiles > kStages) refill_srcs(kStages);
     } else {
@@ -550,24 +561,27 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
   } else {
     // 32-key tiles, Q K^T one tile ahead (FA3's intra-warpgroup overlap): in iteration t warpgroup 0 issues
     // S(t + 1) = Q K^T and its P V of t back to back, then softmaxes S(t + 1) while that P V runs. S lives inside
-    // an iteration (a wgmma's registers written by other instructions while another wgmma is in flight make
-    // ptxas serialise every wgmma, C7515); P and the rescale factors alternate between two buffers (P(t) at byte
-    // column 64 (t & 1) of the P chunk). Warpgroup 1 loads every key tile and tells warpgroup 0 they landed
-    // (barrier 3, producer arrives: tiles 0 and 1 before P(0), tile t + 1 after taking P(t)); it says buffer
-    // (t - 1) & 1 is free once it has taken P(t) (barrier 2: its P V of t - 1 is done by then); warpgroup 0 says
-    // its P V of t - 1 is done before warpgroup 1 refills that stage (barrier 4). No producer can arrive twice
-    // at a barrier before its consumer's wait: each next arrival waits on the consumer's progress.
+    // an iteration, the last tile is peeled, and O's zeroing and rescale are pinned by operand fences (else ptxas
+    // serialises every wgmma, C7514 / C7515: a wgmma's registers touched by other instructions while one is in
+    // flight). P and the rescale factors alternate between two buffers (P(t) at byte column 64 (t & 1) of the P
+    // chunk). Tiles landing: the stages' mbarriers (tile u: phase u / kStages), waited for by both warpgroups.
+    // Warpgroup 1 says buffer (t - 1) & 1 is free once it has taken P(t) (barrier 2: its P V of t - 1 is done by
+    // then); warpgroup 0 says its P V of t - 1 is done before warpgroup 1 refills that stage (barrier 4). No
+    // producer can arrive twice at a named barrier before its consumer's wait: each next arrival waits on the
+    // consumer's progress.
+    auto wait_landed = [&](int u) {
+      sm90::mbarrier_wait_parity(s_full + 8 * (u % kStages), (u / kStages) & 1);
+      sm90::fence_proxy_async();  // (cp.async writes, then read by the wgmmas' async proxy)
+    };
     if (wg == 0) {
       float alpha[2] = {1.f, 1.f};
       if (n_tiles > 0) {
         sm90::cp_async_wait_all();  // this thread's part of Q
         sm90::fence_proxy_async();
-        named_barrier_sync(3, kThreads);  // Q, tiles 0 and 1 (if any) landed
+        named_barrier_sync(5, 128);  // warpgroup 0's parts of Q landed
+        wait_landed(0);              // tile 0 and warpgroup 1's part of Q
         if constexpr (kTrace) {
-          if (tid == 0) {
-            trace[2] = global_ns();
-            if (n_tiles > 1) trace[3] = trace[2];
-          }
+          if (tid == 0) trace[2] = global_ns();
         }
         float s[KEYS / 2];
         issue_qk(s_k, s);
@@ -578,17 +592,13 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
         sm90::fence_proxy_async();
         named_barrier_arrive(1, kThreads);  // P(0)
       }
-      // (the last tile peeled: no wgmma is issued or waited for under a condition, which made ptxas serialise
-      // them all, C7514 / C7515)
       auto step = [&](int t, auto ahead) {
-        rescale(alpha);  // (nothing in flight)
+        rescale(alpha);          // (nothing in flight)
         sm90::fence_operand(o);  // (the multiplies stay here, not under S(t + 1)'s wgmmas)
         if constexpr (decltype(ahead)::value) {
-          if (t >= 1) {
-            named_barrier_sync(3, kThreads);  // tile t + 1 landed
-            if constexpr (kTrace) {
-              if (tid == 0 && t + 1 <= 8) trace[2 + t + 1] = global_ns();
-            }
+          wait_landed(t + 1);
+          if constexpr (kTrace) {
+            if (tid == 0 && t + 1 <= 8) trace[2 + t + 1] = global_ns();
           }
           float s[KEYS / 2];
           issue_qk(s_k + ((t + 1) % kStages) * kStageBytes, s);
@@ -610,36 +620,21 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
       for (int t = 0; t + 1 < n_tiles; ++t) step(t, std::true_type{});
       if (n_tiles > 0) step(n_tiles - 1, std::false_type{});
     } else {
-      if (n_tiles > 0) {  // tiles 0 and 1 (and this thread's part of Q) landed
-        if (n_tiles > 1) {
-          sm90::cp_async_wait<kStages - 2>();
-        } else {
-          sm90::cp_async_wait<kStages - 1>();
-        }
-        sm90::fence_proxy_async();
-        named_barrier_arrive(3, kThreads);
-      }
       for (int t = 0; t < n_tiles; ++t) {
         sm90::wgmma_wait<0>();  // this warpgroup's P V of tile t - 1 is done
         sm90::fence_operand(o);
         if (refills(t)) {  // tile t + kStages - 1 into the stage of tile t - 1
-          const uint32_t next = s_k + ((t + kStages - 1) % kStages) * kStageBytes;
-          load_own_chunks(next);  // (page ids read an iteration ago)
+          const uint32_t slot = (t + kStages - 1) % kStages;
+          load_own_chunks(s_k + slot * kStageBytes);  // (page ids read an iteration ago)
           named_barrier_sync(4, kThreads);
-          load_other_chunks(next);
+          load_other_chunks(s_k + slot * kStageBytes);
+          sm90::cp_async_mbarrier_arrive_noinc(s_full + 8 * slot);
           if (t + kStages < n_tiles) refill_srcs(t + kStages);  // their round trip overlaps this tile's P V
         }
-        if (t >= 1) sm90::cp_async_commit();  // (a group every iteration: the waits' count)
-        named_barrier_sync(1, kThreads);  // P(t) (and every thread of this warpgroup waited for tile t)
+        named_barrier_sync(1, kThreads);  // P(t)
         const float alpha_t[2] = {s_alpha[(t & 1) * kRows + r0], s_alpha[(t & 1) * kRows + r0 + 8]};
-        if (t + 1 < n_tiles) {
-          if (t >= 1) {  // tile t + 1 landed (groups after it: this iteration's and the last one's)
-            sm90::cp_async_wait<kStages - 2>();
-            sm90::fence_proxy_async();
-            named_barrier_arrive(3, kThreads);
-          }
-          named_barrier_arrive(2, kThreads);  // P buffer (t - 1) & 1 is free
-        }
+        if (t + 1 < n_tiles) named_barrier_arrive(2, kThreads);  // P buffer (t - 1) & 1 is free
+        wait_landed(t);
         rescale(alpha_t);
         pv(s_k + (t % kStages) * kStageBytes, (t & 1) * 64);
       }

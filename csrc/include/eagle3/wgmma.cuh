@@ -53,6 +53,23 @@ __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, uint32
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
+
+// mbarriers in shared memory: init (one thread, then a block barrier), an arrival by the completion of this thread's
+// cp.asyncs so far (noinc: counted in the init's count), and a wait for the phase of the given parity to complete.
+__device__ __forceinline__ void mbarrier_init(uint32_t addr, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(addr), "r"(count) : "memory");
+}
+__device__ __forceinline__ void cp_async_mbarrier_arrive_noinc(uint32_t addr) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(addr) : "memory");
+}
+__device__ __forceinline__ void mbarrier_wait_parity(uint32_t addr, uint32_t parity) {
+  asm volatile(
+      "{\n.reg .pred done;\nWAIT:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WAIT;\n}\n" ::"r"(addr),
+      "r"(parity)
+      : "memory");
+}
 // all but the kPending most recent groups complete
 template <int kPending>
 __device__ __forceinline__ void cp_async_wait() {
