@@ -33,7 +33,13 @@ BENCHES=("$@")
   # A warm machine keeps the last call's build/ folder, whose objects can be newer than the sources copied in
   # now (ninja then says "no work to do" and the old kernels run): always build from scratch.
   rm -rf build
-  python3 setup.py build_ext --inplace || exit 1
+  python3 setup.py build_ext --inplace 2>&1 | tee "$OUT/.build_raw.log" || exit 1
+  # ptxas reports wgmmas it serialises (every one then waited for: ~2x slower) as "info", not as a warning or
+  # an error (C7510-C7520; seen at 19a402e, where the line sat unread in this log): fail the build on it
+  if grep -E "\(C75(1[0-9]|20)\)" "$OUT/.build_raw.log"; then
+    echo "BUILD REFUSED: ptxas serialised wgmma instructions (lines above)"; rm -f "$OUT/.build_raw.log"; exit 1
+  fi
+  rm -f "$OUT/.build_raw.log"
   [ -e eagle3_ops/triton_kernels ] || ln -s ../triton_kernels eagle3_ops/triton_kernels
   echo "build took $(( $(date +%s) - start )) s"
   python3 -c "import eagle3_ops; print(eagle3_ops.build_info())" || exit 1

@@ -40,7 +40,6 @@
 #include <cmath>
 #include <cstdint>
 #include <optional>
-#include <type_traits>
 
 #include "eagle3/checks.h"
 #include "eagle3/device.h"
@@ -50,25 +49,16 @@ namespace eagle3 {
 namespace {
 
 constexpr int kRows = 64;                            // query rows a block
+constexpr int kKeys = 64;                            // keys a tile
 constexpr int kDim = 576;                            // key width: 512 latent + 64 rope
 constexpr int kDv = 512;                             // V = the first 512 dims
 constexpr int kChunks = kDim / 64;                   // 128-byte column chunks a row
-constexpr int kChunkBytes = kRows * 128;             // one [64 x 64] swizzled chunk (of Q, of P)
-constexpr int kTileBytes = kChunks * kChunkBytes;    // Q: 73,728 bytes; the key stages together: twice that
-constexpr int kPBytes = kRows * 64 * 2;              // P: one chunk (a 32-key tile uses its first 64 bytes a row)
+constexpr int kChunkBytes = kRows * 128;             // one [64 x 64] swizzled chunk
+constexpr int kTileBytes = kChunks * kChunkBytes;    // Q, and each key stage: 73,728 bytes
+constexpr int kPBytes = kRows * kKeys * 2;           // P: one chunk
 constexpr int kThreads = 256;                        // two warpgroups
-constexpr int kSmemBytes = 3 * kTileBytes + kPBytes + 4 * kRows * 4 + 32 + 1024;  // + alpha (two), l, m; 4 mbarriers;
-                                                                                 // + alignment
-
-// A key tile of KEYS (64 or 32) rows: [KEYS x 64] chunks, 128 / KEYS stages in the same 147,456 bytes, so
-// 32-key tiles keep three tiles in flight behind the one in compute (64-key tiles: one).
-template <int KEYS>
-struct KeyTile {
-  static_assert(KEYS == 32 || KEYS == 64, "key tiles of 32 or 64 rows");
-  static constexpr int kChunkBytes = KEYS * 128;
-  static constexpr int kStageBytes = kChunks * kChunkBytes;
-  static constexpr int kStages = 2 * kTileBytes / kStageBytes;
-};
+constexpr int kSmemBytes = 3 * kTileBytes + kPBytes + 3 * kRows * 4 + 1024;  // + alpha, l, m; + alignment
+static_assert(kKeys == 64 && kRows == 64, "the tile code assumes 64 x 64 score tiles");
 
 struct Params {
   const void* q;              // [B * N, G, 576] strides (stride_qt, stride_qh, 1)
@@ -103,21 +93,9 @@ struct Pack2<__half> {
   }
 };
 
-template <typename T, int KEYS>
-__device__ __forceinline__ void mma_qk(float (&s)[KEYS / 2], uint64_t da, uint64_t db, int scale_d) {
-  if constexpr (KEYS == 32 && std::is_same_v<T, __nv_bfloat16>) {
-    if (scale_d) {
-      sm90::wgmma_m64n32k16_bf16<0>(s, da, db, 1);
-    } else {
-      sm90::wgmma_m64n32k16_bf16_zero<0>(s, da, db);
-    }
-  } else if constexpr (KEYS == 32) {
-    if (scale_d) {
-      sm90::wgmma_m64n32k16_f16<0>(s, da, db, 1);
-    } else {
-      sm90::wgmma_m64n32k16_f16_zero<0>(s, da, db);
-    }
-  } else if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+template <typename T>
+__device__ __forceinline__ void mma_qk(float (&s)[32], uint64_t da, uint64_t db, int scale_d) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
     sm90::wgmma_m64n64k16_bf16<0>(s, da, db, scale_d);
   } else {
     sm90::wgmma_m64n64k16_f16<0>(s, da, db, scale_d);
@@ -169,23 +147,20 @@ __device__ __forceinline__ void named_barrier_sync(int id, int threads) {
 }
 
 // kEvictFirst: the KV loads carry an L2 evict-first policy (else plain cp.async). kTrace: the diagnostic trace.
-template <typename T, int KEYS, bool kEvictFirst, bool kTrace>
+template <typename T, bool kEvictFirst, bool kTrace>
 __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_constant__ Params p) {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  using Tile = KeyTile<KEYS>;
-  constexpr int kStages = Tile::kStages, kKvChunk = Tile::kChunkBytes, kStageBytes = Tile::kStageBytes;
   extern __shared__ uint8_t smem_raw[];
   const uint32_t raw = sm90::smem_addr(smem_raw);
   const uint32_t pad = ((raw + 1023u) & ~1023u) - raw;  // swizzle atoms are 1024-byte aligned
   uint8_t* smem = smem_raw + pad;
   const uint32_t s_q = raw + pad;
-  const uint32_t s_k = s_q + kTileBytes;  // stage s at s_k + s * kStageBytes
+  const uint32_t s_k = s_q + kTileBytes;  // stage s at s_k + s * kTileBytes
   const uint32_t s_p = s_q + 3 * kTileBytes;
   uint8_t* p_tile = smem + 3 * kTileBytes;
   float* s_alpha = reinterpret_cast<float*>(smem + 3 * kTileBytes + kPBytes);
-  float* s_l = s_alpha + 2 * kRows;
+  float* s_l = s_alpha + kRows;
   float* s_m = s_l + kRows;
-  const uint32_t s_full = sm90::smem_addr(s_m + kRows);  // 32-key tiles: an mbarrier a stage, "its tile landed"
 
   const int tid = threadIdx.x;
   const int wg = tid / 128, warp = (tid % 128) / 32, lane = tid % 32;
@@ -200,29 +175,22 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
       trace[1] = global_ns();
     }
   }
-  if constexpr (KEYS == 32) {
-    if (tid == 0) {
-#pragma unroll
-      for (int st = 0; st < kStages; ++st) sm90::mbarrier_init(s_full + 8 * st, 128);
-    }
-    __syncthreads();
-  }
   const int rows_total = p.N * p.G;
   const T* q = static_cast<const T*>(p.q);
   const T* kv = static_cast<const T*>(p.kv);
 
-  // This split's keys (tree_attention.py _request_span): whole KEYS-key tiles of the clamped prefix.
+  // This split's keys (tree_attention.py _request_span): whole 64-key tiles of the clamped prefix.
   const int64_t capacity = static_cast<int64_t>(p.max_pages) * p.page_size;
   const int prefix_raw = p.prefix_lens[b];
   const bool bad = prefix_raw < 0 || prefix_raw > capacity - p.N;
   const int64_t clamp_hi = capacity - p.N;
   const int prefix = static_cast<int>(clamp_hi < 0 ? 0 : (prefix_raw < clamp_hi ? (prefix_raw < 0 ? 0 : prefix_raw) : clamp_hi));
   const int64_t per_split = (static_cast<int64_t>(prefix) + p.num_splits - 1) / p.num_splits;  // (no int overflow)
-  const int64_t chunk = (per_split + KEYS - 1) / KEYS * KEYS;
+  const int64_t chunk = (per_split + kKeys - 1) / kKeys * kKeys;
   const int64_t start = split * chunk;
   const int64_t end = start + chunk < prefix ? start + chunk : static_cast<int64_t>(prefix);
-  const int n_prefix_tiles = end > start ? static_cast<int>((end - start + KEYS - 1) / KEYS) : 0;
-  const int n_tiles = n_prefix_tiles + (split == p.num_splits - 1 ? cdiv(p.N, KEYS) : 0);
+  const int n_prefix_tiles = end > start ? static_cast<int>((end - start + kKeys - 1) / kKeys) : 0;
+  const int n_tiles = n_prefix_tiles + (split == p.num_splits - 1 ? cdiv(p.N, kKeys) : 0);
   const int32_t* pt_row = p.page_table + b * p.stride_pt;
 
   // Where key row r of tile t lives, or nullptr where it must not be read (past the split, past the tree,
@@ -232,10 +200,10 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
     int64_t pos;
     bool valid;
     if (t < n_prefix_tiles) {
-      pos = start + static_cast<int64_t>(t) * KEYS + r;
+      pos = start + static_cast<int64_t>(t) * kKeys + r;
       valid = pos < end;
     } else {
-      const int j = (t - n_prefix_tiles) * KEYS + r;
+      const int j = (t - n_prefix_tiles) * kKeys + r;
       pos = static_cast<int64_t>(prefix) + j;
       valid = j < p.N && pos < capacity;
     }
@@ -256,59 +224,61 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
       sm90::cp_async16(dst, src ? src : kv, src ? 16 : 0);
     }
   };
-  // The first tiles (and Q): every thread, rows lr (and lr + 32), 16-byte chunk lc of each of the 9 column
+  // The first tiles (and Q): every thread, rows lr and lr + 32, 16-byte chunk lc of each of the 9 column
   // chunks (8 threads read a row's 128-byte column chunk together).
   const int lr = tid / 8, lc = tid % 8;
-  constexpr int kLoadRows = KEYS / 32;  // a thread's rows of a first tile
-  auto tile_srcs = [&](int t, const T* (&src)[kLoadRows]) {
+  auto tile_srcs = [&](int t, const T* (&src)[2]) {
 #pragma unroll
-    for (int i = 0; i < kLoadRows; ++i) src[i] = row_src(t, lr + 32 * i);
+    for (int i = 0; i < 2; ++i) src[i] = row_src(t, lr + 32 * i);
   };
-  auto issue_tile = [&](const T* const (&src)[kLoadRows], uint32_t stage) {
+  auto issue_tile = [&](const T* const (&src)[2], uint32_t stage) {
 #pragma unroll
-    for (int i = 0; i < kLoadRows; ++i) {
+    for (int i = 0; i < 2; ++i) {
       const uint32_t dst = stage + sm90::swizzle128(lr + 32 * i, lc);
 #pragma unroll
       for (int c = 0; c < kChunks; ++c) {
-        kv_load(dst + c * kKvChunk, src[i] ? src[i] + c * 64 + lc * 8 : nullptr);
+        kv_load(dst + c * kChunkBytes, src[i] ? src[i] + c * 64 + lc * 8 : nullptr);
       }
     }
   };
-  // Later tiles: warpgroup 1 loads them (its own work is the smaller half), 16 rows a pass (wr, wr + 16, ..):
-  // first the chunks only its P V reads (4-7), as soon as that P V is done, then chunks 0-3 and the rope
-  // chunk 8 once warpgroup 0 says its P V is done (barrier 4).
+  // Later tiles: warpgroup 1 loads them (its own work is the smaller half), 16 threads a pass over rows wr,
+  // wr + 16, wr + 32, wr + 48: first the chunks only its P V reads (4-7), as soon as that P V is done, then
+  // chunks 0-3 and the rope chunk 8 once warpgroup 0 says its P V is done (barrier 4).
   const int wr = (tid % 128) / 8;
-  constexpr int kRefillRows = KEYS / 16;
-  const T* rows_src[kRefillRows];
+  const T* rows_src[4];
   auto refill_srcs = [&](int t) {
 #pragma unroll
-    for (int i = 0; i < kRefillRows; ++i) rows_src[i] = row_src(t, wr + 16 * i);
+    for (int i = 0; i < 4; ++i) rows_src[i] = row_src(t, wr + 16 * i);
   };
   auto load_own_chunks = [&](uint32_t stage) {  // of the tile refill_srcs named
 #pragma unroll
-    for (int i = 0; i < kRefillRows; ++i) {
+    for (int i = 0; i < 4; ++i) {
       const int r = wr + 16 * i;
       const uint32_t dst = stage + sm90::swizzle128(r, lc);
 #pragma unroll
       for (int c = 4; c < 8; ++c) {
-        kv_load(dst + c * kKvChunk, rows_src[i] ? rows_src[i] + c * 64 + lc * 8 : nullptr);
+        kv_load(dst + c * kChunkBytes, rows_src[i] ? rows_src[i] + c * 64 + lc * 8 : nullptr);
       }
     }
   };
   auto load_other_chunks = [&](uint32_t stage) {
 #pragma unroll
-    for (int i = 0; i < kRefillRows; ++i) {
+    for (int i = 0; i < 4; ++i) {
       const uint32_t dst = stage + sm90::swizzle128(wr + 16 * i, lc);
 #pragma unroll
       for (int k = 0; k < 5; ++k) {
         const int c = k < 4 ? k : 8;
-        kv_load(dst + c * kKvChunk, rows_src[i] ? rows_src[i] + c * 64 + lc * 8 : nullptr);
+        kv_load(dst + c * kChunkBytes, rows_src[i] ? rows_src[i] + c * 64 + lc * 8 : nullptr);
       }
     }
   };
 
-  // Q: every thread, rows lr and lr + 32 (the first group's loads)
-  auto load_q = [&]() {
+  if (n_tiles > 0) {
+    // every page id of the prologue's tiles first: their round trips overlap each other and Q's loads
+    const T* src0[2];
+    const T* src1[2] = {nullptr, nullptr};
+    tile_srcs(0, src0);
+    if (n_tiles > 1) tile_srcs(1, src1);
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
       const int r = lr + 32 * i;
@@ -320,54 +290,12 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
 #pragma unroll
       for (int c = 0; c < kChunks; ++c) sm90::cp_async16(dst + c * kChunkBytes, ok ? src + c * 64 : q, ok ? 16 : 0);
     }
-  };
-  if (n_tiles > 0 && KEYS == 64) {
-    // every page id of the prologue's tiles first: their round trips overlap each other and Q's loads
-    const T* src[kStages][kLoadRows];
-#pragma unroll
-    for (int t = 0; t < kStages; ++t) {
-      if (t < n_tiles) {
-        tile_srcs(t, src[t]);
-      } else {
-#pragma unroll
-        for (int i = 0; i < kLoadRows; ++i) src[t][i] = nullptr;
-      }
-    }
-    load_q();
-    // tile 1 too: every stage is free from the start (a group each, empty past the last tile)
-#pragma unroll
-    for (int t = 0; t < kStages; ++t) {
-      if (t < n_tiles) issue_tile(src[t], s_k + t * kStageBytes);
-      sm90::cp_async_commit();
-    }
-    if (wg == 1 && n_tiles > kStages) refill_srcs(kStages);  // warpgroup 1 reads refills' page ids an iteration ahead
-  } else if (n_tiles > 0) {
-    // 32-key tiles: every key tile by warpgroup 1 alone, each thread's loads of a tile followed by an arrival on
-    // its stage's mbarrier when they complete (128 arrivals a phase); Q by all (warpgroup 1's part lands before
-    // its first arrival on tile 0's barrier)
-    if (wg == 1) {
-      const T* src[kStages][kRefillRows];
-#pragma unroll
-      for (int t = 0; t < kStages; ++t) {
-#pragma unroll
-        for (int i = 0; i < kRefillRows; ++i) src[t][i] = t < n_tiles ? row_src(t, wr + 16 * i) : nullptr;
-      }
-      load_q();
-#pragma unroll
-      for (int t = 0; t < kStages; ++t) {
-#pragma unroll
-        for (int i = 0; i < kRefillRows; ++i) rows_src[i] = src[t][i];
-        if (t < n_tiles) {
-          load_own_chunks(s_k + t * kStageBytes);
-          load_other_chunks(s_k + t * kStageBytes);
-          sm90::cp_async_mbarrier_arrive_noinc(s_full + 8 * t);
-        }
-      }
-      if (n_tiles > kStages) refill_srcs(kStages);
-    } else {
-      load_q();
-      sm90::cp_async_commit();
-    }
+    // tile 1 too: stage 1 is free from the start (a separate group; an empty one without a tile 1)
+    issue_tile(src0, s_k);
+    sm90::cp_async_commit();
+    if (n_tiles > 1) issue_tile(src1, s_k + kTileBytes);
+    sm90::cp_async_commit();
+    if (wg == 1 && n_tiles > 2) refill_srcs(2);  // warpgroup 1 reads its refills' page ids an iteration ahead
   }
 
   // This thread's two rows of every accumulator (wgmma layout): r0 and r0 + 8.
@@ -376,7 +304,6 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
   float o[128];
 #pragma unroll
   for (int i = 0; i < 128; ++i) o[i] = 0.f;
-  sm90::fence_operand(o);  // (zeroed here, not under a wgmma in flight: ptxas would serialise them all, C7515)
   float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};  // warpgroup 0: running max and (partial) sum
 
   // The two warpgroups run separate loops (ptxas analyses each path alone). Per tile: a block barrier
@@ -384,16 +311,16 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
   // stage (barrier 4), issues S = Q K^T and waits for it, softmaxes, hands P over (barrier 1) and issues its
   // P V (before, Q K^T was issued right behind that P V and the stage released after both: 1-8% slower at 16
   // nodes, results/mla_sm90_release_h200.log); warpgroup 1 waits
-  // for its own P V of tile t - 1, says P may be overwritten (barrier 2), loads tile t + kStages - 1 into the
-  // stage of tile t - 1, takes P and issues its P V. (A wait_group 1 that lets Q K^T run on while the loads are
+  // for its own P V of tile t - 1, says P may be overwritten (barrier 2), loads tile t + 1 into the stage of
+  // tile t - 1, takes P and issues its P V. (A wait_group 1 that lets Q K^T run on while the loads are
   // issued made ptxas serialise every wgmma, C7514.)
-  auto pv = [&](uint32_t stage, int p_col) {  // P at byte column p_col of its chunk
+  auto pv = [&](uint32_t stage) {
     sm90::fence_operand(o);
     sm90::wgmma_fence();
 #pragma unroll
-    for (int k = 0; k < KEYS / 16; ++k) {
-      const uint64_t da = sm90::desc_sw128(s_p + p_col + k * 32, 16, 1024);
-      const uint64_t db = sm90::desc_sw128(stage + wg * 4 * kKvChunk + k * 16 * 128, kKvChunk, 1024);
+    for (int k = 0; k < 4; ++k) {
+      const uint64_t da = sm90::desc_sw128(s_p + k * 32, 16, 1024);
+      const uint64_t db = sm90::desc_sw128(stage + wg * 4 * kChunkBytes + k * 16 * 128, kChunkBytes, 1024);
       mma_pv<T>(o, da, db);
     }
     sm90::wgmma_commit();
@@ -411,233 +338,137 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
       }
     }
   };
-  // The first kStages tiles came with the prologue: warpgroup 1 refills from t = 1 on (tile t + kStages - 1 into
-  // the stage of t - 1).
-  auto refills = [&](int t) { return t >= 1 && t + kStages - 1 < n_tiles; };
-  auto wait_tile = [&](int t) {  // 64-key tiles: this thread's part of tile t has landed
+  // Tile 1 came with the prologue: warpgroup 1 refills from t = 1 on (tile t + 1 into the stage of t - 1).
+  auto refills = [&](int t) { return t >= 1 && t + 1 < n_tiles; };
+  auto wait_tile = [&](int t) {  // this thread's part of tile t has landed
     if (t == 0) {
       sm90::cp_async_wait<1>();  // (tile 1's group may still fly)
     } else {
       sm90::cp_async_wait_all();
     }
   };
-  // Warpgroup 0's pieces of a tile: S = Q K^T issued (not waited for), the mask, and the online softmax that
-  // writes P (at byte column p_col of the P chunk) and the rows' rescale factors (at s_alpha + alpha_off).
-  auto issue_qk = [&](uint32_t stage, float (&s)[KEYS / 2]) {
-    if constexpr (KEYS == 64) {  // (the first wgmma overwrites S; 32-key tiles must not write registers of a wgmma
-#pragma unroll                   // while another is in flight: ptxas then serialises every wgmma, C7515)
-      for (int i = 0; i < KEYS / 2; ++i) s[i] = 0.f;
-    }
-    sm90::fence_operand(s);
-    sm90::wgmma_fence();
-#pragma unroll
-    for (int c = 0; c < kChunks; ++c) {
-#pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        const uint64_t da = sm90::desc_sw128(s_q + c * kChunkBytes + k * 32, 16, 1024);
-        const uint64_t db = sm90::desc_sw128(stage + c * kKvChunk + k * 32, 16, 1024);
-        mma_qk<T, KEYS>(s, da, db, (c | k) != 0);
+  if (wg == 0) {
+    for (int t = 0; t < n_tiles; ++t) {
+      wait_tile(t);
+      sm90::fence_proxy_async();
+      named_barrier_sync(3, kThreads);  // tile t landed for every thread
+      if constexpr (kTrace) {
+        if (tid == 0 && t <= 8) trace[2 + t] = global_ns();
       }
-    }
-    sm90::wgmma_commit();
-    sm90::fence_operand(s);
-  };
-  // mask the split's partial last tile and the tree block (raw scores: the scale, > 0, is applied below)
-  auto mask = [&](int t, float (&s)[KEYS / 2]) {
-    if (t >= n_prefix_tiles) {
-      const int j0 = (t - n_prefix_tiles) * KEYS;
+      const uint32_t stage = s_k + (t & 1) * kTileBytes;
+      if (t > 0) {
+        // P V of tile t - 1 done before Q K^T is issued: its stage is released a Q K^T earlier than after both
+        // (the refill's chunks 0-3 and rope then have longer to land; results/mla_sm90_release_h200.log)
+        sm90::wgmma_wait<0>();
+        sm90::fence_operand(o);
+        if (refills(t)) named_barrier_arrive(4, kThreads);
+      }
+      float s[32];
+#pragma unroll
+      for (int i = 0; i < 32; ++i) s[i] = 0.f;
+      sm90::fence_operand(s);
+      sm90::wgmma_fence();
+#pragma unroll
+      for (int c = 0; c < kChunks; ++c) {
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          const uint64_t da = sm90::desc_sw128(s_q + c * kChunkBytes + k * 32, 16, 1024);
+          const uint64_t db = sm90::desc_sw128(stage + c * kChunkBytes + k * 32, 16, 1024);
+          mma_qk<T>(s, da, db, (c | k) != 0);
+        }
+      }
+      sm90::wgmma_commit();
+      sm90::wgmma_wait<0>();  // S (this warpgroup's P V of tile t - 1 was waited for above)
+      sm90::fence_operand(s);
+      sm90::fence_operand(o);
+
+      // mask the split's partial last tile and the tree block (raw scores: the scale, > 0, is applied below)
+      if (t >= n_prefix_tiles) {
+        const int j0 = (t - n_prefix_tiles) * kKeys;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int row = m_block * kRows + r0 + 8 * h;
+          const bool row_ok = row < rows_total;
+          const int32_t* words = p.tree_mask + (static_cast<int64_t>(b) * p.N + (row_ok ? row / p.G : 0)) * p.W;
+          const uint32_t lo = row_ok ? static_cast<uint32_t>(words[j0 / 32]) : 0u;
+          const uint32_t hi = row_ok && j0 / 32 + 1 < p.W ? static_cast<uint32_t>(words[j0 / 32 + 1]) : 0u;
+#pragma unroll
+          for (int j = 0; j < 8; ++j) {
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              const int col = 8 * j + 2 * quad + e;
+              const uint32_t word = col < 32 ? lo : hi;
+              const bool visible = j0 + col < p.N && prefix + j0 + col < capacity && ((word >> (col & 31)) & 1u);
+              if (!visible) s[4 * j + 2 * h + e] = -INFINITY;
+            }
+          }
+        }
+      } else if (start + static_cast<int64_t>(t + 1) * kKeys > end) {
+        const int64_t pos0 = start + static_cast<int64_t>(t) * kKeys;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            if (pos0 + 8 * j + 2 * quad + (e & 1) >= end) s[4 * j + e] = -INFINITY;
+          }
+        }
+      }
+
+
+      float alpha[2];
+      named_barrier_sync(2, kThreads);  // warpgroup 1 is done reading the previous P
+      // online softmax over the tile's 64 keys (a row's 64 scores sit in the 4 threads of a quad), in log2 units:
+      // the max of the raw scores times the scale is the max of the scaled ones (scale > 0), and each
+      // probability is one FFMA and one MUFU
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const int row = m_block * kRows + r0 + 8 * h;
-        const bool row_ok = row < rows_total;
-        const int32_t* words = p.tree_mask + (static_cast<int64_t>(b) * p.N + (row_ok ? row / p.G : 0)) * p.W;
-        const uint32_t lo = row_ok ? static_cast<uint32_t>(words[j0 / 32]) : 0u;
-        const uint32_t hi = KEYS > 32 && row_ok && j0 / 32 + 1 < p.W ? static_cast<uint32_t>(words[j0 / 32 + 1]) : 0u;
+        float mx = -INFINITY;
 #pragma unroll
-        for (int j = 0; j < KEYS / 8; ++j) {
+        for (int j = 0; j < 8; ++j) mx = fmaxf(mx, fmaxf(s[4 * j + 2 * h], s[4 * j + 2 * h + 1]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float m_new = fmaxf(m_run[h], mx * p.scale_log2);
+        const float m_use = m_new == -INFINITY ? 0.f : m_new;  // a row that has seen nothing stays at 0
+        alpha[h] = fast_exp2(m_run[h] - m_use);
+        m_run[h] = m_new;
+        float sum = 0.f;
 #pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const int col = 8 * j + 2 * quad + e;
-            const uint32_t word = col < 32 ? lo : hi;
-            const bool visible = j0 + col < p.N && prefix + j0 + col < capacity && ((word >> (col & 31)) & 1u);
-            if (!visible) s[4 * j + 2 * h + e] = -INFINITY;
-          }
+        for (int j = 0; j < 8; ++j) {
+          const float p0 = fast_exp2(fmaf(s[4 * j + 2 * h], p.scale_log2, -m_use));
+          const float p1 = fast_exp2(fmaf(s[4 * j + 2 * h + 1], p.scale_log2, -m_use));
+          sum += p0 + p1;
+          const int r = r0 + 8 * h;
+          *reinterpret_cast<uint32_t*>(p_tile + sm90::swizzle128(r, j) + quad * 4) = Pack2<T>::pack(p0, p1);
         }
+        l_run[h] = l_run[h] * alpha[h] + sum;
+        if (quad == 0) s_alpha[r0 + 8 * h] = alpha[h];
       }
-    } else if (start + static_cast<int64_t>(t + 1) * KEYS > end) {
-      const int64_t pos0 = start + static_cast<int64_t>(t) * KEYS;
-#pragma unroll
-      for (int j = 0; j < KEYS / 8; ++j) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          if (pos0 + 8 * j + 2 * quad + (e & 1) >= end) s[4 * j + e] = -INFINITY;
-        }
-      }
-    }
-  };
-  // online softmax over the tile's keys (a row's scores sit in the 4 threads of a quad), in log2 units: the max
-  // of the raw scores times the scale is the max of the scaled ones (scale > 0), and each probability is one
-  // FFMA and one MUFU
-  auto softmax = [&](const float (&s)[KEYS / 2], float (&alpha)[2], int p_col, int alpha_off) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      float mx = -INFINITY;
-#pragma unroll
-      for (int j = 0; j < KEYS / 8; ++j) mx = fmaxf(mx, fmaxf(s[4 * j + 2 * h], s[4 * j + 2 * h + 1]));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      const float m_new = fmaxf(m_run[h], mx * p.scale_log2);
-      const float m_use = m_new == -INFINITY ? 0.f : m_new;  // a row that has seen nothing stays at 0
-      alpha[h] = fast_exp2(m_run[h] - m_use);
-      m_run[h] = m_new;
-      float sum = 0.f;
-#pragma unroll
-      for (int j = 0; j < KEYS / 8; ++j) {
-        const float p0 = fast_exp2(fmaf(s[4 * j + 2 * h], p.scale_log2, -m_use));
-        const float p1 = fast_exp2(fmaf(s[4 * j + 2 * h + 1], p.scale_log2, -m_use));
-        sum += p0 + p1;
-        const int r = r0 + 8 * h;
-        *reinterpret_cast<uint32_t*>(p_tile + sm90::swizzle128(r, p_col / 16 + j) + quad * 4) = Pack2<T>::pack(p0, p1);
-      }
-      l_run[h] = l_run[h] * alpha[h] + sum;
-      if (quad == 0) s_alpha[alpha_off + r0 + 8 * h] = alpha[h];
-    }
-  };
-
-  if constexpr (KEYS == 64) {
-    if (wg == 0) {
-      for (int t = 0; t < n_tiles; ++t) {
-        wait_tile(t);
-        sm90::fence_proxy_async();
-        named_barrier_sync(3, kThreads);  // tile t landed for every thread
-        if constexpr (kTrace) {
-          if (tid == 0 && t <= 8) trace[2 + t] = global_ns();
-        }
-        const uint32_t stage = s_k + (t % kStages) * kStageBytes;
-        if (t > 0) {
-          // P V of tile t - 1 done before Q K^T is issued: its stage is released a Q K^T earlier than after both
-          // (the refill's chunks 0-3 and rope then have longer to land; results/mla_sm90_release_h200.log)
-          sm90::wgmma_wait<0>();
-          sm90::fence_operand(o);
-          if (refills(t)) named_barrier_arrive(4, kThreads);
-        }
-        float s[KEYS / 2];
-        issue_qk(stage, s);
-        sm90::wgmma_wait<0>();  // S (this warpgroup's P V of tile t - 1 was waited for above)
-        sm90::fence_operand(s);
-        sm90::fence_operand(o);
-        mask(t, s);
-        float alpha[2];
-        named_barrier_sync(2, kThreads);  // warpgroup 1 is done reading the previous P
-        softmax(s, alpha, 0, 0);
-        sm90::fence_proxy_async();
-        named_barrier_arrive(1, kThreads);  // P and the rescale factors are in shared memory
-        rescale(alpha);
-        pv(stage, 0);
-      }
-    } else {
-      for (int t = 0; t < n_tiles; ++t) {
-        wait_tile(t);
-        sm90::fence_proxy_async();
-        named_barrier_sync(3, kThreads);  // tile t landed for every thread
-        const uint32_t stage = s_k + (t % kStages) * kStageBytes;
-        sm90::wgmma_wait<0>();  // this warpgroup's P V of tile t - 1 is done:
-        sm90::fence_operand(o);
-        named_barrier_arrive(2, kThreads);  // P and the rescale factors may be overwritten
-        if (refills(t)) {  // tile t + 1 into the stage of tile t - 1
-          const uint32_t next = s_k + ((t + kStages - 1) % kStages) * kStageBytes;
-          load_own_chunks(next);  // (page ids read an iteration ago)
-          named_barrier_sync(4, kThreads);
-          load_other_chunks(next);
-          sm90::cp_async_commit();
-          if (t + kStages < n_tiles) refill_srcs(t + kStages);  // their round trip overlaps this tile's P V
-        }
-        named_barrier_sync(1, kThreads);
-        const float alpha[2] = {s_alpha[r0], s_alpha[r0 + 8]};
-        rescale(alpha);
-        pv(stage, 0);
-      }
+      sm90::fence_proxy_async();
+      named_barrier_arrive(1, kThreads);  // P and the rescale factors are in shared memory
+      rescale(alpha);
+      pv(stage);
     }
   } else {
-    // 32-key tiles, Q K^T one tile ahead (FA3's intra-warpgroup overlap): in iteration t warpgroup 0 issues
-    // S(t + 1) = Q K^T and its P V of t back to back, then softmaxes S(t + 1) while that P V runs. S lives inside
-    // an iteration, the last tile is peeled, and O's zeroing and rescale are pinned by operand fences (else ptxas
-    // serialises every wgmma, C7514 / C7515: a wgmma's registers touched by other instructions while one is in
-    // flight). P and the rescale factors alternate between two buffers (P(t) at byte column 64 (t & 1) of the P
-    // chunk). Tiles landing: the stages' mbarriers (tile u: phase u / kStages), waited for by both warpgroups.
-    // Warpgroup 1 says buffer (t - 1) & 1 is free once it has taken P(t) (barrier 2: its P V of t - 1 is done by
-    // then); warpgroup 0 says its P V of t - 1 is done before warpgroup 1 refills that stage (barrier 4). No
-    // producer can arrive twice at a named barrier before its consumer's wait: each next arrival waits on the
-    // consumer's progress.
-    auto wait_landed = [&](int u) {
-      sm90::mbarrier_wait_parity(s_full + 8 * (u % kStages), (u / kStages) & 1);
-      sm90::fence_proxy_async();  // (cp.async writes, then read by the wgmmas' async proxy)
-    };
-    if (wg == 0) {
-      float alpha[2] = {1.f, 1.f};
-      if (n_tiles > 0) {
-        sm90::cp_async_wait_all();  // this thread's part of Q
-        sm90::fence_proxy_async();
-        named_barrier_sync(5, 128);  // warpgroup 0's parts of Q landed
-        wait_landed(0);              // tile 0 and warpgroup 1's part of Q
-        if constexpr (kTrace) {
-          if (tid == 0) trace[2] = global_ns();
-        }
-        float s[KEYS / 2];
-        issue_qk(s_k, s);
-        sm90::wgmma_wait<0>();
-        sm90::fence_operand(s);
-        mask(0, s);
-        softmax(s, alpha, 0, 0);
-        sm90::fence_proxy_async();
-        named_barrier_arrive(1, kThreads);  // P(0)
+    for (int t = 0; t < n_tiles; ++t) {
+      wait_tile(t);
+      sm90::fence_proxy_async();
+      named_barrier_sync(3, kThreads);  // tile t landed for every thread
+      const uint32_t stage = s_k + (t & 1) * kTileBytes;
+      sm90::wgmma_wait<0>();  // this warpgroup's P V of tile t - 1 is done:
+      sm90::fence_operand(o);
+      named_barrier_arrive(2, kThreads);  // P and the rescale factors may be overwritten
+      if (refills(t)) {  // refill the stage of tile t - 1
+        const uint32_t next = s_k + ((t + 1) & 1) * kTileBytes;
+        load_own_chunks(next);  // (page ids read an iteration ago)
+        named_barrier_sync(4, kThreads);
+        load_other_chunks(next);
+        sm90::cp_async_commit();
+        if (t + 2 < n_tiles) refill_srcs(t + 2);  // their round trip overlaps this tile's P V
       }
-      auto step = [&](int t, auto ahead) {
-        rescale(alpha);          // (nothing in flight)
-        sm90::fence_operand(o);  // (the multiplies stay here, not under S(t + 1)'s wgmmas)
-        if constexpr (decltype(ahead)::value) {
-          wait_landed(t + 1);
-          if constexpr (kTrace) {
-            if (tid == 0 && t + 1 <= 8) trace[2 + t + 1] = global_ns();
-          }
-          float s[KEYS / 2];
-          issue_qk(s_k + ((t + 1) % kStages) * kStageBytes, s);
-          pv(s_k + (t % kStages) * kStageBytes, (t & 1) * 64);
-          sm90::wgmma_wait<1>();  // S(t + 1); P V(t) runs on
-          sm90::fence_operand(s);
-          mask(t + 1, s);
-          named_barrier_sync(2, kThreads);  // P buffer (t + 1) & 1 is free (warpgroup 1's P V of t - 1 done)
-          softmax(s, alpha, ((t + 1) & 1) * 64, ((t + 1) & 1) * kRows);
-          sm90::fence_proxy_async();
-          named_barrier_arrive(1, kThreads);  // P(t + 1) and its rescale factors
-        } else {
-          pv(s_k + (t % kStages) * kStageBytes, (t & 1) * 64);
-        }
-        sm90::wgmma_wait<0>();  // P V(t)
-        sm90::fence_operand(o);
-        if (refills(t + 1)) named_barrier_arrive(4, kThreads);  // the stage of t may be refilled
-      };
-      for (int t = 0; t + 1 < n_tiles; ++t) step(t, std::true_type{});
-      if (n_tiles > 0) step(n_tiles - 1, std::false_type{});
-    } else {
-      for (int t = 0; t < n_tiles; ++t) {
-        sm90::wgmma_wait<0>();  // this warpgroup's P V of tile t - 1 is done
-        sm90::fence_operand(o);
-        if (refills(t)) {  // tile t + kStages - 1 into the stage of tile t - 1
-          const uint32_t slot = (t + kStages - 1) % kStages;
-          load_own_chunks(s_k + slot * kStageBytes);  // (page ids read an iteration ago)
-          named_barrier_sync(4, kThreads);
-          load_other_chunks(s_k + slot * kStageBytes);
-          sm90::cp_async_mbarrier_arrive_noinc(s_full + 8 * slot);
-          if (t + kStages < n_tiles) refill_srcs(t + kStages);  // their round trip overlaps this tile's P V
-        }
-        named_barrier_sync(1, kThreads);  // P(t)
-        const float alpha_t[2] = {s_alpha[(t & 1) * kRows + r0], s_alpha[(t & 1) * kRows + r0 + 8]};
-        if (t + 1 < n_tiles) named_barrier_arrive(2, kThreads);  // P buffer (t - 1) & 1 is free
-        wait_landed(t);
-        rescale(alpha_t);
-        pv(s_k + (t % kStages) * kStageBytes, (t & 1) * 64);
-      }
+      named_barrier_sync(1, kThreads);
+      const float alpha[2] = {s_alpha[r0], s_alpha[r0 + 8]};
+      rescale(alpha);
+      pv(stage);
     }
   }
   sm90::wgmma_wait<0>();
@@ -714,7 +545,7 @@ void tree_attention_mla_sm90_cuda(const at::Tensor& q, const at::Tensor& kv_cach
                                   const at::Tensor& prefix_lens, const at::Tensor& tree_mask, double scale,
                                   const at::Tensor& out, const std::optional<at::Tensor>& lse,
                                   const at::Tensor& part_out, const at::Tensor& part_lse, int64_t num_splits,
-                                  bool evict_first, const std::optional<at::Tensor>& trace_opt, int64_t tile_keys) {
+                                  bool evict_first, const std::optional<at::Tensor>& trace_opt) {
   TORCH_CHECK_TYPE(q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf,
                    "q must have dtype bfloat16 | float16, got ", q.scalar_type());
   CHECK_CUDA(q);
@@ -747,7 +578,6 @@ void tree_attention_mla_sm90_cuda(const at::Tensor& q, const at::Tensor& kv_cach
     TORCH_CHECK_VALUE(lse->is_contiguous(), "lse must be contiguous");
   }
   TORCH_CHECK_VALUE(num_splits >= 1 && num_splits <= 65535, "num_splits must be in [1, 65535], got ", num_splits);
-  TORCH_CHECK_VALUE(tile_keys == 32 || tile_keys == 64, "tile_keys must be 32 or 64, got ", tile_keys);
   TORCH_CHECK_VALUE(scale > 0 && std::isfinite(scale), "scale must be finite and > 0, got ", scale);
   if (num_splits > 1) {
     CHECK_DTYPE(part_out, at::kFloat);
@@ -829,20 +659,15 @@ void tree_attention_mla_sm90_cuda(const at::Tensor& q, const at::Tensor& kv_cach
     kernel<<<grid, kThreads, kSmemBytes, stream>>>(p);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   };
-  auto launch_keys = [&](auto keys) {
-    constexpr int K = decltype(keys)::value;
-    if (traced) {
-      evict_first ? launch(mla_decode_kernel<__nv_bfloat16, K, true, true>)
-                  : launch(mla_decode_kernel<__nv_bfloat16, K, false, true>);
-    } else if (q.scalar_type() == at::kBFloat16) {
-      evict_first ? launch(mla_decode_kernel<__nv_bfloat16, K, true, false>)
-                  : launch(mla_decode_kernel<__nv_bfloat16, K, false, false>);
-    } else {
-      evict_first ? launch(mla_decode_kernel<__half, K, true, false>)
-                  : launch(mla_decode_kernel<__half, K, false, false>);
-    }
-  };
-  tile_keys == 32 ? launch_keys(std::integral_constant<int, 32>{}) : launch_keys(std::integral_constant<int, 64>{});
+  if (traced) {
+    evict_first ? launch(mla_decode_kernel<__nv_bfloat16, true, true>)
+                : launch(mla_decode_kernel<__nv_bfloat16, false, true>);
+  } else if (q.scalar_type() == at::kBFloat16) {
+    evict_first ? launch(mla_decode_kernel<__nv_bfloat16, true, false>)
+                : launch(mla_decode_kernel<__nv_bfloat16, false, false>);
+  } else {
+    evict_first ? launch(mla_decode_kernel<__half, true, false>) : launch(mla_decode_kernel<__half, false, false>);
+  }
 }
 
 }  // namespace

@@ -638,7 +638,7 @@ def test_gpu_dtypes(shape, dtype):
 # sm90 is csrc/mla_decode_sm90.cu's CUDA kernel (the bf16 / fp16 default on Hopper; no fp32).
 GPU_TMA = {"tma64": dict(tma=True), "tma64.nocut": dict(tma=True, cut=False, fill=False),
            "tma32.eager": dict(tma=True, BLOCK_N=32, rescale_tau=0.0, cut=False), "gather64": dict(tma=False),
-           "sm90": dict(kernel="sm90"), "sm90.k32": dict(kernel="sm90", keys=32)}
+           "sm90": dict(kernel="sm90")}
 
 
 @pytest.mark.gpu
@@ -701,7 +701,7 @@ def test_gpu_tma_against_float64(case, dtype, config):
     N, prefix, B, page_size, kind = case
     c = GpuCase(zlib.crc32(repr(case).encode()), B=B, prefix=prefix, N=N, kind=kind, page_size=page_size,
                 dtype=dtype, **KIMI_MLA)
-    if config.startswith("sm90") and dtype == torch.float32:
+    if config == "sm90" and dtype == torch.float32:
         pytest.skip("the sm90 kernel is bf16 / fp16 only (fp32 takes the Triton kernel)")
     cfg = {k: v for k, v in GPU_TMA[config].items() if dtype != torch.float32 or k != "BLOCK_N"}  # fp32: its tiles
     out, lse = _kernel(c, config=cfg)
@@ -740,16 +740,14 @@ SM90_CASES = [  # (N, prefix, B, page_size, kind, NH, splits, dtype)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("keys", [64, 32])
 @pytest.mark.parametrize("evict_first", [False, True])
 @pytest.mark.parametrize("case", SM90_CASES, ids=lambda c: f"N{c[0]}-prefix{c[1]}-B{c[2]}-ps{c[3]}-{c[4]}-NH{c[5]}"
                          f"-splits{c[6]}-{str(c[7])[6:]}")
-def test_gpu_sm90_against_float64(case, evict_first, keys):
-    # keys: the kernel's key tiles (64: two stages; 32: four, three tiles in flight behind the one in compute)
+def test_gpu_sm90_against_float64(case, evict_first):
     N, prefix, B, page_size, kind, NH, splits, dtype = case
     c = GpuCase(zlib.crc32(repr(case).encode()), B=B, prefix=prefix, N=N, kind=kind, page_size=page_size,
                 dtype=dtype, mla=True, NH=NH, D=576, Dv=512)
-    cfg = dict(kernel="sm90", evict_first=evict_first, keys=keys, **({"splits": splits} if splits else {}))
+    cfg = dict(kernel="sm90", evict_first=evict_first, **({"splits": splits} if splits else {}))
     out, lse = _kernel(c, config=cfg)
     _check_against(c, out, lse, *c.truth())
     without, _ = _kernel(c, config=cfg, with_lse=False)
@@ -792,8 +790,6 @@ def test_gpu_sm90_internal_op_refuses_bad_input():
         op(c.q, c.k_cache, *common, out, None, po, plse.cpu(), 2)
     with pytest.raises(ValueError, match="trace must have shape"):
         op(c.q, c.k_cache, *common, out, None, po, plse, 2, trace=torch.zeros(3, 16, dtype=torch.int64, device="cuda"))
-    with pytest.raises(ValueError, match="tile_keys must be 32 or 64"):
-        op(c.q, c.k_cache, *common, out, None, po, plse, 2, tile_keys=16)
     with pytest.raises(TypeError, match="trace must have dtype"):
         op(c.q, c.k_cache, *common, out, None, po, plse, 2, trace=torch.zeros(16, 16, dtype=torch.int32, device="cuda"))
     for bad_scale in (0.0, -c.scale, math.inf):  # the softmax takes the row max of the unscaled scores

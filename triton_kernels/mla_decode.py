@@ -411,7 +411,6 @@ def tree_attention_mla_sm90(q: Tensor, kv_cache: Tensor, page_table: Tensor, pre
     else:
         po = plse = out.new_empty((0,), dtype=torch.float32)
     torch.ops.eagle3._tree_attention_mla_sm90(q, kv_cache, page_table, prefix_lens, tree_mask, scale, out, lse, po, plse,
-                                              splits, bool(config.get("evict_first", splits > 1)), config.get("trace"),
-                                              int(config.get("keys", 64)))
+                                              splits, bool(config.get("evict_first", splits > 1)), config.get("trace"))
     if splits > 1:
         merge_splits(po, plse, out, lse, N, 1, G)

@@ -53,23 +53,6 @@ __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, uint32
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
-
-// mbarriers in shared memory: init (one thread, then a block barrier), an arrival by the completion of this thread's
-// cp.asyncs so far (noinc: counted in the init's count), and a wait for the phase of the given parity to complete.
-__device__ __forceinline__ void mbarrier_init(uint32_t addr, uint32_t count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(addr), "r"(count) : "memory");
-}
-__device__ __forceinline__ void cp_async_mbarrier_arrive_noinc(uint32_t addr) {
-  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(addr) : "memory");
-}
-__device__ __forceinline__ void mbarrier_wait_parity(uint32_t addr, uint32_t parity) {
-  asm volatile(
-      "{\n.reg .pred done;\nWAIT:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-      "@!done bra WAIT;\n}\n" ::"r"(addr),
-      "r"(parity)
-      : "memory");
-}
 // all but the kPending most recent groups complete
 template <int kPending>
 __device__ __forceinline__ void cp_async_wait() {
@@ -80,34 +63,8 @@ __device__ __forceinline__ void cp_async_wait() {
 // the macros below (generated: one asm operand per accumulator register) ----------------------------------
 // Accumulator layout (m64nN, per warpgroup thread t = 32 w + l): d[4 j + 0, 1] is row 16 w + l / 4,
 // columns 8 j + 2 (l % 4) + {0, 1}; d[4 j + 2, 3] the same columns of row 16 w + l / 4 + 8.
-// A and B from shared memory (descriptors): wgmma_m64n{32,64,256}k16_<ty><kTransB>; kTransB = 1: B is N-major;
+// A and B from shared memory (descriptors): wgmma_m64n{64,256}k16_<ty><kTransB>; kTransB = 1: B is N-major;
 // scale_d = 0 overwrites D.
-
-#define EAGLE3_WGMMA_SS_N32(TY)                                                                                        \
-template <int kTransB>                                                                                                 \
-__device__ __forceinline__ void wgmma_m64n32k16_##TY(float (&d)[16], uint64_t desc_a, uint64_t desc_b, int scale_d) {  \
-  asm volatile(                                                                                                        \
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"                                                                     \
-      "wgmma.mma_async.sync.aligned.m64n32k16.f32." #TY "." #TY " {"                                                   \
-      "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15"                                                          \
-      "}, %16, %17, p, 1, 1, 0, %19;\n}\n"                                                                             \
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),                \
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])           \
-      : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(kTransB));                                                         \
-}                                                                                                                      \
-/* D = A B, D write-only: no register moves into D before the wgmma (which, with another wgmma in flight, make */     \
-/* ptxas serialise them all, C7515) */                                                                                 \
-template <int kTransB>                                                                                                 \
-__device__ __forceinline__ void wgmma_m64n32k16_##TY##_zero(float (&d)[16], uint64_t desc_a, uint64_t desc_b) {        \
-  asm volatile(                                                                                                        \
-      "{\n.reg .pred p;\nsetp.ne.b32 p, 0, 0;\n"                                                                       \
-      "wgmma.mma_async.sync.aligned.m64n32k16.f32." #TY "." #TY " {"                                                   \
-      "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15"                                                          \
-      "}, %16, %17, p, 1, 1, 0, %18;\n}\n"                                                                             \
-      : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3]), "=f"(d[4]), "=f"(d[5]), "=f"(d[6]), "=f"(d[7]),                \
-        "=f"(d[8]), "=f"(d[9]), "=f"(d[10]), "=f"(d[11]), "=f"(d[12]), "=f"(d[13]), "=f"(d[14]), "=f"(d[15])           \
-      : "l"(desc_a), "l"(desc_b), "n"(kTransB));                                                                       \
-}
 
 #define EAGLE3_WGMMA_SS_N64(TY)                                                                                        \
 template <int kTransB>                                                                                                 \
@@ -159,14 +116,11 @@ __device__ __forceinline__ void wgmma_m64n256k16_##TY(float (&d)[128], uint64_t 
       : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(kTransB));                                                           \
 }
 
-EAGLE3_WGMMA_SS_N32(f16)
-EAGLE3_WGMMA_SS_N32(bf16)
 EAGLE3_WGMMA_SS_N64(f16)
 EAGLE3_WGMMA_SS_N64(bf16)
 EAGLE3_WGMMA_SS_N256(f16)
 EAGLE3_WGMMA_SS_N256(bf16)
 
-#undef EAGLE3_WGMMA_SS_N32
 #undef EAGLE3_WGMMA_SS_N64
 #undef EAGLE3_WGMMA_SS_N256
 
