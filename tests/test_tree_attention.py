@@ -12,6 +12,8 @@ import zlib
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from eagle3_ops import tree
 from tests.conftest import TOLERANCES, assert_equal, capture_graph, poison_, rel_err
@@ -477,6 +479,24 @@ def test_tma_splits_fill_counts_one_partial_wave():
     assert splits_fill(200, 1000, 132, 256) == 3  # 600 programs: 5 waves of 132 at 91%
     assert splits_fill(70, 200, 132, 256) == 1  # no split count reaches 90%: num_splits_for's pick
     assert splits_fill(1, 100, 132, 256) == 1  # one chunk
+
+
+@settings(max_examples=300, deadline=None)
+@given(splits=st.integers(1, 400), max_len=st.integers(0, 300000))
+def test_sm90_trim_splits_drops_only_empty_splits(splits, max_len):
+    # mla_decode.trim_splits: at a prefix of max_len the kernel's chunk (whole 64-key tiles of ceil(len / splits))
+    # stays the same and every split left has keys; never more splits than asked
+    from eagle3_ops.triton_kernels.mla_decode import trim_splits
+
+    def chunk(n, s):
+        return -(-(-(-n // s)) // 64) * 64
+
+    t = trim_splits(splits, max_len)
+    assert 1 <= t <= max(1, splits)
+    if splits > 1 and max_len > 0:
+        assert chunk(max_len, t) == chunk(max_len, splits)
+        assert (t - 1) * chunk(max_len, t) < max_len  # the last split starts inside the prefix
+    assert trim_splits(119, 32832) == 103
 
 
 def _bad_values(c: Case):
