@@ -400,7 +400,8 @@ def sm90_supported(q: Tensor, kv_cache: Tensor, out: Tensor, page_table: Tensor,
 def tree_attention_mla_sm90(q: Tensor, kv_cache: Tensor, page_table: Tensor, prefix_lens: Tensor,
                             tree_mask: Tensor, scale: float, out: Tensor, lse: Optional[Tensor], config: dict) -> None:
     """The sm_90a CUDA kernel's launcher (checks done by tree_attention.tree_attention_mla): the split count
-    as this file's fill rule (config: min_chunk, splits), then the kernel, then merge_splits. With more than one
+    as this file's fill rule less the splits a full-length prefix leaves empty (trim_splits; config: min_chunk,
+    splits), then the kernel, then merge_splits. With more than one
     split the KV loads are marked L2 evict-first (config evict_first: False / True forces plain / marked loads),
     which keeps the partials in L2 for the merge: on the H200, N1 B1 P32768 25.8 vs 27.7 us; unsplit, plain loads
     are faster (N16 B8 P8192 286 vs 300 us; results/mla_sm90_early_h200.log). config trace=<int64 [blocks, 16]
