@@ -305,10 +305,11 @@ def splits_fill(programs: int, max_len: int, sms: int, min_chunk: int) -> int:
 
 
 def trim_splits(splits: int, max_len: int, keys: int = 64) -> int:
-    """The sm90 kernel's splits are whole keys-key tiles of ceil(prefix / splits) keys: at a prefix of max_len the
-    last ceil(...) splits past the prefix are empty (119 splits of 32832 keys: chunks of 320, 103 with keys). Those
-    still write a partial and the merge reads it: drop them, same chunk, same work a split (on the H200, N 1 B 1
-    prefix 32768: 25.1 vs 25.8 us; results/mla_sm90_splits_h200.log)."""
+    """The sm90 kernel's splits are chunks of ceil(prefix / splits) keys rounded up to whole keys-key tiles, so at a
+    prefix of max_len the splits past ceil(max_len / chunk) are empty (119 splits of 32832 keys: chunks of 320, 103
+    with keys; the last one also takes the tree's keys). Empty splits still write a partial that the merge reads:
+    drop them, same chunk, same work a split (on the H200, N 1 B 1 prefix 32768: 25.1 vs 25.8 us;
+    results/mla_sm90_splits_h200.log)."""
     if splits <= 1 or max_len <= 0:
         return max(1, splits)
     chunk = -(-(-(-max_len // splits)) // keys) * keys
