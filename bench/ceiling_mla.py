@@ -52,7 +52,7 @@ def main():
     from common import Ceilings, graph_time_us
 
     from eagle3_ops.triton_kernels import tree_attention as ta
-    from eagle3_ops.triton_kernels.mla_decode import splits_fill, trim_splits
+    from eagle3_ops.triton_kernels.mla_decode import sm90_splits
 
     ceil = Ceilings.measure()
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}  "
@@ -111,8 +111,8 @@ def main():
                               x["out"], x["lse"], config=cfg)
 
     us_op = graph_time_us([lambda x=x: op(x) for x in sets], reps=10)
-    max_len = sets[0]["page_table"].shape[1] * ps
-    splits = trim_splits(splits_fill(1, max_len, torch.cuda.get_device_properties(0).multi_processor_count, 256), max_len)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    splits = sm90_splits(1, sets[0]["page_table"].shape[1] * ps, sms)
     po = torch.empty((splits, B, N * 64, 512), device="cuda")
     plse = torch.empty((splits, B, N * 64), device="cuda")
 

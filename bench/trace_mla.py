@@ -44,8 +44,7 @@ def main():
         for cfg in cfgs:
             m_blocks = -(-(N * x["q"].shape[1]) // 64)  # the kernel's 64-row blocks
             max_len = x["page_table"].shape[1] * ps
-            splits = cfg.get("splits") or mla_decode.trim_splits(
-                mla_decode.splits_fill(m_blocks * B, max_len, _sm_count(x["q"].device), 256), max_len)
+            splits = cfg.get("splits") or mla_decode.sm90_splits(m_blocks * B, max_len, _sm_count(x["q"].device))
             trace = torch.zeros(m_blocks * B * splits, SLOTS, dtype=torch.int64, device="cuda")
             run = dict(cfg, trace=trace, splits=splits)
             for _ in range(3):  # warm; the last call's stamps are kept

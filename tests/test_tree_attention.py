@@ -499,6 +499,15 @@ def test_sm90_trim_splits_drops_only_empty_splits(splits, max_len):
     assert trim_splits(119, 32832) == 103
 
 
+def test_sm90_default_splits_at_n1_b1():
+    # the launcher's default at N 1 B 1 prefix 32768 (page 64) on 132 SMs: splits_fill's 119 less the 16 empty
+    from eagle3_ops.triton_kernels.mla_decode import sm90_splits, splits_fill
+
+    assert splits_fill(1, 32832, 132, 256) == 119
+    assert sm90_splits(1, 32832, 132) == 103
+    assert sm90_splits(16, 32784, 132) == 8  # 16 nodes B 1: no empty split to drop
+
+
 def _bad_values(c: Case):
     """Request 1 reaches a page id past the cache, request 2's prefix leaves no room for its tree:
     the kernel must not read out of bounds, and poisons exactly those requests with NaN."""

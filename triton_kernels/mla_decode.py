@@ -316,6 +316,12 @@ def trim_splits(splits: int, max_len: int, keys: int = 64) -> int:
     return -(-max_len // chunk)
 
 
+def sm90_splits(programs: int, max_len: int, sms: int, min_chunk: int = 256) -> int:
+    """The sm90 launcher's default split count (bench/trace_mla.py and ceiling_mla.py size their buffers with it):
+    splits_fill's, less the splits a full-length prefix leaves empty."""
+    return trim_splits(splits_fill(programs, max_len, sms, min_chunk), max_len)
+
+
 def _descriptors(kv_cache: Tensor, DV: int, BLOCK_N: int, BLOCK_H: int, BLOCK_R: int):
     """TMA descriptors of the cache's latent and rope columns as [num_pages * page_size, .] matrices, or
     None where TMA cannot read whole tiles: a tile must lie on one page and the rows must form one matrix
@@ -415,8 +421,8 @@ def tree_attention_mla_sm90(q: Tensor, kv_cache: Tensor, page_table: Tensor, pre
     rows = N * G
     m_blocks = -(-rows // 64)
     max_len = page_table.shape[1] * kv_cache.shape[1]
-    splits = config.get("splits") or trim_splits(splits_fill(m_blocks * B, max_len, _sm_count(q.device),
-                                                             config.get("min_chunk", 256)), max_len)
+    splits = config.get("splits") or sm90_splits(m_blocks * B, max_len, _sm_count(q.device),
+                                                 config.get("min_chunk", 256))
     splits = max(1, min(int(splits), 65535))
     if splits > 1:
         po = torch.empty((splits, B, rows, 512), dtype=torch.float32, device=q.device)
