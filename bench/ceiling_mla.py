@@ -9,6 +9,9 @@ bench/common.py times benchmarks (CUDA-graph replays of back-to-back calls over 
 - launch: a kernel that reads and writes 4 bytes: the per-call floor of one launch in such a graph.
 - op: the op as the benchmark times it; kernel alone (the internal op with the split count the launcher picks)
   and the split merge alone (partials hot in L2, as right after the kernel).
+- skeleton: the op's own grid, loads, barriers and epilogue with the math taken out (the kernel's skeleton
+  builds): loads only, with the fp32 partials, and with the merge after it - the floor of this decomposition,
+  at the launcher's split count and at one split an SM.
 - op, KV in L2: the same call with every page id pointing into 8 pages (590 KB, L2-resident): what the kernel
   costs when its 37.8 MB come from L2 instead of HBM - its compute, latency and merge without the HBM stream.
 
@@ -125,7 +128,27 @@ def main():
     print(f"op {us_op:.2f} us = {pct(us_op)}; its attention kernel alone ({splits} splits) {us_kernel:.2f} us, "
           f"the merge alone (partials in L2) {us_merge:.2f} us", flush=True)
 
-    # 4. the op with its KV from L2
+    # 4. this decomposition's floor: the same grid and loads with the math taken out (csrc/mla_decode_sm90.cu's
+    # skeleton builds: 1 keeps the epilogue's fp32 partials, 3 stores nothing), alone and followed by the merge
+    skel = {}
+    for n_splits in sorted({splits, sms}):
+        pos = torch.empty((n_splits, B, N * 64, 512), device="cuda")
+        plses = torch.empty((n_splits, B, N * 64), device="cuda")
+
+        def skeleton(x, mode, merge, pos=pos, plses=plses, n_splits=n_splits):
+            torch.ops.eagle3._tree_attention_mla_sm90(x["q"], x["k"], x["page_table"], x["prefix_lens"],
+                                                      x["tree_mask"], KIMI_SCALE, x["out"], x["lse"], pos, plses,
+                                                      n_splits, True, None, mode)
+            if merge:
+                ta.merge_splits(pos, plses, x["out"], x["lse"], N, 1, 64)
+
+        for mode, merge, what in ((3, False, "loads only"), (1, False, "loads + fp32 partials"),
+                                  (1, True, "loads + fp32 partials + merge")):
+            us = graph_time_us([lambda x=x: skeleton(x, mode, merge) for x in sets], reps=10)
+            skel[(n_splits, mode, merge)] = us
+            print(f"skeleton, {n_splits} splits, no math, {what}: {us:.2f} us = {pct(us)}", flush=True)
+
+    # 5. the op with its KV from L2
     for x in sets:
         x["page_table"] = (torch.arange(x["page_table"].numel(), device="cuda", dtype=torch.int32) % 8).view_as(
             x["page_table"])
@@ -135,7 +158,8 @@ def main():
           f"{us_kernel_l2:.2f} us", flush=True)
     print(f"summary: target {target_us:.2f} us; best pure read of the KV {best[0]:.2f} us; op {us_op:.2f} us "
           f"(kernel {us_kernel:.2f} + merge {us_merge:.2f}); op with KV in L2 {us_l2:.2f} us; "
-          f"one launch {us_tiny:.2f} us", flush=True)
+          f"one launch {us_tiny:.2f} us; no math ({splits} splits): loads {skel[(splits, 3, False)]:.2f} us, "
+          f"+ partials {skel[(splits, 1, False)]:.2f} us, + merge {skel[(splits, 1, True)]:.2f} us", flush=True)
 
 
 if __name__ == "__main__":

@@ -147,7 +147,9 @@ __device__ __forceinline__ void named_barrier_sync(int id, int threads) {
 }
 
 // kEvictFirst: the KV loads carry an L2 evict-first policy (else plain cp.async). kTrace: the diagnostic trace.
-template <typename T, bool kEvictFirst, bool kTrace>
+// kSkeleton (a diagnostic, bench/ceiling_mla.py): bit 1 drops all the math (Q K^T, the softmax, P V: the loads,
+// barriers and epilogue stay), bit 2 the epilogue's stores too; what is left is this decomposition's floor.
+template <typename T, bool kEvictFirst, bool kTrace, int kSkeleton = 0>
 __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_constant__ Params p) {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ uint8_t smem_raw[];
@@ -363,6 +365,11 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
         sm90::fence_operand(o);
         if (refills(t)) named_barrier_arrive(4, kThreads);
       }
+      if constexpr (kSkeleton & 1) {
+        named_barrier_sync(2, kThreads);
+        named_barrier_arrive(1, kThreads);
+        continue;
+      }
       float s[32];
 #pragma unroll
       for (int i = 0; i < 32; ++i) s[i] = 0.f;
@@ -466,6 +473,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
         if (t + 2 < n_tiles) refill_srcs(t + 2);  // their round trip overlaps this tile's P V
       }
       named_barrier_sync(1, kThreads);
+      if constexpr (kSkeleton & 1) continue;
       const float alpha[2] = {s_alpha[r0], s_alpha[r0 + 8]};
       rescale(alpha);
       pv(stage);
@@ -500,6 +508,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
     const float l = s_l[r], m = s_m[r];
     const float inv = l > 0.f ? 1.f / l : 1.f;
     const float lse2 = (l > 0.f ? m + log2f(l) : -INFINITY) + poison;
+    if constexpr (kSkeleton & 2) continue;
     if (p.num_splits > 1) {
       const int64_t prow = (static_cast<int64_t>(split) * p.B + b) * rows_total + row;
       float* dst = p.part_out + prow * kDv + wg * (kDv / 2) + 2 * quad;
@@ -541,11 +550,13 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
 //             by the merge, then stay in L2)
 // trace       [grid blocks, 16] int64: the diagnostic trace build writes its stamps there (bf16 only;
 //             bench/trace_mla.py)
+// skeleton    0, or a diagnostic build (bf16, evict-first loads, no trace): 1 without the math, 3 without the
+//             math and the epilogue's stores (kSkeleton; bench/ceiling_mla.py)
 void tree_attention_mla_sm90_cuda(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& page_table,
                                   const at::Tensor& prefix_lens, const at::Tensor& tree_mask, double scale,
                                   const at::Tensor& out, const std::optional<at::Tensor>& lse,
                                   const at::Tensor& part_out, const at::Tensor& part_lse, int64_t num_splits,
-                                  bool evict_first, const std::optional<at::Tensor>& trace_opt) {
+                                  bool evict_first, const std::optional<at::Tensor>& trace_opt, int64_t skeleton) {
   TORCH_CHECK_TYPE(q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf,
                    "q must have dtype bfloat16 | float16, got ", q.scalar_type());
   CHECK_CUDA(q);
@@ -606,6 +617,9 @@ void tree_attention_mla_sm90_cuda(const at::Tensor& q, const at::Tensor& kv_cach
                         page_table.size(1) * kv_cache.size(1) < (int64_t{1} << 31),
                     "tree_attention_mla sizes out of the kernel's range");
   const bool traced = trace_opt.has_value();
+  TORCH_CHECK_VALUE(skeleton == 0 || ((skeleton == 1 || skeleton == 3) && q.scalar_type() == at::kBFloat16 &&
+                                      evict_first && !traced),
+                    "skeleton must be 0, or 1 | 3 with bfloat16, evict_first and no trace, got ", skeleton);
   const int64_t blocks = (N * G + kRows - 1) / kRows * B * num_splits;
   if (traced) {
     TORCH_CHECK_TYPE(q.scalar_type() == at::kBFloat16, "the trace variant is built for bfloat16 only");
@@ -659,7 +673,11 @@ void tree_attention_mla_sm90_cuda(const at::Tensor& q, const at::Tensor& kv_cach
     kernel<<<grid, kThreads, kSmemBytes, stream>>>(p);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   };
-  if (traced) {
+  if (skeleton == 1) {
+    launch(mla_decode_kernel<__nv_bfloat16, true, false, 1>);
+  } else if (skeleton == 3) {
+    launch(mla_decode_kernel<__nv_bfloat16, true, false, 3>);
+  } else if (traced) {
     evict_first ? launch(mla_decode_kernel<__nv_bfloat16, true, true>)
                 : launch(mla_decode_kernel<__nv_bfloat16, false, true>);
   } else if (q.scalar_type() == at::kBFloat16) {

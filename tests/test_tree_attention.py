@@ -821,6 +821,9 @@ def test_gpu_sm90_internal_op_refuses_bad_input():
         op(c.q, c.k_cache, *common, out, None, po, plse, 2, trace=torch.zeros(3, 16, dtype=torch.int64, device="cuda"))
     with pytest.raises(TypeError, match="trace must have dtype"):
         op(c.q, c.k_cache, *common, out, None, po, plse, 2, trace=torch.zeros(16, 16, dtype=torch.int32, device="cuda"))
+    for bad_skeleton, evict in ((2, True), (1, False), (-1, True)):  # the diagnostic builds (bench/ceiling_mla.py)
+        with pytest.raises(ValueError, match="skeleton must be 0, or 1"):
+            op(c.q, c.k_cache, *common, out, None, po, plse, 2, evict, None, bad_skeleton)
     for bad_scale in (0.0, -c.scale, math.inf):  # the softmax takes the row max of the unscaled scores
         with pytest.raises(ValueError, match="scale must be finite and > 0"):
             op(c.q, c.k_cache, c.page_table, c.prefix_lens, c.tree_mask, bad_scale, out, None, po, plse, 2)
