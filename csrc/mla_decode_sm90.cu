@@ -58,6 +58,7 @@ constexpr int kTileBytes = kChunks * kChunkBytes;    // Q, and each key stage: 7
 constexpr int kPBytes = kRows * kKeys * 2;           // P: one chunk
 constexpr int kThreads = 256;                        // two warpgroups
 constexpr int kSmemBytes = 3 * kTileBytes + kPBytes + 3 * kRows * 4 + 1024;  // + alpha, l, m; + alignment
+constexpr int kPairSmemBytes = 3 * kTileBytes + 6 * kRows * 4 + 4 * 8 + 1024;  // + m0, a0, m1, a1, l[2]; 4 mbarriers
 static_assert(kKeys == 64 && kRows == 64, "the tile code assumes 64 x 64 score tiles");
 
 struct Params {
@@ -146,6 +147,8 @@ __device__ __forceinline__ void named_barrier_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
+#pragma nv_diagnostic push
+#pragma nv_diag_suppress 128  // (the skeleton builds' loops end early: "loop is not reachable")
 // kEvictFirst: the KV loads carry an L2 evict-first policy (else plain cp.async). kTrace: the diagnostic trace.
 // kSkeleton (a diagnostic, bench/ceiling_mla.py): bit 1 drops all the math (Q K^T, the softmax, P V: the loads,
 // barriers and epilogue stay), bit 2 the epilogue's stores too; what is left is this decomposition's floor.
@@ -539,6 +542,517 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
 #endif
 }
 
+#pragma nv_diagnostic pop
+
+template <typename T>
+__device__ __forceinline__ void mma_pv_rs(float (&o)[128], const uint32_t (&a)[4], uint64_t db) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    sm90::wgmma_m64n256k16_rs_bf16<1>(o, a, db, 1);
+  } else {
+    sm90::wgmma_m64n256k16_rs_f16<1>(o, a, db, 1);
+  }
+}
+
+// The pair schedule (schedule 1): tiles go in pairs, tile 2i in stage 0 and 2i + 1 in stage 1, and each
+// warpgroup owns one tile's scores and half of O (warpgroup 0: S of the even tile, O's columns 0-255;
+// warpgroup 1: the odd tile, columns 256-511), so one warpgroup's softmax runs under the other's wgmmas
+// (the online softmax over a pair as FlashMLA's "seesaw" does it: one running max handed from warpgroup 0 to 1,
+// each probability tile rescaled once for the other half of O). Per pair:
+//   wg 0: m0 = max(m, rowmax S0); P0 = exp(S0 - m0); O_L = O_L a0 + P0 V0_L (P0 from registers)
+//   wg 1: m1 = max(m0, rowmax S1); P1 = exp(S1 - m1); O_R = O_R a0 a1 + P1 V1_R (registers) + (P0 a1) V0_R
+//   wg 0: O_L = O_L a1 + P1 V1_L
+// where a0 = exp(m - m0), a1 = exp(m0 - m1). Each probability tile goes to the rope chunk of its own stage (free
+// once its Q K^T is done) for the other warpgroup. Stages are refilled in halves as their readers finish (V_L
+// chunks 0-3 and V_R chunks 4-8, or 0-3 + 8 and 4-7), the loading warpgroup's cp.asyncs arriving on the half's
+// mbarrier; the next Q K^T takes its chunks in the order they were refilled. A missing odd tile (an odd tile
+// count) is a zero-filled, fully masked tile.
+template <typename T, bool kEvictFirst>
+__global__ void __launch_bounds__(kThreads, 1) mla_pair_kernel(const __grid_constant__ Params p) {
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  extern __shared__ uint8_t smem_raw[];
+  const uint32_t raw = sm90::smem_addr(smem_raw);
+  const uint32_t pad = ((raw + 1023u) & ~1023u) - raw;
+  uint8_t* smem = smem_raw + pad;
+  const uint32_t s_q = raw + pad;
+  const uint32_t s_k = s_q + kTileBytes;  // stage s at s_k + s * kTileBytes
+  float* s_m0 = reinterpret_cast<float*>(smem + 3 * kTileBytes);  // warpgroup 0's running max after its tile
+  float* s_a0 = s_m0 + kRows;                                     // its rescale factor a0
+  float* s_m1 = s_a0 + kRows;                                     // warpgroup 1's, after the pair
+  float* s_a1 = s_m1 + kRows;
+  float* s_l = s_a1 + kRows;                                      // [2][64]: the two warpgroups' row sums
+  const uint32_t s_bar = sm90::smem_addr(s_l + 2 * kRows);        // mbarriers: stage 0 lo, hi; stage 1 lo, hi
+  auto bar = [&](int stage, int hi) { return s_bar + 8u * (2 * stage + hi); };
+
+  const int tid = threadIdx.x;
+  const int wg = tid / 128, warp = (tid % 128) / 32, lane = tid % 32;
+  const int m_block = blockIdx.x, b = blockIdx.y, split = blockIdx.z;
+  const int rows_total = p.N * p.G;
+  const T* q = static_cast<const T*>(p.q);
+  const T* kv = static_cast<const T*>(p.kv);
+
+  // This split's keys (as mla_decode_kernel's, in whole pairs of tiles: mla_decode.trim_splits(keys=128))
+  const int64_t capacity = static_cast<int64_t>(p.max_pages) * p.page_size;
+  const int prefix_raw = p.prefix_lens[b];
+  const bool bad = prefix_raw < 0 || prefix_raw > capacity - p.N;
+  const int64_t clamp_hi = capacity - p.N;
+  const int prefix = static_cast<int>(clamp_hi < 0 ? 0 : (prefix_raw < clamp_hi ? (prefix_raw < 0 ? 0 : prefix_raw) : clamp_hi));
+  const int64_t per_split = (static_cast<int64_t>(prefix) + p.num_splits - 1) / p.num_splits;
+  const int64_t chunk = (per_split + 2 * kKeys - 1) / (2 * kKeys) * (2 * kKeys);  // whole pairs of tiles
+  const int64_t start = split * chunk;
+  const int64_t end = start + chunk < prefix ? start + chunk : static_cast<int64_t>(prefix);
+  const int n_prefix_tiles = end > start ? static_cast<int>((end - start + kKeys - 1) / kKeys) : 0;
+  const int n_tiles = n_prefix_tiles + (split == p.num_splits - 1 ? cdiv(p.N, kKeys) : 0);
+  const int n_pairs = (n_tiles + 1) / 2;
+  const int32_t* pt_row = p.page_table + b * p.stride_pt;
+
+  // Key row r of tile t: its position, and whether it is read at all (past the split, past the tree or a tile
+  // past the last: not read, zero-filled); its page id, or -1 where it is not read (a page id outside
+  // [0, num_pages) also poisons the request).
+  bool unreal = false;
+  auto row_pos = [&](int t, int r, bool& valid) -> uint32_t {
+    int64_t pos;
+    if (t < n_prefix_tiles) {
+      pos = start + static_cast<int64_t>(t) * kKeys + r;
+      valid = pos < end;
+    } else {
+      const int j = (t - n_prefix_tiles) * kKeys + r;
+      pos = static_cast<int64_t>(prefix) + j;
+      valid = t < n_tiles && j < p.N && pos < capacity;
+    }
+    return static_cast<uint32_t>(pos);  // positions < capacity < 2^31 (the launcher checks)
+  };
+  auto row_page = [&](int t, int r) -> int {
+    bool valid;
+    const uint32_t pos = row_pos(t, r, valid);
+    const int page = valid ? pt_row[pos / static_cast<uint32_t>(p.page_size)] : -1;
+    const bool real = page >= 0 && page < p.num_pages;
+    unreal |= valid && !real;
+    return valid && real ? page : -1;
+  };
+  auto row_at = [&](int t, int r, int page) -> const T* {
+    if (page < 0) return nullptr;
+    bool valid;
+    const uint32_t pos = row_pos(t, r, valid), ups = static_cast<uint32_t>(p.page_size);
+    return kv + page * p.stride_kp + static_cast<int64_t>(pos - pos / ups * ups) * p.stride_ks;
+  };
+  auto row_src = [&](int t, int r) -> const T* { return row_at(t, r, row_page(t, r)); };
+  uint64_t policy = 0;
+  if constexpr (kEvictFirst) asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+  auto kv_load = [&](uint32_t dst, const T* src) {
+    if constexpr (kEvictFirst) {
+      cp_async16_hint(dst, src ? src : kv, src ? 16 : 0, policy);
+    } else {
+      sm90::cp_async16(dst, src ? src : kv, src ? 16 : 0);
+    }
+  };
+
+  if (tid == 0) {
+    for (int i = 0; i < 4; ++i) sm90::mbarrier_init(s_bar + 8u * i, 128);
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  // Prologue: Q and tiles 0 and 1 (a zero tile where there is no tile 1) by every thread.
+  if (n_pairs > 0) {
+    const int lr = tid / 8, lc = tid % 8;
+    const T* src0[2];
+    const T* src1[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      src0[i] = row_src(0, lr + 32 * i);
+      src1[i] = row_src(1, lr + 32 * i);
+    }
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int r = lr + 32 * i;
+      const int row = m_block * kRows + r;
+      const bool ok = row < rows_total;
+      const int node = ok ? row / p.G : 0, head = ok ? row % p.G : 0;
+      const T* src = q + (static_cast<int64_t>(b) * p.N + node) * p.stride_qt + head * p.stride_qh + lc * 8;
+      const uint32_t dst = s_q + sm90::swizzle128(r, lc);
+#pragma unroll
+      for (int c = 0; c < kChunks; ++c) sm90::cp_async16(dst + c * kChunkBytes, ok ? src + c * 64 : q, ok ? 16 : 0);
+    }
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const uint32_t dst = sm90::swizzle128(lr + 32 * i, lc);
+#pragma unroll
+      for (int c = 0; c < kChunks; ++c) {
+        kv_load(s_k + dst + c * kChunkBytes, src0[i] ? src0[i] + c * 64 + lc * 8 : nullptr);
+        kv_load(s_k + kTileBytes + dst + c * kChunkBytes, src1[i] ? src1[i] + c * 64 + lc * 8 : nullptr);
+      }
+    }
+    sm90::cp_async_commit();
+    sm90::cp_async_wait_all();
+    sm90::fence_proxy_async();
+  }
+  __syncthreads();  // (the mbarriers' init, Q and the first pair)
+
+  // Refills: a warpgroup's 128 threads, rows wr + 16 i, 16-byte piece lc of each 128-byte column chunk; the
+  // page ids of a pair's refills are read at the start of the pair before (their round trip under its softmax).
+  const int wr = (tid % 128) / 8, lc = tid % 8;
+  int next_a[4], next_b[4];  // page ids of the rows of tiles 2i + 2 (stage 0) and 2i + 3 (stage 1) it loads
+  auto read_next = [&](int i) {
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      next_a[k] = row_page(2 * i + 2, wr + 16 * k);
+      next_b[k] = row_page(2 * i + 3, wr + 16 * k);
+    }
+  };
+  auto refill = [&](uint32_t stage, int t, const int (&pages)[4], int c0, int c1, int c_extra) {
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const T* row = row_at(t, wr + 16 * k, pages[k]);
+      const uint32_t dst = stage + sm90::swizzle128(wr + 16 * k, lc);
+#pragma unroll
+      for (int c = c0; c < c1; ++c) kv_load(dst + c * kChunkBytes, row ? row + c * 64 + lc * 8 : nullptr);
+      if (c_extra >= 0) kv_load(dst + c_extra * kChunkBytes, row ? row + c_extra * 64 + lc * 8 : nullptr);
+    }
+  };
+
+  const int r0 = warp * 16 + lane / 4;
+  const int quad = lane % 4;
+  float o[128];
+#pragma unroll
+  for (int i = 0; i < 128; ++i) o[i] = 0.f;
+  float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};
+
+  // Descriptors from a base the compiler cannot see through (else it hoists all 36 of Q's out of the loop and
+  // spills): the start address field is the byte address / 16, so an in-tile offset is added to it.
+  auto opaque = [](uint32_t x) {
+    asm volatile("" : "+r"(x));
+    return x;
+  };
+  // S = Q K^T over chunks [c0, c1) of a stage (overwriting S at the first of them when first)
+  auto qk = [&](float (&s)[32], uint32_t stage, int c0, int c1, bool first) {
+    const uint64_t da0 = sm90::desc_sw128(opaque(s_q), 16, 1024);
+    const uint64_t db0 = sm90::desc_sw128(opaque(stage), 16, 1024);
+#pragma unroll
+    for (int c = c0; c < c1; ++c) {
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const uint32_t off = (c * kChunkBytes + k * 32) >> 4;
+        mma_qk<T>(s, da0 + off, db0 + off, (first && c == c0 && k == 0) ? 0 : 1);
+      }
+    }
+  };
+  // mask tile t's scores (raw: the scale, > 0, is applied after the max)
+  auto mask = [&](float (&s)[32], int t) {
+    if (t >= n_tiles) {
+#pragma unroll
+      for (int i = 0; i < 32; ++i) s[i] = -INFINITY;
+    } else if (t >= n_prefix_tiles) {
+      const int j0 = (t - n_prefix_tiles) * kKeys;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int row = m_block * kRows + r0 + 8 * h;
+        const bool row_ok = row < rows_total;
+        const int32_t* words = p.tree_mask + (static_cast<int64_t>(b) * p.N + (row_ok ? row / p.G : 0)) * p.W;
+        const uint32_t lo = row_ok ? static_cast<uint32_t>(words[j0 / 32]) : 0u;
+        const uint32_t hi = row_ok && j0 / 32 + 1 < p.W ? static_cast<uint32_t>(words[j0 / 32 + 1]) : 0u;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int col = 8 * j + 2 * quad + e;
+            const uint32_t word = col < 32 ? lo : hi;
+            const bool visible = j0 + col < p.N && prefix + j0 + col < capacity && ((word >> (col & 31)) & 1u);
+            if (!visible) s[4 * j + 2 * h + e] = -INFINITY;
+          }
+        }
+      }
+    } else if (start + static_cast<int64_t>(t + 1) * kKeys > end) {
+      const int64_t pos0 = start + static_cast<int64_t>(t) * kKeys;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          if (pos0 + 8 * j + 2 * quad + (e & 1) >= end) s[4 * j + e] = -INFINITY;
+        }
+      }
+    }
+  };
+  auto row_max = [&](const float (&s)[32], int h) {
+    float mx = -INFINITY;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) mx = fmaxf(mx, fmaxf(s[4 * j + 2 * h], s[4 * j + 2 * h + 1]));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    return fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+  };
+  // s <- exp2(s * scale - m_use) in place; returns this thread's part of the row sums
+  auto softmax = [&](float (&s)[32], const float (&m_use)[2], float (&sum)[2]) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      sum[h] = 0.f;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const float v = fast_exp2(fmaf(s[4 * j + 2 * h + e], p.scale_log2, -m_use[h]));
+          s[4 * j + 2 * h + e] = v;
+          sum[h] += v;
+        }
+      }
+    }
+  };
+  auto rescale = [&](const float (&alpha)[2]) {
+    if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
+#pragma unroll
+      for (int j = 0; j < 32; ++j) {
+        o[4 * j] *= alpha[0];
+        o[4 * j + 1] *= alpha[0];
+        o[4 * j + 2] *= alpha[1];
+        o[4 * j + 3] *= alpha[1];
+      }
+    }
+  };
+  // P (times f per row) to the rope chunk of a stage, as the A operand of an SS wgmma
+  auto store_p = [&](const float (&s)[32], uint32_t stage, const float (&f)[2]) {
+    uint8_t* dst = smem + (stage - s_q) + 8 * kChunkBytes;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        *reinterpret_cast<uint32_t*>(dst + sm90::swizzle128(r0 + 8 * h, j) + quad * 4) =
+            Pack2<T>::pack(s[4 * j + 2 * h] * f[h], s[4 * j + 2 * h + 1] * f[h]);
+      }
+    }
+  };
+  // O_half += P V_half, P from registers (the accumulator layout of S is the A fragment layout)
+  auto pv_rs = [&](const float (&s)[32], uint32_t stage) {
+    uint32_t a[16];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      a[4 * k + 0] = Pack2<T>::pack(s[8 * k + 0], s[8 * k + 1]);
+      a[4 * k + 1] = Pack2<T>::pack(s[8 * k + 2], s[8 * k + 3]);
+      a[4 * k + 2] = Pack2<T>::pack(s[8 * k + 4], s[8 * k + 5]);
+      a[4 * k + 3] = Pack2<T>::pack(s[8 * k + 6], s[8 * k + 7]);
+    }
+    sm90::fence_operand(a);
+    sm90::fence_operand(o);
+    sm90::wgmma_fence();
+    const uint64_t db0 = sm90::desc_sw128(opaque(stage + wg * 4 * kChunkBytes), kChunkBytes, 1024);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const uint32_t ak[4] = {a[4 * k], a[4 * k + 1], a[4 * k + 2], a[4 * k + 3]};
+      mma_pv_rs<T>(o, ak, db0 + ((k * 16 * 128) >> 4));
+    }
+    sm90::wgmma_commit();
+    sm90::fence_operand(a);
+    sm90::fence_operand(o);
+  };
+  // O_half += P V_half, P from the rope chunk of p_stage, V from v_stage
+  auto pv_ss = [&](uint32_t p_stage, uint32_t v_stage) {
+    sm90::fence_operand(o);
+    sm90::wgmma_fence();
+    const uint64_t da0 = sm90::desc_sw128(opaque(p_stage + 8 * kChunkBytes), 16, 1024);
+    const uint64_t db0 = sm90::desc_sw128(opaque(v_stage + wg * 4 * kChunkBytes), kChunkBytes, 1024);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) mma_pv<T>(o, da0 + ((k * 32) >> 4), db0 + ((k * 16 * 128) >> 4));
+    sm90::wgmma_commit();
+    sm90::fence_operand(o);
+  };
+  auto wait_half = [&](int stage, int hi, int phase) {
+    sm90::mbarrier_wait_parity(bar(stage, hi), phase & 1);
+    sm90::fence_proxy_async();  // (cp.async writes, then read by the wgmmas' async proxy)
+  };
+
+  const uint32_t st0 = s_k, st1 = s_k + kTileBytes;
+  constexpr int kScale0 = 1, kScale1 = 2, kP0 = 3, kP1 = 4;  // named barriers, 256 threads each
+  if (n_pairs > 0) {
+    float s[32];
+#pragma unroll
+    for (int i = 0; i < 32; ++i) s[i] = 0.f;
+    sm90::fence_operand(s);
+    sm90::wgmma_fence();
+    qk(s, wg == 0 ? st0 : st1, 0, kChunks, true);
+    sm90::wgmma_commit();
+    sm90::wgmma_wait<0>();
+    sm90::fence_operand(s);
+    if (wg == 0) {
+      auto pair = [&](int i, auto more) {
+        if constexpr (decltype(more)::value) read_next(i);
+        mask(s, 2 * i);
+        float m_use[2], a0[2], m0[2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          m0[h] = fmaxf(m_run[h], row_max(s, h) * p.scale_log2);
+          m_use[h] = m0[h] == -INFINITY ? 0.f : m0[h];  // a row that has seen nothing stays at 0
+          a0[h] = fast_exp2(m_run[h] - m_use[h]);
+          if (quad == 0) {
+            s_m0[r0 + 8 * h] = m0[h];
+            s_a0[r0 + 8 * h] = a0[h];
+          }
+        }
+        named_barrier_arrive(kScale0, kThreads);
+        float sum[2];
+        softmax(s, m_use, sum);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) l_run[h] = l_run[h] * a0[h] + sum[h];
+        rescale(a0);
+        pv_rs(s, st0);  // O_L += P0 V0_L
+        sm90::wgmma_wait<0>();
+        sm90::fence_operand(o);
+        if constexpr (decltype(more)::value) {  // V0_L read: refill chunks 0-3 of stage 0 with tile 2i + 2
+          refill(st0, 2 * i + 2, next_a, 0, 4, -1);
+          sm90::cp_async_mbarrier_arrive_noinc(bar(0, 0));
+        }
+        named_barrier_sync(kScale1, kThreads);
+        float a1[2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          a1[h] = s_a1[r0 + 8 * h];
+          m_run[h] = s_m1[r0 + 8 * h];
+        }
+        store_p(s, st0, a1);  // P0 a1 for warpgroup 1
+        sm90::fence_proxy_async();
+        named_barrier_arrive(kP0, kThreads);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) l_run[h] *= a1[h];
+        rescale(a1);
+        named_barrier_sync(kP1, kThreads);  // P1 in stage 1's rope chunk
+        if (i > 0) wait_half(1, 0, i - 1);  // V1_L: the chunks this warpgroup refilled a pair ago
+        pv_ss(st1, st1);                    // O_L += P1 V1_L
+        if constexpr (decltype(more)::value) {
+          // S of tile 2i + 2: chunks 0-3 (refilled first, by this warpgroup), then 4-8 (by warpgroup 1)
+#pragma unroll
+          for (int k = 0; k < 32; ++k) s[k] = 0.f;
+          sm90::fence_operand(s);
+          wait_half(0, 0, i);
+          sm90::wgmma_fence();
+          qk(s, st0, 0, 4, true);
+          sm90::wgmma_commit();
+          wait_half(0, 1, i);
+          sm90::wgmma_fence();
+          qk(s, st0, 4, kChunks, false);
+          sm90::wgmma_commit();
+          sm90::wgmma_wait<2>();  // O_L += P1 V1_L done: refill chunks 0-3 and 8 of stage 1 with tile 2i + 3
+          sm90::fence_operand(o);
+          refill(st1, 2 * i + 3, next_b, 0, 4, 8);
+          sm90::cp_async_mbarrier_arrive_noinc(bar(1, 0));
+          sm90::wgmma_wait<0>();
+          sm90::fence_operand(s);
+        } else {
+          sm90::wgmma_wait<0>();
+        }
+        sm90::fence_operand(o);
+      };
+      for (int i = 0; i + 1 < n_pairs; ++i) pair(i, std::true_type{});
+      pair(n_pairs - 1, std::false_type{});
+    } else {
+      auto pair = [&](int i, auto more) {
+        if constexpr (decltype(more)::value) read_next(i);
+        mask(s, 2 * i + 1);
+        float mx[2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) mx[h] = row_max(s, h) * p.scale_log2;
+        named_barrier_sync(kScale0, kThreads);
+        float m_use[2], a0[2], a1[2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const float m0 = s_m0[r0 + 8 * h];
+          a0[h] = s_a0[r0 + 8 * h];
+          const float m1 = fmaxf(m0, mx[h]);
+          m_use[h] = m1 == -INFINITY ? 0.f : m1;
+          a1[h] = fast_exp2(m0 - m_use[h]);
+          m_run[h] = m1;
+          if (quad == 0) {
+            s_m1[r0 + 8 * h] = m1;
+            s_a1[r0 + 8 * h] = a1[h];
+          }
+        }
+        named_barrier_arrive(kScale1, kThreads);
+        float sum[2], a01[2];
+        softmax(s, m_use, sum);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          a01[h] = a0[h] * a1[h];
+          l_run[h] = l_run[h] * a01[h] + sum[h];
+        }
+        rescale(a01);
+        const float one[2] = {1.f, 1.f};
+        store_p(s, st1, one);  // P1 for warpgroup 0
+        sm90::fence_proxy_async();
+        named_barrier_arrive(kP1, kThreads);
+        pv_rs(s, st1);  // O_R += P1 V1_R
+        named_barrier_sync(kP0, kThreads);
+        if (i > 0) wait_half(0, 1, i - 1);  // V0_R: the chunks this warpgroup refilled a pair ago
+        pv_ss(st0, st0);                    // O_R += (P0 a1) V0_R
+        if constexpr (decltype(more)::value) {
+          sm90::wgmma_wait<1>();  // V1_R read: refill chunks 4-7 of stage 1 with tile 2i + 3 (O_R still in flight)
+          refill(st1, 2 * i + 3, next_b, 4, 8, -1);
+          sm90::cp_async_mbarrier_arrive_noinc(bar(1, 1));
+          sm90::wgmma_wait<0>();  // V0_R and P0 read: refill chunks 4-8 of stage 0 with tile 2i + 2
+          sm90::fence_operand(o);
+          refill(st0, 2 * i + 2, next_a, 4, 8, 8);
+          sm90::cp_async_mbarrier_arrive_noinc(bar(0, 1));
+          // S of tile 2i + 3: chunks 4-7 (refilled by this warpgroup), then 0-3 and 8 (by warpgroup 0)
+#pragma unroll
+          for (int k = 0; k < 32; ++k) s[k] = 0.f;
+          sm90::fence_operand(s);
+          wait_half(1, 1, i);
+          sm90::wgmma_fence();
+          qk(s, st1, 4, 8, true);
+          sm90::wgmma_commit();
+          wait_half(1, 0, i);
+          sm90::wgmma_fence();
+          qk(s, st1, 0, 4, false);
+          qk(s, st1, 8, kChunks, false);
+          sm90::wgmma_commit();
+          sm90::wgmma_wait<0>();
+          sm90::fence_operand(s);
+        } else {
+          sm90::wgmma_wait<0>();
+        }
+        sm90::fence_operand(o);
+      };
+      for (int i = 0; i + 1 < n_pairs; ++i) pair(i, std::true_type{});
+      pair(n_pairs - 1, std::false_type{});
+    }
+  }
+
+  // The rows' sums: both warpgroups' parts (each relative to the final running max, which both hold)
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float l = l_run[h];
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    if (quad == 0) s_l[wg * kRows + r0 + 8 * h] = l;
+  }
+  const bool poisoned = __syncthreads_or(unreal) || bad;
+  const float poison = poisoned ? NAN : 0.f;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int r = r0 + 8 * h;
+    const int row = m_block * kRows + r;
+    if (row >= rows_total) continue;
+    const float l = s_l[r] + s_l[kRows + r], m = m_run[h];
+    const float inv = l > 0.f ? 1.f / l : 1.f;
+    const float lse2 = (l > 0.f ? m + log2f(l) : -INFINITY) + poison;
+    if (p.num_splits > 1) {
+      const int64_t prow = (static_cast<int64_t>(split) * p.B + b) * rows_total + row;
+      float* dst = p.part_out + prow * kDv + wg * (kDv / 2) + 2 * quad;
+#pragma unroll
+      for (int j = 0; j < 32; ++j) {
+        *reinterpret_cast<float2*>(dst + 8 * j) =
+            make_float2(o[4 * j + 2 * h] * inv + poison, o[4 * j + 2 * h + 1] * inv + poison);
+      }
+      if (wg == 0 && quad == 0) p.part_lse[prow] = lse2;
+    } else {
+      const int node = row / p.G, head = row % p.G;
+      const int64_t token = static_cast<int64_t>(b) * p.N + node;
+      T* dst = static_cast<T*>(p.out) + token * p.stride_ot + head * p.stride_oh + wg * (kDv / 2) + 2 * quad;
+#pragma unroll
+      for (int j = 0; j < 32; ++j) {
+        *reinterpret_cast<uint32_t*>(dst + 8 * j) =
+            Pack2<T>::pack(o[4 * j + 2 * h] * inv + poison, o[4 * j + 2 * h + 1] * inv + poison);
+      }
+      if (p.lse != nullptr && wg == 0 && quad == 0) p.lse[token * p.G + head] = lse2 * 0.6931471805599453f;
+    }
+  }
+#elif defined(__CUDA_ARCH__)
+  __trap();
+#endif
+}
+
 // q           [B * N, G, 576]  bf16 | fp16, rows 16-byte aligned, last dim contiguous
 // kv_cache    [num_pages, page_size, 576]  q's dtype, rows 16-byte aligned, last dim contiguous
 // page_table  [B, max_pages] int32, last dim contiguous;  prefix_lens [B] int32
@@ -550,13 +1064,16 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
 //             by the merge, then stay in L2)
 // trace       [grid blocks, 16] int64: the diagnostic trace build writes its stamps there (bf16 only;
 //             bench/trace_mla.py)
+// schedule    0: mla_decode_kernel (one warpgroup's softmax between the tensor work); 1: mla_pair_kernel (tiles
+//             in pairs, one per warpgroup); the trace and skeleton builds are schedule 0's
 // skeleton    0, or a diagnostic build (bf16, evict-first loads, no trace): 1 without the math, 3 without the
 //             math and the epilogue's stores (kSkeleton; bench/ceiling_mla.py)
 void tree_attention_mla_sm90_cuda(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& page_table,
                                   const at::Tensor& prefix_lens, const at::Tensor& tree_mask, double scale,
                                   const at::Tensor& out, const std::optional<at::Tensor>& lse,
                                   const at::Tensor& part_out, const at::Tensor& part_lse, int64_t num_splits,
-                                  bool evict_first, const std::optional<at::Tensor>& trace_opt, int64_t skeleton) {
+                                  bool evict_first, const std::optional<at::Tensor>& trace_opt, int64_t skeleton,
+                                  int64_t schedule) {
   TORCH_CHECK_TYPE(q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf,
                    "q must have dtype bfloat16 | float16, got ", q.scalar_type());
   CHECK_CUDA(q);
@@ -617,6 +1134,8 @@ void tree_attention_mla_sm90_cuda(const at::Tensor& q, const at::Tensor& kv_cach
                         page_table.size(1) * kv_cache.size(1) < (int64_t{1} << 31),
                     "tree_attention_mla sizes out of the kernel's range");
   const bool traced = trace_opt.has_value();
+  TORCH_CHECK_VALUE(schedule == 0 || (schedule == 1 && skeleton == 0 && !traced),
+                    "schedule must be 0, or 1 without trace and skeleton, got ", schedule);
   TORCH_CHECK_VALUE(skeleton == 0 || ((skeleton == 1 || skeleton == 3) && q.scalar_type() == at::kBFloat16 &&
                                       evict_first && !traced),
                     "skeleton must be 0, or 1 | 3 with bfloat16, evict_first and no trace, got ", skeleton);
@@ -673,7 +1192,18 @@ void tree_attention_mla_sm90_cuda(const at::Tensor& q, const at::Tensor& kv_cach
     kernel<<<grid, kThreads, kSmemBytes, stream>>>(p);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   };
-  if (skeleton == 1) {
+  auto launch_pair = [&](auto kernel) {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kPairSmemBytes));
+    kernel<<<grid, kThreads, kPairSmemBytes, stream>>>(p);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  };
+  if (schedule == 1) {
+    if (q.scalar_type() == at::kBFloat16) {
+      evict_first ? launch_pair(mla_pair_kernel<__nv_bfloat16, true>) : launch_pair(mla_pair_kernel<__nv_bfloat16, false>);
+    } else {
+      evict_first ? launch_pair(mla_pair_kernel<__half, true>) : launch_pair(mla_pair_kernel<__half, false>);
+    }
+  } else if (skeleton == 1) {
     launch(mla_decode_kernel<__nv_bfloat16, true, false, 1>);
   } else if (skeleton == 3) {
     launch(mla_decode_kernel<__nv_bfloat16, true, false, 3>);
