@@ -59,13 +59,19 @@ __device__ __forceinline__ void mbarrier_init(uint32_t addr, uint32_t count) {
 __device__ __forceinline__ void cp_async_mbarrier_arrive_noinc(uint32_t addr) {
   asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(addr) : "memory");
 }
+// Spins until then and leaves the warp converged: a branch inside the asm would let the warp's threads leave the
+// loop on different trips, and the .aligned instructions that follow (bar.sync, wgmma) need a converged warp
+// (diverged: "illegal instruction").
 __device__ __forceinline__ void mbarrier_wait_parity(uint32_t addr, uint32_t parity) {
-  asm volatile(
-      "{\n.reg .pred done;\nWAIT:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-      "@!done bra WAIT;\n}\n" ::"r"(addr),
-      "r"(parity)
-      : "memory");
+  uint32_t done = 0;
+  while (!done) {
+    asm volatile(
+        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(addr), "r"(parity)
+        : "memory");
+  }
+  __syncwarp();
 }
 
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
