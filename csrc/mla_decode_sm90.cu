@@ -566,7 +566,7 @@ __device__ __forceinline__ void mma_pv_rs(float (&o)[128], const uint32_t (&a)[4
 // chunks 0-3 and V_R chunks 4-8, or 0-3 + 8 and 4-7), the loading warpgroup's cp.asyncs arriving on the half's
 // mbarrier; the next Q K^T takes its chunks in the order they were refilled. A missing odd tile (an odd tile
 // count) is a zero-filled, fully masked tile.
-template <typename T, bool kEvictFirst>
+template <typename T>
 __global__ void __launch_bounds__(kThreads, 1) mla_pair_kernel(const __grid_constant__ Params p) {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ uint8_t smem_raw[];
@@ -636,15 +636,10 @@ __global__ void __launch_bounds__(kThreads, 1) mla_pair_kernel(const __grid_cons
     return kv + page * p.stride_kp + static_cast<int64_t>(pos - pos / ups * ups) * p.stride_ks;
   };
   auto row_src = [&](int t, int r) -> const T* { return row_at(t, r, row_page(t, r)); };
-  uint64_t policy = 0;
-  if constexpr (kEvictFirst) asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
-  auto kv_load = [&](uint32_t dst, const T* src) {
-    if constexpr (kEvictFirst) {
-      cp_async16_hint(dst, src ? src : kv, src ? 16 : 0, policy);
-    } else {
-      sm90::cp_async16(dst, src ? src : kv, src ? 16 : 0);
-    }
-  };
+  // Plain loads: with an L2 evict-first policy (cp.async's cache hint) ptxas (CUDA 13.0) put the 64-bit policy in
+  // an odd-aligned uniform register pair here (LDGSTS desc[UR1]: an illegal instruction on the H200), wherever
+  // the policy was made. So no evict_first variant of this kernel.
+  auto kv_load = [&](uint32_t dst, const T* src) { sm90::cp_async16(dst, src ? src : kv, src ? 16 : 0); };
 
   if (tid == 0) {
     for (int i = 0; i < 4; ++i) sm90::mbarrier_init(s_bar + 8u * i, 128);
@@ -1198,11 +1193,8 @@ void tree_attention_mla_sm90_cuda(const at::Tensor& q, const at::Tensor& kv_cach
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   };
   if (schedule == 1) {
-    if (q.scalar_type() == at::kBFloat16) {
-      evict_first ? launch_pair(mla_pair_kernel<__nv_bfloat16, true>) : launch_pair(mla_pair_kernel<__nv_bfloat16, false>);
-    } else {
-      evict_first ? launch_pair(mla_pair_kernel<__half, true>) : launch_pair(mla_pair_kernel<__half, false>);
-    }
+    // (plain loads whatever evict_first says: see mla_pair_kernel)
+    q.scalar_type() == at::kBFloat16 ? launch_pair(mla_pair_kernel<__nv_bfloat16>) : launch_pair(mla_pair_kernel<__half>);
   } else if (skeleton == 1) {
     launch(mla_decode_kernel<__nv_bfloat16, true, false, 1>);
   } else if (skeleton == 3) {
