@@ -915,14 +915,14 @@ __global__ void __launch_bounds__(kThreads, 1) mla_pair_kernel(const __grid_cons
           sm90::wgmma_fence();
           qk(s, st0, 0, 4, true);
           sm90::wgmma_commit();
+          sm90::wgmma_wait<1>();  // O_L += P1 V1_L done: refill chunks 0-3 and 8 of stage 1 with tile 2i + 3 (before
+          sm90::fence_operand(o);  // waiting for warpgroup 1's half of tile 2i + 2: no two load latencies in a row)
+          refill(st1, 2 * i + 3, next_b, 0, 4, 8);
+          sm90::cp_async_mbarrier_arrive_noinc(bar(1, 0));
           wait_half(0, 1, i);
           sm90::wgmma_fence();
           qk(s, st0, 4, kChunks, false);
           sm90::wgmma_commit();
-          sm90::wgmma_wait<2>();  // O_L += P1 V1_L done: refill chunks 0-3 and 8 of stage 1 with tile 2i + 3
-          sm90::fence_operand(o);
-          refill(st1, 2 * i + 3, next_b, 0, 4, 8);
-          sm90::cp_async_mbarrier_arrive_noinc(bar(1, 0));
           sm90::wgmma_wait<0>();
           sm90::fence_operand(s);
         } else {
