@@ -8,8 +8,7 @@ ceilings measured in this run. A candidate that fails to compile or launch is re
     python3 bench/sweep_mla.py --compile    # no GPU needed: registers, spills, shared memory per candidate
                                             # (sm_90a, triton's bundled ptxas), specialised as for N16 P32768
 
-EAGLE3_SWEEP_BUDGET_S (default 140) stops timing new cases past that many seconds; EAGLE3_SWEEP_CANDIDATES=a,b times
-only those candidates.
+EAGLE3_SWEEP_BUDGET_S (default 140) stops timing new cases past that many seconds.
 """
 
 from __future__ import annotations
@@ -41,8 +40,6 @@ CANDIDATES = {
     "triton": dict(kernel="mla_decode"),  # tma64, cut + fill (results/mla_sweep_cut_h200.log)
     "sm90.mc128": dict(kernel="sm90", min_chunk=128),  # more, shorter splits
     "sm90.mc512": dict(kernel="sm90", min_chunk=512),
-    "sm90.pair": dict(kernel="sm90", schedule="pair"),  # mla_pair_kernel: a tile per warpgroup
-    "sm90.pair.s128": dict(kernel="sm90", schedule="pair", splits=128),  # (N1 B1: 2 pairs a split)
 }
 # (lost at N1 B1 and gone: 129 splits of <= 4 tiles, results/mla_sweep_makespan_h200.log; splits reduced on chip in
 # thread-block clusters, results/mla_sm90_cluster_h200.log)
@@ -99,10 +96,7 @@ def main():
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  ceilings: copy {ceil.copy_bw / 1e12:.2f} TB/s, "
           f"bf16 matmul {ceil.mm_rate / 1e12:.0f} TFLOP/s", flush=True)
     good = {}
-    only = os.environ.get("EAGLE3_SWEEP_CANDIDATES")  # comma-separated names: only these
     for name, cfg in CANDIDATES.items():
-        if only and name not in only.split(","):
-            continue
         try:
             res = _check(cfg)
             print(f"check {name:<12} {cfg}: {'; '.join(res)}  ({time.time() - t0:.0f}s)", flush=True)

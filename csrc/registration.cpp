@@ -45,7 +45,7 @@ TORCH_LIBRARY(eagle3, m) {
   m.def(
       "_tree_attention_mla_sm90(Tensor q, Tensor kv_cache, Tensor page_table, Tensor prefix_lens, "
       "Tensor tree_mask, float scale, Tensor(a!) out, Tensor(b!)? lse, Tensor(c!) part_out, "
-      "Tensor(d!) part_lse, int num_splits, bool evict_first=False, Tensor(e!)? trace=None, int skeleton=0, int schedule=0) -> ()");
+      "Tensor(d!) part_lse, int num_splits, bool evict_first=False, Tensor(e!)? trace=None, int skeleton=0) -> ()");
   m.def(
       "tree_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor page_table, Tensor prefix_lens, "
       "Tensor tree_mask, float scale, Tensor(a!) out, Tensor(b!)? lse) -> ()");

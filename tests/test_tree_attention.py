@@ -482,17 +482,16 @@ def test_tma_splits_fill_counts_one_partial_wave():
 
 
 @settings(max_examples=300, deadline=None)
-@given(splits=st.integers(1, 400), max_len=st.integers(0, 300000), keys=st.sampled_from([64, 128]))
-def test_sm90_trim_splits_drops_only_empty_splits(splits, max_len, keys):
-    # mla_decode.trim_splits: at a prefix of max_len the kernel's chunk (whole keys-key tiles of ceil(len / splits):
-    # 64 for the serial schedule, 128 for the pair schedule) stays the same and every split left has keys; never
-    # more splits than asked
+@given(splits=st.integers(1, 400), max_len=st.integers(0, 300000))
+def test_sm90_trim_splits_drops_only_empty_splits(splits, max_len):
+    # mla_decode.trim_splits: at a prefix of max_len the kernel's chunk (whole 64-key tiles of ceil(len / splits))
+    # stays the same and every split left has keys; never more splits than asked
     from eagle3_ops.triton_kernels.mla_decode import trim_splits
 
     def chunk(n, s):
-        return -(-(-(-n // s)) // keys) * keys
+        return -(-(-(-n // s)) // 64) * 64
 
-    t = trim_splits(splits, max_len, keys)
+    t = trim_splits(splits, max_len)
     assert 1 <= t <= max(1, splits)
     if splits > 1 and max_len > 0:
         assert chunk(max_len, t) == chunk(max_len, splits)
@@ -507,7 +506,6 @@ def test_sm90_default_splits_at_n1_b1():
     assert splits_fill(1, 32832, 132, 256) == 119
     assert sm90_splits(1, 32832, 132) == 103
     assert sm90_splits(16, 32784, 132) == 8  # 16 nodes B 1: no empty split to drop
-    assert sm90_splits(1, 32832, 132, 256, 128) == 86  # the pair schedule's chunks: 384 keys, 3 pairs of tiles
 
 
 def _bad_values(c: Case):
@@ -669,7 +667,7 @@ def test_gpu_dtypes(shape, dtype):
 # sm90 is csrc/mla_decode_sm90.cu's CUDA kernel (the bf16 / fp16 default on Hopper; no fp32).
 GPU_TMA = {"tma64": dict(tma=True), "tma64.nocut": dict(tma=True, cut=False, fill=False),
            "tma32.eager": dict(tma=True, BLOCK_N=32, rescale_tau=0.0, cut=False), "gather64": dict(tma=False),
-           "sm90": dict(kernel="sm90"), "sm90.pair": dict(kernel="sm90", schedule="pair")}
+           "sm90": dict(kernel="sm90")}
 
 
 @pytest.mark.gpu
@@ -771,15 +769,14 @@ SM90_CASES = [  # (N, prefix, B, page_size, kind, NH, splits, dtype)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("schedule", ["serial", "pair"])
 @pytest.mark.parametrize("evict_first", [False, True])
 @pytest.mark.parametrize("case", SM90_CASES, ids=lambda c: f"N{c[0]}-prefix{c[1]}-B{c[2]}-ps{c[3]}-{c[4]}-NH{c[5]}"
                          f"-splits{c[6]}-{str(c[7])[6:]}")
-def test_gpu_sm90_against_float64(case, evict_first, schedule):
+def test_gpu_sm90_against_float64(case, evict_first):
     N, prefix, B, page_size, kind, NH, splits, dtype = case
     c = GpuCase(zlib.crc32(repr(case).encode()), B=B, prefix=prefix, N=N, kind=kind, page_size=page_size,
                 dtype=dtype, mla=True, NH=NH, D=576, Dv=512)
-    cfg = dict(kernel="sm90", evict_first=evict_first, schedule=schedule, **({"splits": splits} if splits else {}))
+    cfg = dict(kernel="sm90", evict_first=evict_first, **({"splits": splits} if splits else {}))
     out, lse = _kernel(c, config=cfg)
     _check_against(c, out, lse, *c.truth())
     without, _ = _kernel(c, config=cfg, with_lse=False)
@@ -824,10 +821,6 @@ def test_gpu_sm90_internal_op_refuses_bad_input():
         op(c.q, c.k_cache, *common, out, None, po, plse, 2, trace=torch.zeros(3, 16, dtype=torch.int64, device="cuda"))
     with pytest.raises(TypeError, match="trace must have dtype"):
         op(c.q, c.k_cache, *common, out, None, po, plse, 2, trace=torch.zeros(16, 16, dtype=torch.int32, device="cuda"))
-    with pytest.raises(ValueError, match="schedule must be 0, or 1 without"):
-        op(c.q, c.k_cache, *common, out, None, po, plse, 2, True, None, 1, 1)
-    with pytest.raises(ValueError, match="schedule must be 0, or 1 without"):
-        op(c.q, c.k_cache, *common, out, None, po, plse, 2, schedule=2)
     for bad_skeleton, evict in ((2, True), (1, False), (-1, True)):  # the diagnostic builds (bench/ceiling_mla.py)
         with pytest.raises(ValueError, match="skeleton must be 0, or 1"):
             op(c.q, c.k_cache, *common, out, None, po, plse, 2, evict, None, bad_skeleton)

@@ -316,11 +316,10 @@ def trim_splits(splits: int, max_len: int, keys: int = 64) -> int:
     return -(-max_len // chunk)
 
 
-def sm90_splits(programs: int, max_len: int, sms: int, min_chunk: int = 256, keys: int = 64) -> int:
+def sm90_splits(programs: int, max_len: int, sms: int, min_chunk: int = 256) -> int:
     """The sm90 launcher's default split count (bench/trace_mla.py and ceiling_mla.py size their buffers with it):
-    splits_fill's, less the splits a full-length prefix leaves empty (keys: the kernel's chunk rounding, 64 for
-    the serial schedule's tiles, 128 for the pair schedule's pairs of tiles)."""
-    return trim_splits(splits_fill(programs, max_len, sms, min_chunk), max_len, keys)
+    splits_fill's, less the splits a full-length prefix leaves empty."""
+    return trim_splits(splits_fill(programs, max_len, sms, min_chunk), max_len)
 
 
 def _descriptors(kv_cache: Tensor, DV: int, BLOCK_N: int, BLOCK_H: int, BLOCK_R: int):
@@ -405,12 +404,6 @@ def sm90_supported(q: Tensor, kv_cache: Tensor, out: Tensor, page_table: Tensor,
             and out.stride(2) == 1 and out.data_ptr() % 4 == 0)
 
 
-# csrc/mla_decode_sm90.cu's two kernels: "serial" (mla_decode_kernel: warpgroup 0 computes S and the softmax of each
-# tile, then both warpgroups P V) and "pair" (mla_pair_kernel: a tile per warpgroup, one's softmax under the other's
-# wgmmas)
-SM90_SCHEDULES = {"serial": 0, "pair": 1}
-
-
 def tree_attention_mla_sm90(q: Tensor, kv_cache: Tensor, page_table: Tensor, prefix_lens: Tensor,
                             tree_mask: Tensor, scale: float, out: Tensor, lse: Optional[Tensor], config: dict) -> None:
     """The sm_90a CUDA kernel's launcher (checks done by tree_attention.tree_attention_mla): the split count
@@ -428,11 +421,8 @@ def tree_attention_mla_sm90(q: Tensor, kv_cache: Tensor, page_table: Tensor, pre
     rows = N * G
     m_blocks = -(-rows // 64)
     max_len = page_table.shape[1] * kv_cache.shape[1]
-    schedule = config.get("schedule", "serial")
-    if schedule not in SM90_SCHEDULES:
-        raise ValueError(f"config schedule must be one of {sorted(SM90_SCHEDULES)}, got {schedule!r}")
     splits = config.get("splits") or sm90_splits(m_blocks * B, max_len, _sm_count(q.device),
-                                                 config.get("min_chunk", 256), 128 if schedule == "pair" else 64)
+                                                 config.get("min_chunk", 256))
     splits = max(1, min(int(splits), 65535))
     if splits > 1:
         po = torch.empty((splits, B, rows, 512), dtype=torch.float32, device=q.device)
@@ -440,7 +430,6 @@ def tree_attention_mla_sm90(q: Tensor, kv_cache: Tensor, page_table: Tensor, pre
     else:
         po = plse = out.new_empty((0,), dtype=torch.float32)
     torch.ops.eagle3._tree_attention_mla_sm90(q, kv_cache, page_table, prefix_lens, tree_mask, scale, out, lse, po, plse,
-                                              splits, bool(config.get("evict_first", splits > 1)), config.get("trace"),
-                                              schedule=SM90_SCHEDULES[schedule])
+                                              splits, bool(config.get("evict_first", splits > 1)), config.get("trace"))
     if splits > 1:
         merge_splits(po, plse, out, lse, N, 1, G)
