@@ -53,6 +53,8 @@ def test_top_logprobs_ties_infinities_and_strided_rows(gen, dev):
     for K in (1, 3):
         _check_top(x, K)
         _check_top(x[:, 1], K)  # a strided view [B, V] of [B, 3, V], as the chain's drafting reads one step's rows
+        _check_top(x[:, 1:3], K)  # [B, 2, V] of [B, 3, V], as the tree's drafting reads its beams' rows (in place)
+        _check_top(x.transpose(0, 1), K)  # [3, B, V]: rows in neither order
     lp, ids = fused.top_logprobs(x, 3, impl="triton")
     assert ids[0, 0].tolist() == [0, 1, 2] and ids[0, 1].tolist() == [9, 4100, 8191]
     assert ids[1, 1, 0] == 8999 and lp[1, 1, 0] == 0.0 and ids[1, 1, 1:].tolist() == [0, 1]  # then -inf, lowest id
@@ -158,6 +160,7 @@ def test_gpu_top_logprobs_bf16(gen, B):
         _check_top(x, 1)
         _check_top(x[:, 1], 1)
         _check_top(x, 4)
+        _check_top(x[:, 1:], 4)  # the tree's drafting: a [B, K, V] slice of its block's rows
         _check_top(x.float(), 4)
 
 

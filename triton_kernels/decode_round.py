@@ -29,14 +29,16 @@ _NO_ID: tl.constexpr = tl.constexpr(2**62)  # a candidate slot with no score lef
 
 
 @triton.jit
-def _topk_lse_partial(x, stride_x, V, part_v, part_i, part_m, part_s, SPLIT, K: tl.constexpr,
+def _topk_lse_partial(x, stride_g, stride_x, RG, V, part_v, part_i, part_m, part_s, SPLIT, K: tl.constexpr,
                       BLOCK: tl.constexpr):
-    """Program (r, c): over x[r, c*BLOCK : (c+1)*BLOCK] in fp32, its K largest values and their ids (the lower
-    id first on ties), and its max m with sum(exp(x - m)) -> part_*[r, c]."""
+    """Program (r, c): over row r's scores c*BLOCK : (c+1)*BLOCK in fp32 (row r at x + (r // RG) * stride_g +
+    (r % RG) * stride_x), its K largest values and their ids (the lower id first on ties), and its max m with
+    sum(exp(x - m)) -> part_*[r, c]."""
     r, c = tl.program_id(0), tl.program_id(1)
     j = tl.arange(0, BLOCK)
     cols = c * BLOCK + j
-    v = tl.load(x + r.to(tl.int64) * stride_x + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
+    row = (r // RG).to(tl.int64) * stride_g + (r % RG).to(tl.int64) * stride_x
+    v = tl.load(x + row + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
     m = tl.max(v, axis=0)
     tl.store(part_m + r * SPLIT + c, m)
     tl.store(part_s + r * SPLIT + c, tl.sum(tl.exp(v - tl.where(m == float("-inf"), 0.0, m)), axis=0))
@@ -79,12 +81,20 @@ def _topk_lse_combine(part_v, part_i, part_m, part_s, SPLIT, lp, ids, lse, K: tl
 
 
 def topk_lse(x: Tensor, K: int) -> tuple[Tensor, Tensor, Tensor]:
-    """x [R, V] (float; its last dim contiguous), 1 <= K <= min(V, 16) -> (the K largest log-probabilities [R, K]
-    fp32 in descending order (the lower id first on ties), their ids [R, K] int64, logsumexp [R] fp32), all in
-    fp32 from x's values. Two launches: chunks of 4096 scores, then one program a row."""
-    R, V = x.shape
-    if x.stride(1) != 1:
+    """x [R, V] or [G, RG, V] (float; any row strides: a [G, RG, V] slice of a larger block of rows is read in
+    place, as the tree's drafting passes its beams' rows), 1 <= K <= min(V, 16) -> (the K largest
+    log-probabilities [R, K] fp32 in descending order (the lower id first on ties), their ids [R, K] int64,
+    logsumexp [R] fp32; R = G * RG), all in fp32 from x's values. Two launches: chunks of 4096 scores, then one
+    program a row."""
+    if x.stride(-1) != 1:
         x = x.contiguous()
+    if x.dim() == 3:
+        G, RG, V = x.shape
+        stride_g, stride_x = x.stride(0), x.stride(1)
+    else:
+        (RG, V), G = x.shape, 1
+        stride_g, stride_x = 0, x.stride(0)
+    R = G * RG
     split = triton.cdiv(V, _LSE_BLOCK)
     dev = x.device
     part_v = torch.empty(R, split, K, dtype=torch.float32, device=dev)
@@ -95,8 +105,8 @@ def topk_lse(x: Tensor, K: int) -> tuple[Tensor, Tensor, Tensor]:
     lse = torch.empty(R, dtype=torch.float32, device=dev)
     if R == 0:
         return lp, ids, lse
-    _topk_lse_partial[(R, split)](x, x.stride(0), V, part_v, part_i, part_ms[0], part_ms[1], split, K=K,
-                                  BLOCK=_LSE_BLOCK, num_warps=8)
+    _topk_lse_partial[(R, split)](x, stride_g, stride_x, max(RG, 1), V, part_v, part_i, part_ms[0], part_ms[1],
+                                  split, K=K, BLOCK=_LSE_BLOCK, num_warps=8)
     _topk_lse_combine[(R,)](part_v, part_i, part_ms[0], part_ms[1], split, lp, ids, lse, K=K,
                             SP=triton.next_power_of_2(split), SPK=triton.next_power_of_2(split * K), num_warps=1)
     return lp, ids, lse

@@ -37,7 +37,9 @@ def top_logprobs(logits: Tensor, K: int, impl: str = "auto") -> tuple[Tensor, Te
     if _triton(logits, impl) and K <= 16:
         from eagle3_ops.triton_kernels import decode_round
 
-        lp, ids, _ = decode_round.topk_lse(logits.reshape(-1, logits.shape[-1]), K)
+        # [B, K, V] rows are read in place at any strides (the tree's drafting passes a slice of its block's rows,
+        # which reshape would copy: ~21 MB a step at B 8); other ranks as [rows, V]
+        lp, ids, _ = decode_round.topk_lse(logits if logits.dim() == 3 else logits.reshape(-1, logits.shape[-1]), K)
         return lp.view(*logits.shape[:-1], K), ids.view(*logits.shape[:-1], K)
     x = logits.float()
     top, ids = x.max(dim=-1, keepdim=True) if K == 1 else x.topk(K, dim=-1)
