@@ -32,28 +32,23 @@ _NO_ID: tl.constexpr = tl.constexpr(2**62)  # a candidate slot with no score lef
 def _topk_lse_partial(x, stride_g, stride_x, RG, V, part_v, part_i, part_m, part_s, SPLIT, K: tl.constexpr,
                       BLOCK: tl.constexpr):
     """Program (r, c): over row r's scores c*BLOCK : (c+1)*BLOCK in fp32 (row r at x + (r // RG) * stride_g +
-    (r % RG) * stride_x), its K largest values and their ids (NaN ranked above everything, as torch.topk does;
-    the lower id first on ties), and its max m with sum(exp(x - m)) -> part_*[r, c] (m NaN if it has a NaN)."""
+    (r % RG) * stride_x), its K largest values and their ids (the lower id first on ties), and its max m with
+    sum(exp(x - m)) -> part_*[r, c]."""
     r, c = tl.program_id(0), tl.program_id(1)
     j = tl.arange(0, BLOCK)
     cols = c * BLOCK + j
     row = (r // RG).to(tl.int64) * stride_g + (r % RG).to(tl.int64) * stride_x
     v = tl.load(x + row + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
-    isn = v != v
-    n_nan = tl.sum(isn.to(tl.int32), axis=0)
-    v = tl.where(isn, float("-inf"), v)  # (the reductions below then agree on the GPU and in the interpreter)
     m = tl.max(v, axis=0)
-    tl.store(part_m + r * SPLIT + c, tl.where(n_nan > 0, float("nan"), m))
+    tl.store(part_m + r * SPLIT + c, m)
     tl.store(part_s + r * SPLIT + c, tl.sum(tl.exp(v - tl.where(m == float("-inf"), 0.0, m)), axis=0))
     o = (r * SPLIT + c) * K
     taken = j < 0
-    for k in tl.static_range(K):  # K rounds of extract-the-max, in registers; the NaNs first, lowest id first
-        nan_round = k < n_nan
+    for k in tl.static_range(K):  # K rounds of extract-the-max, in registers
         w = tl.where(taken, float("-inf"), v)
         top = tl.max(w, axis=0)
-        pick = tl.where(nan_round, isn & ~taken, (w == top) & ~taken & ~isn & (cols < V))
-        i = tl.min(tl.where(pick, j, BLOCK), axis=0)  # BLOCK: none left
-        tl.store(part_v + o + k, tl.where(nan_round, float("nan"), top))
+        i = tl.min(tl.where((w == top) & ~taken & (cols < V), j, BLOCK), axis=0)  # BLOCK: none left
+        tl.store(part_v + o + k, top)
         tl.store(part_i + o + k, tl.where(i == BLOCK, _NO_ID, (c * BLOCK + i).to(tl.int64)))
         taken = taken | (j == i)
 
@@ -61,34 +56,26 @@ def _topk_lse_partial(x, stride_g, stride_x, RG, V, part_v, part_i, part_m, part
 @triton.jit
 def _topk_lse_combine(part_v, part_i, part_m, part_s, SPLIT, lp, ids, lse, K: tl.constexpr, SP: tl.constexpr,
                       SPK: tl.constexpr):
-    """Program r: the row's K largest of its chunks' candidates (NaN first, then the lower id first on ties),
-    lse = M + log(sum_c s_c exp(m_c - M)) as torch.logsumexp has it (NaN if any score is NaN, +inf if one is
-    +inf), and the K log-probabilities value - lse."""
+    """Program r: the row's K largest of its chunks' candidates (the lower id first on ties), lse = M +
+    log(sum_c s_c exp(m_c - M)), and the K log-probabilities value - lse."""
     r = tl.program_id(0)
     c = tl.arange(0, SP)
     m = tl.load(part_m + r * SPLIT + c, mask=c < SPLIT, other=float("-inf"))
     s = tl.load(part_s + r * SPLIT + c, mask=c < SPLIT, other=0.0)
-    has_nan = tl.max((m != m).to(tl.int32), axis=0) > 0
-    m = tl.where(m != m, float("-inf"), m)
     M = tl.max(m, axis=0)
     L = M + tl.log(tl.sum(s * tl.exp(m - tl.where(M == float("-inf"), 0.0, M)), axis=0))
-    L = tl.where(has_nan, float("nan"), tl.where(M == float("inf"), float("inf"), L))
     tl.store(lse + r, L)
     q = tl.arange(0, SPK)
     ok = q < SPLIT * K
     v = tl.load(part_v + r * SPLIT * K + q, mask=ok, other=float("-inf"))
     i = tl.load(part_i + r * SPLIT * K + q, mask=ok, other=_NO_ID)
-    isn = v != v
-    n_nan = tl.sum(isn.to(tl.int32), axis=0)
-    v = tl.where(isn, float("-inf"), v)
     taken = q < 0
     for k in tl.static_range(K):
-        nan_round = k < n_nan
         w = tl.where(taken, float("-inf"), v)
         top = tl.max(w, axis=0)
-        at = tl.where(nan_round, isn, (w == top) & ~isn) & ~taken
+        at = (w == top) & ~taken
         first = tl.min(tl.where(at, i, _NO_ID), axis=0)
-        tl.store(lp + r * K + k, tl.where(nan_round, float("nan"), top) - L)
+        tl.store(lp + r * K + k, top - L)
         tl.store(ids + r * K + k, first)
         taken = taken | (at & (i == first))
 
