@@ -60,6 +60,15 @@ def test_top_logprobs_ties_infinities_and_strided_rows(gen, dev):
     assert ids[1, 1, 0] == 8999 and lp[1, 1, 0] == 0.0 and ids[1, 1, 1:].tolist() == [0, 1]  # then -inf, lowest id
 
 
+def test_topk_lse_refuses_other_ranks():
+    # decode_round.topk_lse reads [R, V] or [G, RG, V] rows (fused.top_logprobs flattens every other rank first)
+    from eagle3_ops.triton_kernels import decode_round
+
+    for shape in [(5,), (2, 2, 2, 5)]:
+        with pytest.raises(ValueError, match=r"x must be \[R, V\] or \[G, RG, V\]"):
+            decode_round.topk_lse(torch.zeros(shape), 1)
+
+
 def _round_state(gen, B, N, max_new, frozen, dev):
     """A verify's outputs and the loop's state as a round leaves them: accept_len in [0, N - 1] (the accepted
     nodes a path of distinct increasing ids, -1 padded), emitted -1 padded, `frozen` requests already done."""

@@ -86,6 +86,8 @@ def topk_lse(x: Tensor, K: int) -> tuple[Tensor, Tensor, Tensor]:
     log-probabilities [R, K] fp32 in descending order (the lower id first on ties), their ids [R, K] int64,
     logsumexp [R] fp32; R = G * RG), all in fp32 from x's values. Two launches: chunks of 4096 scores, then one
     program a row."""
+    if x.dim() not in (2, 3):
+        raise ValueError(f"x must be [R, V] or [G, RG, V], got shape {list(x.shape)}")
     if x.stride(-1) != 1:
         x = x.contiguous()
     if x.dim() == 3:
