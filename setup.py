@@ -2,7 +2,8 @@
 
 The CUDA sources are compiled whenever torch is a CUDA build and nvcc is found, with or without a GPU
 present (CI has none and must still compile every .cu file). TORCH_CUDA_ARCH_LIST defaults to 9.0a.
-DEBUG=1 gives -O0 -g -lineinfo. EAGLE3_CUDA_ONLY=capture_aux,kv_accept compiles just those csrc/*.cu
+DEBUG=1 gives -O0 -g -lineinfo. EAGLE3_DEVICE_CHECKS=0 compiles out the device error word (benchmarks of
+what validation costs). EAGLE3_CUDA_ONLY=capture_aux,kv_accept compiles just those csrc/*.cu
 (empty: none), to iterate on one kernel quickly. Set CUDA_HOME to the toolkit root; when it is unset and `nvcc` on PATH
 is a wrapper script, the toolkit root is asked of nvcc itself (torch would otherwise guess the wrapper's
 folder and link against a libcudart that is not there).
@@ -42,6 +43,10 @@ from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, C
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEBUG = os.environ.get("DEBUG", "0") == "1"
+# EAGLE3_DEVICE_CHECKS=0 compiles out the device error word's recording (csrc/include/eagle3/errors.cuh),
+# for measuring what validation costs; the bounds checks that keep accesses inside the tensors stay.
+DEVICE_CHECKS = os.environ.get("EAGLE3_DEVICE_CHECKS", "1") != "0"
+SUPPORT_SOURCES = ("errors.cu",)  # not kernels of an op: built whenever any CUDA source is
 WITH_CUDA = torch.version.cuda is not None and CUDA_HOME is not None
 
 
@@ -79,6 +84,8 @@ def extension():
     _warn_static_libstdcxx()
     cpp = sorted(glob.glob(os.path.join("csrc", "*.cpp")))
     cuda = sorted(glob.glob(os.path.join("csrc", "*.cu")))
+    support = [f for f in cuda if os.path.basename(f) in SUPPORT_SOURCES]  # always built with the kernels
+    cuda = [f for f in cuda if f not in support]
     only = os.environ.get("EAGLE3_CUDA_ONLY")  # e.g. "capture_aux,kv_accept": build just these kernels
     if only is not None:
         wanted = {k.strip() for k in only.split(",") if k.strip()}
@@ -101,14 +108,14 @@ def extension():
         _define("EAGLE3_CUDA_ARCHS", archs),
         _define("EAGLE3_CUDA_VERSION", torch.version.cuda),
         _define("EAGLE3_CUDA_KERNELS", kernels),
-    ]
+    ] + ([] if DEVICE_CHECKS else ["-DEAGLE3_NO_DEVICE_CHECKS"])
     nvcc = opt + ["--expt-relaxed-constexpr"] + (["-lineinfo"] if DEBUG else [])
     nvcc += ["-Xptxas=-v"] if os.environ.get("PTXAS_VERBOSE") else []
     include_dirs += _pip_cuda_includes()
     print(f"eagle3_ops: building C++ + CUDA kernels [{kernels}] for {archs} with {CUDA_HOME}", file=sys.stderr)
     return CUDAExtension(
         "eagle3_ops._C",
-        cpp + cuda,
+        cpp + support + cuda,
         include_dirs=include_dirs,
         extra_compile_args={"cxx": cxx + defines, "nvcc": nvcc + defines},
     )

@@ -9,10 +9,18 @@
 // Implementations: CPU = the pure-PyTorch reference (eagle3_ops/reference.py, registered from
 // Python), fakes in eagle3_ops/_register.py, CUDA kernels in csrc/<op>.cu (TORCH_LIBRARY_IMPL there).
 
+#include <torch/extension.h>
 #include <torch/library.h>
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
 #include <string>
+
+#ifdef EAGLE3_WITH_CUDA
+#include <torch/csrc/Exceptions.h>
+
+#include "eagle3/errors.h"
+#endif
 
 TORCH_LIBRARY(eagle3, m) {
   // ---- capture --------------------------------------------------------------------------------
@@ -77,6 +85,25 @@ TORCH_LIBRARY(eagle3, m) {
 #define EAGLE3_CUDA_KERNELS ""
 #endif
 
+#ifdef EAGLE3_WITH_CUDA
+namespace {
+// Strict mode's raiser (eagle3/errors.h): eagle3_ops.errors._raise_recorded(device) reads and clears the word
+// and raises Eagle3InputError; the Python exception travels through the dispatcher as torch's python_error,
+// which torch.ops restores as the Python exception it was.
+void raise_recorded(int device) {
+  pybind11::gil_scoped_acquire gil;
+  try {
+    pybind11::module_::import("eagle3_ops.errors").attr("_raise_recorded")(device);
+  } catch (pybind11::error_already_set& e) {
+    e.restore();
+    python_error err;
+    err.persist();
+    throw err;
+  }
+}
+}  // namespace
+#endif
+
 PYBIND11_MODULE(_C, m) {
   m.doc() = "eagle3_ops native extension: the op table (torch.ops.eagle3) and the CUDA kernels";
   m.def("build_info", []() {
@@ -90,6 +117,21 @@ PYBIND11_MODULE(_C, m) {
     info["cuda_version"] = std::string(EAGLE3_CUDA_VERSION);
     info["torch_version"] = std::string(EAGLE3_TORCH_VERSION);
     info["cuda_kernels"] = std::string(EAGLE3_CUDA_KERNELS);
+#ifdef EAGLE3_NO_DEVICE_CHECKS
+    info["device_checks"] = false;
+#else
+    info["device_checks"] = true;
+#endif
     return info;
   }, "What this build of _C holds: CUDA kernels compiled or not, for which archs, against which CUDA and torch.");
+#ifdef EAGLE3_WITH_CUDA
+  m.def("_error_word", [](int device) {
+    return torch::from_blob(eagle3::device_error_word(device), {eagle3::kErrorWords},
+                            torch::TensorOptions().dtype(torch::kInt64).device(torch::kCUDA, device));
+  }, "The device error word of cuda:device as an int64 tensor over its static memory (eagle3/errors.h).");
+  m.def("_error_word_devices", &eagle3::error_word_devices, "Devices whose error word has been taken so far.");
+  m.def("_set_strict", &eagle3::set_strict_mode, "Strict mode on or off (eagle3_ops.set_strict).");
+  m.def("_strict", &eagle3::strict_mode, "Whether strict mode is on.");
+  eagle3::set_strict_raiser(&raise_recorded);
+#endif
 }

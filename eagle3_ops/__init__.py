@@ -10,7 +10,8 @@ import torch  # noqa: F401  (loads libtorch before _C)
 
 from . import _C  # noqa: F401  (defines torch.ops.eagle3.*)
 from . import _register  # noqa: F401  (CPU references, fakes, Triton launchers)
-from . import ops, reference  # noqa: F401
+from . import errors, ops, reference  # noqa: F401
+from .errors import Eagle3InputError, check_errors, set_strict  # noqa: F401
 from .ops import *  # noqa: F401,F403
 
 __version__ = "0.1.0"

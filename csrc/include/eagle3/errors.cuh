@@ -1,0 +1,54 @@
+// Device side of the error word (eagle3/errors.h): report() records one violation, first come first served.
+#pragma once
+
+#include <cstdint>
+
+#include "eagle3/errors.h"
+
+namespace eagle3 {
+
+// Built with EAGLE3_DEVICE_CHECKS=0 (setup.py), recording and the checks that exist only to record (NaN
+// scans, the tree's order) compile out; the bounds checks that keep every access inside its tensor stay.
+#ifdef EAGLE3_NO_DEVICE_CHECKS
+constexpr bool kDeviceChecks = false;
+#else
+constexpr bool kDeviceChecks = true;
+#endif
+
+// Record a violation unless one is recorded already (the first violating call wins; among the threads of
+// that call, whichever gets there first). Cheap to call from many threads: after the first, one load each.
+__device__ __forceinline__ void report(int64_t* word, int64_t op, int64_t arg, int64_t kind, int64_t i0, int64_t i1,
+                                       int64_t i2, int64_t value, int64_t lo, int64_t hi) {
+  if constexpr (kDeviceChecks) {
+    if (word == nullptr) return;
+    auto* state = reinterpret_cast<unsigned long long*>(word);
+    if (*reinterpret_cast<volatile unsigned long long*>(state) != 0ull) return;
+    if (atomicCAS(state, 0ull, 1ull) != 0ull) return;
+    volatile int64_t* w = word;
+    w[kErrOp] = op;
+    w[kErrArg] = arg;
+    w[kErrKind] = kind;
+    w[kErrI0] = i0;
+    w[kErrI1] = i1;
+    w[kErrI2] = i2;
+    w[kErrValue] = value;
+    w[kErrLo] = lo;
+    w[kErrHi] = hi;
+    __threadfence();
+    atomicExch(state, 2ull);
+  }
+}
+
+// An integer index outside [lo, hi] at (i0[, i1[, i2]]).
+__device__ __forceinline__ void report_range(int64_t* word, int64_t op, int64_t arg, int64_t value, int64_t lo,
+                                             int64_t hi, int64_t i0, int64_t i1 = kNoIndex, int64_t i2 = kNoIndex) {
+  report(word, op, arg, kKindRange, i0, i1, i2, value, lo, hi);
+}
+
+// A float that is NaN (kKindNaN) or negative (kKindNegative) at (i0[, i1[, i2]]).
+__device__ __forceinline__ void report_float(int64_t* word, int64_t op, int64_t arg, int64_t kind, double value,
+                                             int64_t i0, int64_t i1 = kNoIndex, int64_t i2 = kNoIndex) {
+  report(word, op, arg, kind, i0, i1, i2, __double_as_longlong(value), 0, 0);
+}
+
+}  // namespace eagle3
