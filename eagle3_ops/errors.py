@@ -123,6 +123,19 @@ def error_word(device) -> Tensor:
     return w
 
 
+_checks: list[bool] = []
+
+
+def device_checks() -> bool:
+    """Whether this build records violations: False when built with EAGLE3_DEVICE_CHECKS=0 (setup.py), which
+    the Triton launchers pass on to their kernels as a constexpr, so that the recording compiles out there too."""
+    if not _checks:
+        from . import _C
+
+        _checks.append(bool(_C.build_info().get("device_checks", True)))
+    return _checks[0]
+
+
 def _decode(w: list[int]) -> Eagle3InputError:
     op = OPS[w[_OP] - 1] if 1 <= w[_OP] <= len(OPS) else f"op {w[_OP]}"
     arg = ARGS[w[_ARG] - 1] if 1 <= w[_ARG] <= len(ARGS) else f"argument {w[_ARG]}"
