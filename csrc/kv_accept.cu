@@ -2,7 +2,7 @@
 // every layer's cache, then prefix_lens += accept_len + 1: all layers in one launch.
 //
 // Work split: one thread-block cluster of C blocks per request (C up to 8, chosen so the grid fills the
-// chip). Each block first compacts the request's *moving* rows (accept_nodes[i] != i) into a list in
+// chip; C = 1 without a cluster on devices below sm_90 or when the binary has no sm_90 code). Each block first compacts the request's *moving* rows (accept_nodes[i] != i) into a list in
 // shared memory: rows that stay in place cost neither a read nor a write. The cluster then divides the
 // flat column space (layer, 16-byte unit within a row) of all layers between its blocks; a block moves
 // its columns in rounds of kThreads * kUnits units: every thread loads its units of all moving rows of
@@ -20,13 +20,18 @@
 //
 // prefix_lens: every block reads prefix_lens[b] first, then arrives on the cluster barrier; block 0
 // waits on that barrier before it writes prefix_lens[b] = P + a + 1, so no block can read the advanced
-// value. (Blocks of other requests never read it.)
+// value. (Blocks of other requests never read it.) With C = 1 the block barrier after the first reads
+// orders them before block 0's write: no cluster barrier is needed (nor compiled below sm_90).
 //
-// Bad indices cannot be raised without a host sync. A request with accept_len outside [0, N), an
-// accepted node outside [0, N), prefix_len < 0, prefix_len + N past its page table, or a page index
-// outside [0, num_pages) for any row it would read or write is skipped whole: its cache rows and its
-// prefix_len stay untouched (every block of the request sees the same values, so all skip together).
-// Nothing is ever read or written out of bounds. The CPU reference raises IndexError instead.
+// accept_nodes is [B, width] of any width (verify's [B, N], SGLang's [B, steps + 1]); only entries
+// 0..a are read. With cap = min(max_pages * page_size, 2**31 - 1) positions of the page table, request b
+// (a = accept_len[b], P = prefix_lens[b]) is checked in this order, and skipped whole at the first
+// violation, which is reported to the error word (eagle3/errors.h; reference.kv_accept raises the same
+// message): a in [0, max_rows - 1] with max_rows = min(width, kMaxRows); P in [0, cap - 1 - a] (every
+// destination P + i lies in the table); each accepted node in [0, cap - 1 - P] (its source likewise);
+// then the page id of every source and destination position's page slot in [0, num_pages - 1] (rows that
+// stay in place included). A skipped request's cache rows and prefix_len stay untouched (every block of
+// the request sees the same values, so all skip together); nothing is ever read or written out of bounds.
 // Requests are assumed to own disjoint pages (as every engine's page allocator gives them).
 
 #include <ATen/core/Tensor.h>
@@ -44,6 +49,7 @@
 
 #include "eagle3/checks.h"
 #include "eagle3/device.h"
+#include "eagle3/errors.cuh"
 #include "eagle3/launch.h"
 #include "eagle3/pdl.cuh"
 
@@ -53,7 +59,7 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kUnits = 8;                       // units (up to 16 bytes each) per thread per round
 constexpr int kRoundUnits = kThreads * kUnits;  // 2048: a round holds every moving row of >= 1 column
-constexpr int kMaxNodes = kRoundUnits;          // N <= 2048 keeps one column's rows in one round
+constexpr int kMaxRows = kRoundUnits;           // accepted rows per request: one column's rows in one round
 constexpr int kMaxLayers = 128;                 // per launch (kernel parameter space); more layers: more launches
 constexpr int kMaxCluster = 8;
 constexpr int kMinBlocksPerSm = 3;             // <= 85 registers: no spills in the 16-byte instance (64 spilled 40 B)
@@ -62,8 +68,30 @@ struct LayerBases {
   void* base[kMaxLayers];
 };
 
-__device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive;" ::: "memory"); }
-__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait;" ::: "memory"); }
+// sm_90+: below it the launcher uses C = 1, which needs no cluster barrier (see prefix_lens above).
+__device__ __forceinline__ void cluster_arrive() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.arrive;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void cluster_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.wait;" ::: "memory");
+#endif
+}
+
+// accept_len, then prefix_len (its bound depends on a): true (and reported) when request b is to be skipped.
+__device__ __forceinline__ bool request_is_bad(int64_t* err, int64_t b, int a, int64_t P, int max_rows, int64_t cap) {
+  if (a < 0 || a >= max_rows) {
+    if (threadIdx.x == 0) report_range(err, kOpKvAccept, kArgAcceptLen, a, 0, max_rows - 1, b);
+    return true;
+  }
+  if (P < 0 || P > cap - 1 - a) {
+    if (threadIdx.x == 0) report_range(err, kOpKvAccept, kArgPrefixLens, P, 0, cap - 1 - a, b);
+    return true;
+  }
+  return false;
+}
 
 // q = n / d for n < 2**24 and d >= 1, from a float reciprocal plus one correction step (an integer division
 // costs ~20 instructions per unit; this costs 5).
@@ -89,24 +117,30 @@ __device__ __forceinline__ bool locate(uint32_t u, uint32_t cs, uint32_t c1, uin
   return true;
 }
 
-// The request's moving rows (accept_nodes[i] != i for i <= a), as flat row indices (page * page_size +
-// slot) into src_row / dst_row, their count in *s_m; *s_bad set for a node outside [0, N) or a page id
-// outside [0, num_pages) (the caller checked a and P). node0 is accept_nodes[b, threadIdx.x], loaded by
-// the caller together with prefix_lens[b] and accept_len[b] (one round trip instead of two).
+// Request b's moving rows (accept_nodes[i] != i for i <= a), as flat row indices (page * page_size +
+// slot) into src_row / dst_row, their count in *s_m; *s_bad set (and reported) for a node outside
+// [0, cap - 1 - P] or a page id outside [0, num_pages) (the caller checked a and P). node0 is
+// accept_nodes[b, threadIdx.x], loaded by the caller together with prefix_lens[b] and accept_len[b]
+// (one round trip instead of two).
 template <int kBlockThreads>
-__device__ __forceinline__ void collect_moving_rows(const int32_t* __restrict__ pages,
+__device__ __forceinline__ void collect_moving_rows(int64_t* err, int64_t b, const int32_t* __restrict__ pages,
                                                     const int32_t* __restrict__ nodes, int node0, int a,
-                                                    int64_t P, int N, int64_t page_size, int64_t num_pages,
+                                                    int64_t P, int64_t cap, int64_t page_size, int64_t num_pages,
                                                     int64_t* src_row, int64_t* dst_row, int* s_m, int* s_bad) {
   for (int i = threadIdx.x; i <= a; i += kBlockThreads) {
     const int node = i < kBlockThreads ? node0 : nodes[i];
-    if (node < 0 || node >= N) {
+    if (node < 0 || node > cap - 1 - P) {
+      report_range(err, kOpKvAccept, kArgAcceptNodes, node, 0, cap - 1 - P, b, i);
       *s_bad = 1;
       continue;
     }
-    const int64_t src = P + node, dst = P + i;  // < P + N <= max_pages * page_size
-    const int64_t sp = pages[src / page_size], dp = pages[dst / page_size];
+    const int64_t src = P + node, dst = P + i;  // < cap (P + a < cap: checked by the caller)
+    const int64_t src_slot = src / page_size, dst_slot = dst / page_size;
+    const int64_t sp = pages[src_slot], dp = pages[dst_slot];
     if (sp < 0 || sp >= num_pages || dp < 0 || dp >= num_pages) {
+      const bool src_bad = sp < 0 || sp >= num_pages;
+      report_range(err, kOpKvAccept, kArgPageTable, src_bad ? sp : dp, 0, num_pages - 1, b,
+                   src_bad ? src_slot : dst_slot);
       *s_bad = 1;
       continue;
     }
@@ -121,19 +155,21 @@ __device__ __forceinline__ void collect_moving_rows(const int32_t* __restrict__ 
 // layers        num_layers bases, each a contiguous cache [num_pages, page_size, row] of `vpr` units per row
 // page_table    [B, max_pages] int32, row stride pt_stride
 // prefix_lens   [B] int32 (advanced when `advance`)
-// accept_nodes  [B, N] int32
+// accept_nodes  [B, width] int32
 // accept_len    [B] int32
-// grid: B * C blocks in clusters of C; block rank r of cluster b serves request b, columns [r, r+1) / C of
-// the num_layers * vpr (< 2**24) columns. dynamic shared memory: 2 * N int64 (rows to read and write).
+// err           the device error word
+// grid: B * C blocks in clusters of C (none when C = 1 below sm_90); block rank r of cluster b serves
+// request b, columns [r, r+1) / C of the num_layers * vpr (< 2**24) columns. cap: positions in a page
+// table (see the top). dynamic shared memory: 2 * max_rows int64 (rows to read and write).
 template <typename unit_t>
 __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) kv_accept_kernel(
     const __grid_constant__ LayerBases layers, int num_layers, uint32_t vpr, float inv_vpr, int C,
-    const int32_t* __restrict__ page_table, int64_t pt_stride, int64_t max_pages, int32_t* prefix_lens,
-    const int32_t* __restrict__ accept_nodes, const int32_t* __restrict__ accept_len, int N, int64_t page_size,
-    int64_t num_pages, bool advance) {
+    const int32_t* __restrict__ page_table, int64_t pt_stride, int64_t cap, int32_t* prefix_lens,
+    const int32_t* __restrict__ accept_nodes, const int32_t* __restrict__ accept_len, int64_t width,
+    int max_rows, int64_t page_size, int64_t num_pages, bool advance, int64_t* err) {
   extern __shared__ int64_t rows_smem[];
-  int64_t* src_row = rows_smem;      // [m] flat row index (page * page_size + slot) to read
-  int64_t* dst_row = rows_smem + N;  // [m] flat row index to write
+  int64_t* src_row = rows_smem;             // [m] flat row index (page * page_size + slot) to read
+  int64_t* dst_row = rows_smem + max_rows;  // [m] flat row index to write
   __shared__ int s_m, s_bad;
   const int64_t b = blockIdx.x / C;
   const int rank = blockIdx.x % C;
@@ -142,8 +178,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) kv_accept_kernel(
   wait_previous_grid();  // PDL: the previous kernel's writes (caches, prefix_lens, ...) are visible
   const int64_t P = prefix_lens[b];
   const int a = accept_len[b];
-  const int node0 = threadIdx.x < N ? accept_nodes[b * N + threadIdx.x] : 0;
-  const bool bad0 = a < 0 || a >= N || P < 0 || P + N > max_pages * page_size;
+  const int node0 = threadIdx.x < width ? accept_nodes[b * width + threadIdx.x] : 0;
+  const bool bad0 = request_is_bad(err, b, a, P, max_rows, cap);
   if (threadIdx.x == 0) {
     s_m = 0;
     s_bad = bad0;
@@ -153,8 +189,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) kv_accept_kernel(
   allow_next_grid();  // PDL: the next grid launches once every block has passed here (it still waits)
 
   if (!bad0) {
-    collect_moving_rows<kThreads>(page_table + b * pt_stride, accept_nodes + b * N, node0, a, P, N, page_size,
-                                  num_pages, src_row, dst_row, &s_m, &s_bad);
+    collect_moving_rows<kThreads>(err, b, page_table + b * pt_stride, accept_nodes + b * width, node0, a, P, cap,
+                                  page_size, num_pages, src_row, dst_row, &s_m, &s_bad);
   }
   __syncthreads();
   const int m = s_m;
@@ -237,18 +273,20 @@ __device__ __forceinline__ uint32_t smem_addr(const void* p) {
 // round r's stores go out as soon as its loads land (mbarrier of its slot), and the slot of round r - 1
 // is refilled with round r - 1 + stages once round r - 1's stores have read it. Rounds hold disjoint
 // columns, so only a round's own loads must precede its stores.
-// dynamic shared memory: [stages x slot_bytes][N int64 src rows][N int64 dst rows][stages mbarriers]
+// dynamic shared memory: [stages x slot_bytes][max_rows int64 src rows][max_rows int64 dst rows][stages
+// mbarriers]. The other parameters as the register kernel's.
 __global__ void __launch_bounds__(kBulkThreads) kv_accept_bulk_kernel(
     const __grid_constant__ LayerBases layers, int num_layers, uint32_t row_bytes, uint32_t W, uint32_t q, int C,
-    const int32_t* __restrict__ page_table, int64_t pt_stride, int64_t max_pages, int32_t* prefix_lens,
-    const int32_t* __restrict__ accept_nodes, const int32_t* __restrict__ accept_len, int N, int64_t page_size,
-    int64_t num_pages, bool advance, uint32_t slot_bytes, uint32_t stages) {
+    const int32_t* __restrict__ page_table, int64_t pt_stride, int64_t cap, int32_t* prefix_lens,
+    const int32_t* __restrict__ accept_nodes, const int32_t* __restrict__ accept_len, int64_t width,
+    int max_rows, int64_t page_size, int64_t num_pages, bool advance, int64_t* err, uint32_t slot_bytes,
+    uint32_t stages) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   extern __shared__ __align__(128) unsigned char bulk_smem[];
   unsigned char* stage = bulk_smem;
   int64_t* src_row = reinterpret_cast<int64_t*>(bulk_smem + static_cast<size_t>(stages) * slot_bytes);
-  int64_t* dst_row = src_row + N;
-  uint64_t* bar = reinterpret_cast<uint64_t*>(dst_row + N);
+  int64_t* dst_row = src_row + max_rows;
+  uint64_t* bar = reinterpret_cast<uint64_t*>(dst_row + max_rows);
   __shared__ int s_m, s_bad;
   const int64_t b = blockIdx.x / C;
   const int rank = blockIdx.x % C;
@@ -256,8 +294,8 @@ __global__ void __launch_bounds__(kBulkThreads) kv_accept_bulk_kernel(
   wait_previous_grid();  // PDL: the previous kernel's writes (caches, prefix_lens, ...) are visible
   const int64_t P = prefix_lens[b];
   const int a = accept_len[b];
-  const int node0 = threadIdx.x < N ? accept_nodes[b * N + threadIdx.x] : 0;
-  const bool bad0 = a < 0 || a >= N || P < 0 || P + N > max_pages * page_size;
+  const int node0 = threadIdx.x < width ? accept_nodes[b * width + threadIdx.x] : 0;
+  const bool bad0 = request_is_bad(err, b, a, P, max_rows, cap);
   if (threadIdx.x == 0) {
     s_m = 0;
     s_bad = bad0;
@@ -271,8 +309,8 @@ __global__ void __launch_bounds__(kBulkThreads) kv_accept_bulk_kernel(
   allow_next_grid();  // PDL: the next grid launches once every block has passed here (it still waits)
 
   if (!bad0) {
-    collect_moving_rows<kBulkThreads>(page_table + b * pt_stride, accept_nodes + b * N, node0, a, P, N, page_size,
-                                      num_pages, src_row, dst_row, &s_m, &s_bad);
+    collect_moving_rows<kBulkThreads>(err, b, page_table + b * pt_stride, accept_nodes + b * width, node0, a, P,
+                                      cap, page_size, num_pages, src_row, dst_row, &s_m, &s_bad);
   }
   __syncthreads();
   const uint32_t m = static_cast<uint32_t>(s_m);
@@ -280,7 +318,7 @@ __global__ void __launch_bounds__(kBulkThreads) kv_accept_bulk_kernel(
     const uint32_t total = static_cast<uint32_t>(num_layers) * q;
     const uint32_t c0 = static_cast<uint32_t>(static_cast<uint64_t>(total) * rank / C);
     const uint32_t c1 = static_cast<uint32_t>(static_cast<uint64_t>(total) * (rank + 1) / C);
-    const uint32_t per_round = slot_bytes / (m * W);  // >= 1: N * W <= slot_bytes
+    const uint32_t per_round = slot_bytes / (m * W);  // >= 1: max_rows * W <= slot_bytes
     const uint32_t rounds = (c1 - c0 + per_round - 1) / per_round;
     // Item j of round r: column c0 + r * per_round + j / m, moving row j % m, at j * W in slot r % stages.
     auto items_of = [&](uint32_t r) { return (min(c1, c0 + (r + 1) * per_round) - (c0 + r * per_round)) * m; };
@@ -341,11 +379,33 @@ __global__ void __launch_bounds__(kBulkThreads) kv_accept_bulk_kernel(
 #endif
 }
 
+// The code the runtime picked for this file's kernels on the current device, as 10 * major + minor (one
+// fatbinary: one kernel's answer holds for all). Cluster launches, PDL and the bulk path need sm_90 code,
+// not only an sm_90 device: a build for 8.0 alone has no cluster barrier and an empty bulk kernel.
+int binary_version(int device) {
+  static std::atomic<int> cached[64] = {};
+  const bool cacheable = device >= 0 && device < 64;
+  if (cacheable && cached[device].load(std::memory_order_relaxed) > 0) return cached[device].load(std::memory_order_relaxed);
+  cudaFuncAttributes attrs{};
+  C10_CUDA_CHECK(cudaFuncGetAttributes(&attrs, kv_accept_bulk_kernel));
+  if (cacheable) cached[device].store(attrs.binaryVersion, std::memory_order_relaxed);
+  return attrs.binaryVersion;
+}
+
+bool hopper(int device) { return sm_major(device) >= 9 && binary_version(device) >= 90; }
+
 // Programmatic dependent launch with the cluster launch: off by default, measured slower at B 64 (above;
-// EAGLE3_KV_ACCEPT_PDL=1 turns it on for sweeps, sm_90+; bench/sweep_kv_accept.py compares both).
+// EAGLE3_KV_ACCEPT_PDL=1 turns it on for sweeps, sm_90 code only; bench/sweep_kv_accept.py compares both).
 bool pdl_enabled(int device) {
   const char* env = std::getenv("EAGLE3_KV_ACCEPT_PDL");
-  return env != nullptr && env[0] == '1' && sm_major(device) >= 9;
+  return env != nullptr && env[0] == '1' && hopper(device);
+}
+
+// cp.async.bulk and mbarrier transaction counts need sm_90 code (hopper()).
+// EAGLE3_KV_ACCEPT_BULK=0 forces the register path (tests use it to cover that path on an H200).
+bool bulk_path_available(int device) {
+  if (const char* env = std::getenv("EAGLE3_KV_ACCEPT_BULK"); env != nullptr && env[0] == '0') return false;
+  return hopper(device);
 }
 
 struct Group {
@@ -354,73 +414,77 @@ struct Group {
   std::vector<void*> bases;
 };
 
+// What every launch of one call shares: the requests' tensors and the bounds their values are checked by.
+struct Requests {
+  int64_t B;
+  const int32_t* page_table;
+  int64_t pt_stride;
+  int64_t cap;  // positions a page table holds: min(max_pages * page_size, 2**31 - 1)
+  int32_t* prefix_lens;
+  const int32_t* accept_nodes;
+  const int32_t* accept_len;
+  int64_t width;  // accept_nodes' columns
+  int max_rows;   // min(width, kMaxRows): accept_len <= max_rows - 1, shared memory sized by it
+  int64_t page_size;
+  int64_t num_pages;
+  int64_t* err;
+};
+
+LayerBases layer_bases(const Group& g, size_t first, size_t count) {
+  LayerBases bases{};
+  for (size_t i = 0; i < count; ++i) bases.base[i] = g.bases[first + i];
+  return bases;
+}
+
+// cluster: the cluster size of the launch, 0 for none (then C = 1).
 template <typename unit_t>
-void launch(const Group& g, size_t first, size_t count, int C, bool pdl, int64_t B, const at::Tensor& page_table,
-            const at::Tensor& prefix_lens, const at::Tensor& accept_nodes, const at::Tensor& accept_len, int N,
-            int64_t page_size, int64_t num_pages, bool advance, cudaStream_t stream) {
-  LayerBases bases{};
-  for (size_t i = 0; i < count; ++i) bases.base[i] = g.bases[first + i];
-  launch_ex(kv_accept_kernel<unit_t>, dim3(static_cast<unsigned>(B * C)), dim3(kThreads),
-            2 * static_cast<size_t>(N) * sizeof(int64_t), stream, C, pdl, bases, static_cast<int>(count),
-            static_cast<uint32_t>(g.vpr), 1.0f / static_cast<float>(g.vpr), C, page_table.data_ptr<int32_t>(),
-            page_table.stride(0), page_table.size(1), prefix_lens.data_ptr<int32_t>(),
-            accept_nodes.data_ptr<int32_t>(), accept_len.data_ptr<int32_t>(), N, page_size, num_pages, advance);
+void launch(const Group& g, size_t first, size_t count, int C, int cluster, bool pdl, const Requests& r,
+            bool advance, cudaStream_t stream) {
+  launch_ex(kv_accept_kernel<unit_t>, dim3(static_cast<unsigned>(r.B * C)), dim3(kThreads),
+            2 * static_cast<size_t>(r.max_rows) * sizeof(int64_t), stream, cluster, pdl, layer_bases(g, first, count),
+            static_cast<int>(count), static_cast<uint32_t>(g.vpr), 1.0f / static_cast<float>(g.vpr), C, r.page_table,
+            r.pt_stride, r.cap, r.prefix_lens, r.accept_nodes, r.accept_len, r.width, r.max_rows, r.page_size,
+            r.num_pages, advance, r.err);
 }
 
-// cp.async.bulk and mbarrier transaction counts need sm_90, in the device and in the binary the runtime
-// picked for it (a build for older architectures only has an empty bulk kernel).
-// EAGLE3_KV_ACCEPT_BULK=0 forces the register path (tests use it to cover that path on an H200).
-bool bulk_path_available(int device) {
-  if (sm_major(device) < 9) return false;
-  if (const char* env = std::getenv("EAGLE3_KV_ACCEPT_BULK"); env != nullptr && env[0] == '0') return false;
-  static std::atomic<int> binary{0};
-  if (binary.load(std::memory_order_relaxed) == 0) {
-    cudaFuncAttributes attrs{};
-    C10_CUDA_CHECK(cudaFuncGetAttributes(&attrs, kv_accept_bulk_kernel));
-    binary.store(attrs.binaryVersion, std::memory_order_relaxed);
-  }
-  return binary.load(std::memory_order_relaxed) >= 90;
-}
-
-// The bulk path for a group of 16-byte rows: W (bytes per column chunk) so that a column's N rows fit the
-// staging buffer, the buffer sized to a block's share of the columns and to the blocks an SM must hold.
-void launch_bulk(const Group& g, size_t first, size_t count, int C, bool pdl, const BulkTuning& tune, int64_t B, const at::Tensor& page_table,
-                 const at::Tensor& prefix_lens, const at::Tensor& accept_nodes, const at::Tensor& accept_len, int N,
-                 int64_t page_size, int64_t num_pages, bool advance, cudaStream_t stream) {
-  LayerBases bases{};
-  for (size_t i = 0; i < count; ++i) bases.base[i] = g.bases[first + i];
+// The bulk path for a group of 16-byte rows: W (bytes per column chunk) so that a column's max_rows rows
+// fit the staging buffer, the buffer sized to a block's share of the columns and to the blocks an SM must
+// hold.
+void launch_bulk(const Group& g, size_t first, size_t count, int C, bool pdl, const BulkTuning& tune,
+                 const Requests& r, int device, bool advance, cudaStream_t stream) {
   const int64_t row_bytes = g.vpr * 16;
-  // Up to `stages` slots, each holding one column's chunks of all N rows (the most that can move).
+  const int64_t rows = r.max_rows;
+  // Up to `stages` slots, each holding one column's chunks of all max_rows rows (the most that can move).
   int64_t budget = tune.stage_bytes;
   if (budget == 0) {  // the grid's blocks per SM, with room for cluster placement (x 1.5)
-    const int64_t sms = num_sms(page_table.get_device());
-    const int64_t per_sm = std::max<int64_t>(1, (3 * B * C + 2 * sms - 1) / (2 * sms));
-    budget = std::min<int64_t>(kMaxStageBytes, (smem_per_sm(page_table.get_device()) / per_sm - 2048) / 1024 * 1024);
+    const int64_t sms = num_sms(device);
+    const int64_t per_sm = std::max<int64_t>(1, (3 * r.B * C + 2 * sms - 1) / (2 * sms));
+    budget = std::min<int64_t>(kMaxStageBytes, (smem_per_sm(device) / per_sm - 2048) / 1024 * 1024);
   }
-  budget = std::max<int64_t>(budget, 16 * N);
-  const int64_t stages = std::max<int64_t>(1, std::min<int64_t>(tune.stages, budget / (16 * N)));
-  const int64_t W = std::min<int64_t>(row_bytes, budget / stages / (16 * N) * 16);  // >= 16
+  budget = std::max<int64_t>(budget, 16 * rows);
+  const int64_t stages = std::max<int64_t>(1, std::min<int64_t>(tune.stages, budget / (16 * rows)));
+  const int64_t W = std::min<int64_t>(row_bytes, budget / stages / (16 * rows) * 16);  // >= 16
   const int64_t q = (row_bytes + W - 1) / W;
   const int64_t cols = (static_cast<int64_t>(count) * q + C - 1) / C;  // a block's columns, at most
   const int64_t per_slot = std::max<int64_t>(1, (cols + stages - 1) / stages);
-  const int64_t slot = std::min<int64_t>(budget / stages / 16 * 16, per_slot * N * W);
-  const size_t smem = static_cast<size_t>(stages * slot + 2 * N * sizeof(int64_t) + stages * sizeof(uint64_t));
+  const int64_t slot = std::min<int64_t>(budget / stages / 16 * 16, per_slot * rows * W);
+  const size_t smem = static_cast<size_t>(stages * slot + 2 * rows * sizeof(int64_t) + stages * sizeof(uint64_t));
   if (smem > 48 * 1024) {  // a host-side attribute of the current device: no sync, graph-capture safe
     C10_CUDA_CHECK(cudaFuncSetAttribute(kv_accept_bulk_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                         static_cast<int>(smem)));
   }
-  launch_ex(kv_accept_bulk_kernel, dim3(static_cast<unsigned>(B * C)), dim3(kBulkThreads), smem, stream, C, pdl,
-            bases, static_cast<int>(count), static_cast<uint32_t>(row_bytes), static_cast<uint32_t>(W),
-            static_cast<uint32_t>(q), C, page_table.data_ptr<int32_t>(), page_table.stride(0), page_table.size(1),
-            prefix_lens.data_ptr<int32_t>(), accept_nodes.data_ptr<int32_t>(), accept_len.data_ptr<int32_t>(), N,
-            page_size, num_pages, advance, static_cast<uint32_t>(slot), static_cast<uint32_t>(stages));
+  launch_ex(kv_accept_bulk_kernel, dim3(static_cast<unsigned>(r.B * C)), dim3(kBulkThreads), smem, stream, C, pdl,
+            layer_bases(g, first, count), static_cast<int>(count), static_cast<uint32_t>(row_bytes),
+            static_cast<uint32_t>(W), static_cast<uint32_t>(q), C, r.page_table, r.pt_stride, r.cap, r.prefix_lens,
+            r.accept_nodes, r.accept_len, r.width, r.max_rows, r.page_size, r.num_pages, advance, r.err,
+            static_cast<uint32_t>(slot), static_cast<uint32_t>(stages));
 }
 
 // caches        list of contiguous [num_pages, page_size, ...] tensors, any dtype; per layer the row
 //               (trailing dims) and dtype may differ, num_pages and page_size may not
 // page_table    [B, max_pages] int32, last dim contiguous
 // prefix_lens   [B] int32, contiguous, mutated
-// accept_nodes  [B, N] int32, contiguous
+// accept_nodes  [B, width] int32, contiguous, any width >= 1
 // accept_len    [B] int32, contiguous
 void kv_accept_cuda(const at::TensorList caches, const at::Tensor& page_table, const at::Tensor& prefix_lens,
                     const at::Tensor& accept_nodes, const at::Tensor& accept_len) {
@@ -457,11 +521,9 @@ void kv_accept_cuda(const at::TensorList caches, const at::Tensor& page_table, c
                     first.device(), "), got ", accept_nodes.device());
   TORCH_CHECK_VALUE(accept_nodes.is_contiguous(), "accept_nodes must be contiguous, got strides ",
                     accept_nodes.strides());
-  const int64_t N = accept_nodes.size(1);
-  CHECK_SHAPE(accept_nodes, B, N);
-  TORCH_CHECK_VALUE(N > 0, "accept_nodes must have N >= 1 columns");
-  TORCH_CHECK_VALUE(N <= kMaxNodes, "accept_nodes must have N <= ", kMaxNodes,
-                    " columns on CUDA (a request's moving rows are held in registers), got ", N);
+  const int64_t width = accept_nodes.size(1);
+  CHECK_SHAPE(accept_nodes, B, width);
+  TORCH_CHECK_VALUE(width > 0, "accept_nodes must have W >= 1 columns");
   CHECK_DTYPE(accept_len, at::kInt);
   CHECK_SHAPE(accept_len, B);
   TORCH_CHECK_VALUE(accept_len.device() == first.device(), "accept_len must be on the same device as caches[0] (",
@@ -494,13 +556,20 @@ void kv_accept_cuda(const at::TensorList caches, const at::Tensor& page_table, c
   if (groups.empty()) groups.push_back(Group{16, 1, {}});  // no bytes to move: only advance prefix_lens
 
   const c10::cuda::OptionalCUDAGuard guard(first.device());
+  const int device = first.get_device();
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  const int64_t want = (4 * num_sms(first.get_device()) + B - 1) / B;
+  const Requests r{B, page_table.data_ptr<int32_t>(), page_table.stride(0),
+                   std::min<int64_t>(page_table.size(1) * page_size, INT32_MAX), prefix_lens.data_ptr<int32_t>(),
+                   accept_nodes.data_ptr<int32_t>(), accept_len.data_ptr<int32_t>(), width,
+                   static_cast<int>(std::min<int64_t>(width, kMaxRows)), page_size, num_pages,
+                   device_error_word(device)};
   // Launch options, read once per call (the environment switches exist for tests and benchmark sweeps).
-  const bool bulk = bulk_path_available(first.get_device());
-  const bool pdl = pdl_enabled(first.get_device());
+  const bool clusters = hopper(device);
+  const bool bulk = bulk_path_available(device);
+  const bool pdl = pdl_enabled(device);
   const BulkTuning tune = bulk ? bulk_tuning() : BulkTuning{};
-  const int64_t max_cluster = bulk ? tune.max_cluster : kMaxCluster;
+  const int64_t want = (4 * num_sms(device) + B - 1) / B;
+  const int64_t max_cluster = !clusters ? 1 : bulk ? tune.max_cluster : kMaxCluster;
   const int C = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(max_cluster, want)));
   size_t launches = 0;
   for (const Group& g : groups) launches += std::max<size_t>(1, (g.bases.size() + kMaxLayers - 1) / kMaxLayers);
@@ -509,15 +578,13 @@ void kv_accept_cuda(const at::TensorList caches, const at::Tensor& page_table, c
     for (size_t firstl = 0; firstl < std::max<size_t>(1, g.bases.size()); firstl += kMaxLayers) {
       const size_t count = std::min<size_t>(kMaxLayers, g.bases.size() - std::min(firstl, g.bases.size()));
       const bool advance = ++done == launches;  // the last launch advances prefix_lens (stream order)
-      auto go = [&](auto unit_tag) {
-        launch<decltype(unit_tag)>(g, firstl, count, C, pdl, B, page_table, prefix_lens, accept_nodes, accept_len,
-                                   static_cast<int>(N), page_size, num_pages, advance, stream);
-      };
       if (g.width == 16 && bulk) {
-        launch_bulk(g, firstl, count, C, pdl, tune, B, page_table, prefix_lens, accept_nodes, accept_len, static_cast<int>(N),
-                    page_size, num_pages, advance, stream);
+        launch_bulk(g, firstl, count, C, pdl, tune, r, device, advance, stream);
         continue;
       }
+      auto go = [&](auto unit_tag) {
+        launch<decltype(unit_tag)>(g, firstl, count, C, clusters ? C : 0, pdl, r, advance, stream);
+      };
       switch (g.width) {
         case 16: go(uint4{}); break;
         case 8: go(uint2{}); break;
@@ -527,6 +594,7 @@ void kv_accept_cuda(const at::TensorList caches, const at::Tensor& page_table, c
       }
     }
   }
+  after_launch(device, stream);
 }
 
 }  // namespace

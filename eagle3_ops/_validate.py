@@ -283,10 +283,10 @@ def kv_accept(caches: Sequence[Tensor], page_table, prefix_lens, accept_nodes, a
            contiguous=True)
     tensor(accept_nodes, "accept_nodes", dtypes=(torch.int32,), dim=2, like=first, like_name="caches[0]",
            contiguous=True)
-    N = accept_nodes.shape[1]
-    tensor(accept_nodes, "accept_nodes", shape=(("B", B), ("N", N)))
-    if N == 0:
-        raise ValueError("accept_nodes must have N >= 1 columns")
+    W = accept_nodes.shape[1]  # any width: the tree's N, SGLang's steps + 1
+    tensor(accept_nodes, "accept_nodes", shape=(("B", B), ("W", W)))
+    if W == 0:
+        raise ValueError("accept_nodes must have W >= 1 columns")
     tensor(accept_len, "accept_len", dtypes=(torch.int32,), shape=(("B", B),), like=first, like_name="caches[0]",
            contiguous=True)
-    return dict(B=B, N=N, num_pages=P, page_size=ps, max_pages=page_table.shape[1])
+    return dict(B=B, W=W, num_pages=P, page_size=ps, max_pages=page_table.shape[1])

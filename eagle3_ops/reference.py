@@ -167,6 +167,16 @@ def build_tree(root_tokens: Tensor, draft_tokens: Tensor, draft_scores: Tensor, 
     The selection is closed under ancestry and parents precede children, so the order is
     topological and siblings are ordered by score (lower index = higher score).
 
+    Bad values: here the first one (draft_parents, then draft_scores, each in row-major order) raises
+    Eagle3InputError; on CUDA the tree is still built, with the same violation recorded in the error
+    word (eagle3_ops.check_errors() raises it with the same message), as follows. A depth-0 parent other
+    than -1 is ignored. A parent outside [0, M) at depth d >= 1 is read as the root: the candidate's
+    effective score is capped by no ancestor, and if selected its parent is node 0 and its position
+    prefix_lens + 1 (its own children keep it as their parent). A NaN score counts as -inf (so, through
+    the cap, does every descendant's; ties among them go to the lower flat index d * M + m, as always).
+    Token ids and prefix_lens are only copied (positions = prefix_lens + depth): any value is taken as
+    given on both devices.
+
     Parameters
     ----------
     root_tokens : Tensor [B] int64
@@ -177,7 +187,7 @@ def build_tree(root_tokens: Tensor, draft_tokens: Tensor, draft_scores: Tensor, 
         Cumulative scores (sum of log-probabilities along the path); -inf marks padding; never NaN.
     draft_parents : Tensor [B, S, M] int32 | int64
         Parent of each candidate: -1 (the root) at depth 0; at depth d >= 1 an index in [0, M) into
-        depth d - 1's candidates. Out-of-range parents raise here; on CUDA they are read as the root.
+        depth d - 1's candidates.
     prefix_lens : Tensor [B] int32
         Verified tokens per request; positions = prefix_lens + depth.
     tokens : Tensor [B, N] int64, mutated
@@ -191,17 +201,12 @@ def build_tree(root_tokens: Tensor, draft_tokens: Tensor, draft_scores: Tensor, 
     """
     s = _validate.build_tree(root_tokens, draft_tokens, draft_scores, draft_parents, prefix_lens, tokens, parents,
                              positions, tree_mask)
+    from .errors import check_float, check_range
+
     B, S, M, N = s["B"], s["S"], s["M"], s["N"]
-    if bool(torch.isnan(draft_scores).any()):
-        raise ValueError("draft_scores must not contain NaN (use -inf for padding candidates)")
-    for name, t in (("root_tokens", root_tokens), ("draft_tokens", draft_tokens), ("prefix_lens", prefix_lens)):
-        if bool((t < 0).any()):
-            raise ValueError(f"{name} must be >= 0, got {int(t.min())}")
-    if S > 0:
-        if bool((draft_parents[:, 0] != -1).any()):
-            raise IndexError("draft_parents[:, 0] must be -1: depth-0 candidates are children of the root")
-        if S > 1:
-            _check_index(draft_parents[:, 1:], M, "draft_parents[:, 1:]", f"M = {M} candidates of the previous depth")
+    root = (torch.arange(S) == 0)[:, None]  # depth 0: the root's children
+    check_range(draft_parents, torch.where(root, -1, 0), torch.where(root, -1, M - 1), "build_tree", "draft_parents")
+    check_float(draft_scores, "build_tree", "draft_scores")
     scores = draft_scores.to(torch.float64)
     new_tokens = torch.empty(B, N, dtype=torch.int64)
     new_parents = torch.empty(B, N, dtype=torch.int32)
@@ -387,6 +392,13 @@ def verify_greedy(logits: Tensor, tokens: Tensor, parents: Tensor) -> tuple[Tens
     if a child of c carries token t (the lowest-index such child), it is accepted and becomes c;
     otherwise t is the bonus token and the walk ends.
 
+    Bad parents: here the first (row-major) raises Eagle3InputError, e.g. `verify_greedy: parents[0, 3]
+    = 5 is out of range (valid: 0..2)` (the root's valid range is -1..-1). On CUDA the same violation is
+    recorded in the error word (eagle3_ops.check_errors() raises it) and the walk goes on: a node j whose
+    parent is not in [0, j) is never accepted (nor, so, is any node below it), a root parent other than
+    -1 is ignored, and every output element is written. Tokens are only compared with the argmax: a
+    token outside [0, V) is never accepted, on both devices.
+
     Parameters
     ----------
     logits : Tensor [B * N, V] bf16 | fp16 | fp32
@@ -394,7 +406,7 @@ def verify_greedy(logits: Tensor, tokens: Tensor, parents: Tensor) -> tuple[Tens
     tokens : Tensor [B, N] int64
         Draft token per node; node 0 is the root (the last verified token).
     parents : Tensor [B, N] int32
-        Canonical parents (-1 for the root, parents[b, j] < j).
+        Canonical parents: -1 for the root, 0 <= parents[b, j] < j for the others.
 
     Returns
     -------
@@ -405,9 +417,12 @@ def verify_greedy(logits: Tensor, tokens: Tensor, parents: Tensor) -> tuple[Tens
     emitted : Tensor [B, N] int64
         The accept_len accepted draft tokens, then the bonus token, -1 padded.
     """
+    from .errors import check_range
+
     s = _validate.verify_greedy(logits, tokens, parents)
     B, N = s["B"], s["N"]
-    tree.validate(tokens, parents)
+    node = torch.arange(N)  # the root's parent is -1, node j's in [0, j)
+    check_range(parents, torch.where(node == 0, -1, 0), node - 1, "verify_greedy", "parents")
     first_child, next_sibling = tree.children_links(parents)
     target = logits.argmax(dim=-1).view(B, N)
     paths, bonus = [], []
@@ -444,6 +459,17 @@ def verify_sampling(target_logits: Tensor, draft_probs: Optional[Tensor], d2t: O
     stream 1)) (an exponential race: a draw from p with no normalisation pass), ties to the lowest id.
     Nothing fp32 [B, N, V] is materialised by the kernel.
 
+    Bad values: here the first raises Eagle3InputError (parents, then temperature, then d2t, each in
+    row-major order), e.g. `verify_sampling: parents[0, 3] = 5 is out of range (valid: 0..2)`,
+    `verify_sampling: temperature[1] = -1.0 must be >= 0`, `verify_sampling: temperature[1] is NaN`,
+    `verify_sampling: d2t[17] = 200000 is out of range (valid: -17..163822)` (d2t[d] must keep the
+    target id d + d2t[d] in [0, V): valid -d..V - 1 - d). On CUDA the same violation is recorded in
+    the error word (eagle3_ops.check_errors() raises it) and the walk goes on: a node j whose parent is
+    not in [0, j) is never visited (not tried, no uniform drawn for it; nor is any node below it) and a
+    root parent other than -1 is ignored; a negative or NaN temperature samples request b greedily (as
+    temperature 0); a bad d2t entry drops that draft id's probability from q. Tokens outside [0, V)
+    are valid on both devices: p(x) = 0, never accepted.
+
     Parameters
     ----------
     target_logits : Tensor [B * N, V] bf16 | fp16 | fp32
@@ -455,7 +481,7 @@ def verify_sampling(target_logits: Tensor, draft_probs: Optional[Tensor], d2t: O
     tokens : Tensor [B, N] int64
         Draft token per node (target vocabulary); node 0 is the root.
     parents : Tensor [B, N] int32
-        Canonical parents.
+        Canonical parents: -1 for the root, 0 <= parents[b, j] < j for the others.
     temperature : Tensor [B] fp32
         Sampling temperature per request, >= 0 (0 = greedy).
     seed : Tensor [B] int64
@@ -472,13 +498,16 @@ def verify_sampling(target_logits: Tensor, draft_probs: Optional[Tensor], d2t: O
     emitted : Tensor [B, N] int64
         The accept_len accepted draft tokens, then the bonus token, -1 padded.
     """
+    from .errors import check_float, check_range
+
     s = _validate.verify_sampling(target_logits, draft_probs, d2t, tokens, parents, temperature, seed, offset)
     B, N, V = s["B"], s["N"], s["V"]
-    tree.validate(tokens, parents)
-    if bool((temperature < 0).any()) or bool(torch.isnan(temperature).any()):
-        raise ValueError("temperature must be >= 0 (0 = greedy)")
+    node = torch.arange(N)  # the root's parent is -1, node j's in [0, j)
+    check_range(parents, torch.where(node == 0, -1, 0), node - 1, "verify_sampling", "parents")
+    check_float(temperature, "verify_sampling", "temperature", nonnegative=True)
     if d2t is not None:
-        _check_index(torch.arange(s["Vd"]) + d2t, V, "d2t", f"the target vocabulary V = {V} (draft + d2t[draft])")
+        d = torch.arange(s["Vd"])
+        check_range(d2t, -d, V - 1 - d, "verify_sampling", "d2t")
     first_child, next_sibling = tree.children_links(parents)
     paths, bonus = [], []
     for b in range(B):
@@ -537,35 +566,52 @@ def kv_accept(caches: Sequence[Tensor], page_table: Tensor, prefix_lens: Tensor,
     P + accept_nodes[b, i] to position P + i (position p lives at page page_table[b, p // page_size],
     slot p % page_size), in every cache of the list; all rows are read before any is written, so
     overlapping moves (accepted [0, 2, 3]: 2 -> 1, 3 -> 2) are safe. Then prefix_lens[b] += a + 1.
-    Rows beyond are left stale (overwritten later). On CUDA an out-of-range index skips that request
-    (its cache rows and prefix_len stay untouched); here it raises IndexError.
+    Rows beyond are left stale (overwritten later).
+
+    The op does not know the tree size: it checks positions against the page table. With
+    cap = min(max_pages * page_size, 2**31 - 1), each request is checked in this order: accept_len[b]
+    in 0..min(W, 2048) - 1 (2048: the most rows one request may move on CUDA); prefix_lens[b] in
+    0..cap - 1 - a (every destination P + i in the table); accept_nodes[b, i] in 0..cap - 1 - P for
+    i in 0..a (every source in the table); then page_table[b, s] in 0..num_pages - 1 for every page
+    slot s holding a source or a destination (rows that stay in place included). Entries of
+    accept_nodes past accept_len are never read. Here the first violation (request by request, in that
+    order) raises Eagle3InputError; on CUDA the request is skipped whole (its cache rows and its
+    prefix_len stay untouched), the other requests are processed, and the same violation is recorded
+    in the error word (eagle3_ops.check_errors() raises it with the same message).
 
     Parameters
     ----------
     caches : list of Tensor [num_pages, page_size, ...], mutated
         Per-layer caches sharing one page layout: MLA latent [num_pages, page_size, 576], or K and V
-        [num_pages, page_size, HKV, Dh]; any dtype, contiguous.
+        [num_pages, page_size, HKV, Dh]; any dtype, contiguous. Requests own disjoint pages.
     page_table : Tensor [B, max_pages] int32
         Pages of each request.
     prefix_lens : Tensor [B] int32, mutated
         Verified tokens before the tree; advanced by accept_len + 1.
-    accept_nodes : Tensor [B, N] int32
-        Accepted nodes, root first, -1 padded (verify_greedy's output); entries 0..accept_len are used.
+    accept_nodes : Tensor [B, W] int32
+        Accepted nodes, root first, any width W >= 1: verify's [B, N] (-1 padded) or SGLang's accept
+        index [B, steps + 1]; entries 0..accept_len are used.
     accept_len : Tensor [B] int32
-        Accepted draft tokens (bonus excluded), 0 <= accept_len <= N - 1.
+        Accepted draft tokens (bonus excluded), 0 <= accept_len <= min(W, 2048) - 1.
     """
+    from .errors import check_range
+
     s = _validate.kv_accept(caches, page_table, prefix_lens, accept_nodes, accept_len)
-    B, N, ps = s["B"], s["N"], s["page_size"]
-    _check_index(accept_len, N, "accept_len", f"N = {N} tree nodes (0 <= accept_len <= N - 1)")
-    _check_capacity(page_table, prefix_lens, N, ps)
+    B, W, ps, num_pages = s["B"], s["W"], s["page_size"], s["num_pages"]
+    cap = min(s["max_pages"] * ps, 2**31 - 1)
     moves = []
     for b in range(B):
+        check_range(accept_len[b:b + 1], 0, min(W, 2048) - 1, "kv_accept", "accept_len", (b,))
         a, P = int(accept_len[b]), int(prefix_lens[b])
+        check_range(prefix_lens[b:b + 1], 0, cap - 1 - a, "kv_accept", "prefix_lens", (b,))
         nodes = accept_nodes[b, :a + 1]
-        _check_index(nodes, N, f"accept_nodes[{b}, :{a + 1}]", f"N = {N} tree nodes")
+        check_range(nodes[None], 0, cap - 1 - P, "kv_accept", "accept_nodes", (b, 0))
         src, dst = P + nodes.long(), P + torch.arange(a + 1)
-        for pos in (src, dst):
-            _check_index(page_table[b, pos // ps].long(), s["num_pages"], f"page_table[{b}]", f"{s['num_pages']} pages")
+        used = torch.zeros(page_table.shape[1], dtype=torch.bool)  # the page slots read or written
+        used[src // ps] = True
+        used[dst // ps] = True
+        lo, hi = torch.where(used, 0, -2**62), torch.where(used, num_pages - 1, 2**62)  # unused slots: anything
+        check_range(page_table[b:b + 1], lo, hi, "kv_accept", "page_table", (b, 0))
         moves.append((page_table[b, src // ps].long(), src % ps, page_table[b, dst // ps].long(), dst % ps))
     for cache in caches:
         rows = [cache[sp, ss].clone() for sp, ss, _, _ in moves]  # read everything first
