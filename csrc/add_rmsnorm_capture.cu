@@ -4,7 +4,9 @@
 // residual is the output of layer k, so the capture costs only its writes, never another launch.
 // Memory-bound: one block per token row, every 16-byte load of the row issued before the first store,
 // the row held in registers between the add and the normalisation (a second pass over global memory
-// only for widths beyond the register budget). On sm_90+ it is launched with programmatic dependent launch,
+// only for widths beyond the register budget). A base address, row stride or width that is not a
+// multiple of the vector (x's 16 bytes; the same element count of residual, weight and aux) takes the
+// one-element shape. On sm_90+ it is launched with programmatic dependent launch,
 // so under a CUDA graph the next call's launch overlaps this one's tail (a call cost ~3 us even at T = 1).
 //
 // Rounding, exactly as the reference (eagle3_ops/reference.py): the add in acc_t (fp32, or fp64 when any
@@ -14,8 +16,10 @@
 //
 // Captured rows: without `rows` every row r writes aux[r]; with `rows`, block t writes every aux row r
 // with rows[r] == t (it scans rows, which is short: the last token of each request, the accepted rows).
-// A row index outside [0, T) cannot be raised without a host sync: that aux row is filled with NaN
-// (by block 0) and nothing is read or written out of bounds (the CPU reference raises).
+// A row index outside [0, T) cannot be raised without a host sync: that aux row's slot block is filled
+// with NaN (by block 0, or with T = 0 by fill_unmatched_kernel), nothing is read or written out of bounds,
+// x and residual are computed as usual, and block 0 records the index in the device error word
+// (eagle3/errors.h; the CPU reference raises the same message).
 
 #include <ATen/Dispatch.h>
 #include <ATen/cuda/CUDAContext.h>
@@ -30,6 +34,7 @@
 #include <type_traits>
 
 #include "eagle3/checks.h"
+#include "eagle3/errors.cuh"
 #include "eagle3/launch.h"
 #include "eagle3/pdl.cuh"
 #include "eagle3/vec.cuh"
@@ -83,11 +88,12 @@ struct Shape {
 // res      [T, H] row stride rs          (residual stream, += x)
 // w        [H]                           contiguous
 // aux      [R, H] row stride as          already offset to column slot * H; nullptr: no capture
+// err      the device error word (eagle3/errors.h)
 // grid: T blocks of at most S::THREADS; blockDim.x * MAXV * VEC >= H selects the register-cached path.
 template <typename x_t, typename r_t, typename w_t, typename acc_t, typename S>
 __global__ void __launch_bounds__(S::THREADS, S::MIN_BLOCKS) add_rmsnorm_capture_kernel(
     x_t* __restrict__ x, int64_t xs, r_t* __restrict__ res, int64_t rs, const w_t* __restrict__ w,
-    r_t* __restrict__ aux, int64_t as, Rows rows, int64_t T, int64_t H, acc_t eps) {
+    r_t* __restrict__ aux, int64_t as, Rows rows, int64_t T, int64_t H, acc_t eps, int64_t* __restrict__ err) {
   constexpr int VEC = S::VEC, MAXV = S::MAXV;
   using xv_t = Vec<x_t, VEC>;
   using rv_t = Vec<r_t, VEC>;
@@ -181,8 +187,8 @@ __global__ void __launch_bounds__(S::THREADS, S::MIN_BLOCKS) add_rmsnorm_capture
   }
 
   if (aux == nullptr || rows.ptr == nullptr) return;
-  // Captures of a row subset: find the aux rows r with rows[r] == t (block 0 also NaN-fills the aux
-  // rows whose index is out of range), then write each from registers (or from the stored residual).
+  // Captures of a row subset: find the aux rows r with rows[r] == t (block 0 also NaN-fills and reports
+  // the aux rows whose index is out of range), then write each from registers (or from the stored residual).
   for (int64_t base = 0; base < rows.R; base += nt) {
     if (tid == 0) n_matched = 0;
     __syncthreads();
@@ -190,6 +196,7 @@ __global__ void __launch_bounds__(S::THREADS, S::MIN_BLOCKS) add_rmsnorm_capture
     if (r < rows.R) {
       const int64_t src = rows[r];
       const bool invalid = src < 0 || src >= T;
+      if (invalid && t == 0) report_range(err, kOpAddRmsnormCapture, kArgRows, src, 0, T - 1, r);
       if (src == t || (invalid && t == 0)) matched[atomicAdd(&n_matched, 1)] = invalid ? -1 - r : r;
     }
     __syncthreads();
@@ -212,6 +219,17 @@ __global__ void __launch_bounds__(S::THREADS, S::MIN_BLOCKS) add_rmsnorm_capture
       }
     }
     __syncthreads();  // before n_matched is reset
+  }
+}
+
+// T = 0 with rows: there is no block per token, and every index is out of range: each aux row's slot
+// block is filled with NaN and the index reported, as the main kernel's block 0 does.
+template <typename r_t>
+__global__ void fill_unmatched_kernel(r_t* __restrict__ aux, int64_t as, Rows rows, int64_t H,
+                                      int64_t* __restrict__ err) {
+  for (int64_t r = blockIdx.x; r < rows.R; r += gridDim.x) {
+    if (threadIdx.x == 0) report_range(err, kOpAddRmsnormCapture, kArgRows, rows[r], 0, -1, r);
+    for (int64_t i = threadIdx.x; i < H; i += blockDim.x) aux[r * as + i] = nan_of<r_t>();
   }
 }
 
@@ -262,7 +280,7 @@ Variant variant() {
 template <typename x_t, typename r_t, typename w_t>
 void launch(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight,
             const std::optional<at::Tensor>& aux_slice, Rows rows, double eps, bool pdl, char shape, int occ,
-            cudaStream_t stream) {
+            int64_t* err, cudaStream_t stream) {
   using acc_t = std::conditional_t<kIsDouble<x_t> || kIsDouble<r_t> || kIsDouble<w_t>, double, float>;
   const int64_t T = x.size(0), H = x.size(1);
   constexpr int V = kVec16<x_t>;
@@ -291,7 +309,7 @@ void launch(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& w
     }
     launch_ex(kernel, dim3(static_cast<unsigned>(T)), dim3(static_cast<unsigned>(threads)), smem, stream, 0, pdl,
               x.data_ptr<x_t>(), x.stride(0), residual.data_ptr<r_t>(), residual.stride(0), weight.data_ptr<w_t>(),
-              aux_ptr, as, rows, T, H, static_cast<acc_t>(eps));
+              aux_ptr, as, rows, T, H, static_cast<acc_t>(eps), err);
   };
   if (!vec_ok) {
     go(Shape<1, 8, kIsDouble<acc_t> ? 512 : 1024, 1>{});  // fp64 sums spilled under 64 registers
@@ -315,8 +333,8 @@ void launch(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& w
   }
 }
 
-// x        [T, H]          bf16 | fp16 | fp32 | fp64, last dim contiguous, mutated
-// residual [T, H]          x's dtype or fp32, last dim contiguous, mutated
+// x        [T, H]          bf16 | fp16 | fp32 | fp64, last dim contiguous (any stride when H == 1), mutated
+// residual [T, H]          x's dtype or fp32, last dim contiguous likewise, mutated
 // weight   [H]             any float dtype, contiguous (converted once when neither x's dtype nor fp32)
 // aux      [R, n_aux * H]  residual's dtype, optional, may be a strided view, mutated
 // rows     [R]             int32 | int64, optional (needs aux); without it R == T
@@ -327,13 +345,16 @@ void add_rmsnorm_capture_cuda(const at::Tensor& x, const at::Tensor& residual, c
   const auto xt = x.scalar_type();
   TORCH_CHECK_TYPE(xt == at::kBFloat16 || xt == at::kHalf || xt == at::kFloat || xt == at::kDouble,
                    "x must have dtype bfloat16, float16, float32 or float64, got ", xt);
-  CHECK_LAST_DIM_CONTIGUOUS(x);
+  // A width-1 row has no last-dimension stride to honour (as _validate.tensor's last_contiguous).
+  TORCH_CHECK_VALUE(x.size(1) <= 1 || x.stride(1) == 1, "x must be contiguous in its last dimension, got strides ",
+                    x.strides());
   const int64_t T = x.size(0), H = x.size(1);
   TORCH_CHECK_TYPE(residual.scalar_type() == xt || residual.scalar_type() == at::kFloat,
                    "residual must have dtype ", xt, " (x's) or float32, got ", residual.scalar_type());
   CHECK_SHAPE(residual, T, H);
   CHECK_SAME_DEVICE(residual, x);
-  CHECK_LAST_DIM_CONTIGUOUS(residual);
+  TORCH_CHECK_VALUE(H <= 1 || residual.stride(1) == 1, "residual must be contiguous in its last dimension, got strides ",
+                    residual.strides());
   const at::Tensor& weight = weight_in;
   TORCH_CHECK_TYPE(at::isFloatingType(weight.scalar_type()) && weight.element_size() >= 2,
                    "weight must have dtype bfloat16, float16, float32 or float64, got ", weight.scalar_type());
@@ -352,11 +373,23 @@ void add_rmsnorm_capture_cuda(const at::Tensor& x, const at::Tensor& residual, c
     TORCH_CHECK_VALUE(!rows, "rows selects aux rows: pass aux too, or leave rows None");
   }
   TORCH_CHECK_VALUE(T < (int64_t{1} << 31), "x must have fewer than 2**31 rows, got ", T);
-  if (T == 0 || H == 0) return;
+  if (H == 0 || (T == 0 && rws.R == 0)) return;
 
   const c10::cuda::OptionalCUDAGuard guard(x.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const int dev = x.get_device();
+  int64_t* err = device_error_word(dev);
   const auto rt = residual.scalar_type();
+  if (T == 0) {  // rows given, none of them valid
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, rt, "add_rmsnorm_capture", [&] {
+      const unsigned blocks = static_cast<unsigned>(std::min<int64_t>(rws.R, 1024));
+      fill_unmatched_kernel<scalar_t><<<blocks, 256, 0, stream>>>(aux_slice->data_ptr<scalar_t>(),
+                                                                  aux_slice->stride(0), rws, H, err);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
+    after_launch(dev, stream);
+    return;
+  }
   // The weight is read in x's dtype or in fp32 (acc_t's inputs); any other dtype is converted once.
   at::Tensor w = weight;
   if (weight.scalar_type() != xt && weight.scalar_type() != at::kFloat) w = weight.to(xt == at::kDouble ? at::kDouble : at::kFloat);
@@ -369,9 +402,9 @@ void add_rmsnorm_capture_cuda(const at::Tensor& x, const at::Tensor& residual, c
     auto with_w = [&](auto r_tag) {
       using r_t = decltype(r_tag);
       if (w_is_x) {
-        launch<x_t, r_t, x_t>(x, residual, w, aux_slice, rws, eps, pdl, opt.shape, opt.occ, stream);
+        launch<x_t, r_t, x_t>(x, residual, w, aux_slice, rws, eps, pdl, opt.shape, opt.occ, err, stream);
       } else {
-        launch<x_t, r_t, float>(x, residual, w, aux_slice, rws, eps, pdl, opt.shape, opt.occ, stream);
+        launch<x_t, r_t, float>(x, residual, w, aux_slice, rws, eps, pdl, opt.shape, opt.occ, err, stream);
       }
     };
     if (rt == xt) {
@@ -380,6 +413,7 @@ void add_rmsnorm_capture_cuda(const at::Tensor& x, const at::Tensor& residual, c
       with_w(float{});
     }
   });
+  after_launch(dev, stream);
 }
 
 }  // namespace

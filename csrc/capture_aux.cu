@@ -2,11 +2,13 @@
 //
 // The drafter's input capture, for a target that does not fuse it into its add + RMSNorm
 // (add_rmsnorm_capture does). Memory-bound: each thread moves UNROLL 16-byte vectors, all loads issued
-// before the first store. The add is done in fp32 and rounded once, exactly as torch's `hidden +
-// residual` rounds, so the result is bit-identical to the reference.
+// before the first store; a base address, row stride or width that is not a multiple of the vector takes
+// the one-element path. The add is done in fp32 (fp64 for fp64) and rounded once, exactly as torch's
+// `hidden + residual` rounds, so the result is bit-identical to the reference.
 //
-// A row index outside [0, T) cannot be raised on the device without a host sync: the kernel never
-// reads out of bounds and fills that aux row with NaN instead (the CPU reference raises).
+// A row index outside [0, T) cannot be raised on the device without a host sync: the kernel reads
+// nothing for it, fills that aux row's slot block with NaN and records the index in the device error
+// word (eagle3/errors.h; the CPU reference raises the same message).
 
 #include <ATen/Dispatch.h>
 #include <c10/cuda/CUDAException.h>
@@ -15,8 +17,10 @@
 #include <torch/library.h>
 
 #include <limits>
+#include <type_traits>
 
 #include "eagle3/checks.h"
+#include "eagle3/errors.cuh"
 #include "eagle3/vec.cuh"
 
 namespace eagle3 {
@@ -29,17 +33,20 @@ constexpr int kSmallGridBlocks = 4 * 132;  // below this many blocks at unroll 4
 // residual [T, H]  row stride residual_stride (nullptr when absent)
 // aux      [R, H]  already offset to column slot * H, row stride aux_stride
 // rows     [R]     int32 | int64 (nullptr: r -> r)
+// err      the device error word (eagle3/errors.h)
 // grid: (R, ceil(H / VEC / (kThreads * kUnroll)))
 template <typename scalar_t, int VEC, int kUnroll, typename index_t>
 __global__ void __launch_bounds__(kThreads) capture_aux_kernel(
     const scalar_t* __restrict__ hidden, int64_t hidden_stride,
     const scalar_t* __restrict__ residual, int64_t residual_stride,
     scalar_t* __restrict__ aux, int64_t aux_stride,
-    const index_t* __restrict__ rows, int64_t T, int64_t H) {
+    const index_t* __restrict__ rows, int64_t T, int64_t H, int64_t* __restrict__ err) {
   using vec_t = Vec<scalar_t, VEC>;
+  using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
   const int64_t r = blockIdx.x;
   const int64_t src = rows != nullptr ? static_cast<int64_t>(rows[r]) : r;
   const bool valid = src >= 0 && src < T;
+  if (!valid && blockIdx.y == 0 && threadIdx.x == 0) report_range(err, kOpCaptureAux, kArgRows, src, 0, T - 1, r);
   const int64_t nvec = H / VEC;
   const int64_t base = static_cast<int64_t>(blockIdx.y) * kThreads * kUnroll + threadIdx.x;
   const vec_t* h = reinterpret_cast<const vec_t*>(hidden + (valid ? src : 0) * hidden_stride);
@@ -66,7 +73,7 @@ __global__ void __launch_bounds__(kThreads) capture_aux_kernel(
       if (!valid) {
         o.v[i] = static_cast<scalar_t>(std::numeric_limits<float>::quiet_NaN());
       } else if (res != nullptr) {
-        o.v[i] = static_cast<scalar_t>(static_cast<float>(a[u].v[i]) + static_cast<float>(b[u].v[i]));
+        o.v[i] = static_cast<scalar_t>(static_cast<acc_t>(a[u].v[i]) + static_cast<acc_t>(b[u].v[i]));
       } else {
         o.v[i] = a[u].v[i];
       }
@@ -77,19 +84,19 @@ __global__ void __launch_bounds__(kThreads) capture_aux_kernel(
 
 template <typename scalar_t, int VEC, int kUnroll, typename index_t>
 void launch(const at::Tensor& hidden, const std::optional<at::Tensor>& residual, const at::Tensor& aux_slice,
-            const index_t* rows, int64_t R, cudaStream_t stream) {
+            const index_t* rows, int64_t R, int64_t* err, cudaStream_t stream) {
   const int64_t T = hidden.size(0), H = hidden.size(1);
   const int64_t chunks = (H / VEC + kThreads * kUnroll - 1) / (kThreads * kUnroll);
   const dim3 grid(static_cast<unsigned>(R), static_cast<unsigned>(chunks));
   capture_aux_kernel<scalar_t, VEC, kUnroll, index_t><<<grid, kThreads, 0, stream>>>(
       hidden.data_ptr<scalar_t>(), hidden.stride(0),
       residual ? residual->data_ptr<scalar_t>() : nullptr, residual ? residual->stride(0) : 0,
-      aux_slice.data_ptr<scalar_t>(), aux_slice.stride(0), rows, T, H);
+      aux_slice.data_ptr<scalar_t>(), aux_slice.stride(0), rows, T, H, err);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// hidden   [T, H]            bf16 | fp16 | fp32, last dim contiguous
-// residual [T, H] optional   same dtype and device
+// hidden   [T, H]            bf16 | fp16 | fp32 | fp64, last dim contiguous (any stride when H == 1)
+// residual [T, H] optional   same dtype and device, last dim contiguous likewise
 // aux      [R, n_aux * H]    same dtype; may be a strided view (last dim contiguous)
 // rows     [R] optional      int32 | int64; without it R == T
 void capture_aux_cuda(const at::Tensor& hidden, const std::optional<at::Tensor>& residual, const at::Tensor& aux,
@@ -97,17 +104,19 @@ void capture_aux_cuda(const at::Tensor& hidden, const std::optional<at::Tensor>&
   const at::Tensor* residual_p = residual ? &*residual : nullptr;
   CHECK_CUDA(hidden);
   CHECK_DIM(hidden, 2);
-  TORCH_CHECK_TYPE(hidden.scalar_type() == at::kBFloat16 || hidden.scalar_type() == at::kHalf ||
-                  hidden.scalar_type() == at::kFloat,
-              "hidden must have dtype bfloat16, float16 or float32, got ", hidden.scalar_type());
-  CHECK_LAST_DIM_CONTIGUOUS(hidden);
+  TORCH_CHECK_TYPE(at::isFloatingType(hidden.scalar_type()) && hidden.element_size() >= 2,
+                   "hidden must have dtype bfloat16, float16, float32 or float64, got ", hidden.scalar_type());
+  // A width-1 row has no last-dimension stride to honour (as _validate.tensor's last_contiguous).
+  TORCH_CHECK_VALUE(hidden.size(1) <= 1 || hidden.stride(1) == 1,
+                    "hidden must be contiguous in its last dimension, got strides ", hidden.strides());
   const int64_t T = hidden.size(0), H = hidden.size(1);
   if (residual_p) {
     const at::Tensor& residual = *residual_p;  // named so that messages say "residual"
     CHECK_SAME_DEVICE(residual, hidden);
     CHECK_DTYPE(residual, hidden.scalar_type());
     CHECK_SHAPE(residual, T, H);
-    CHECK_LAST_DIM_CONTIGUOUS(residual);
+    TORCH_CHECK_VALUE(H <= 1 || residual.stride(1) == 1,
+                      "residual must be contiguous in its last dimension, got strides ", residual.strides());
   }
   const int64_t R = check_aux_slot(aux, hidden, "hidden", slot, rows);
   TORCH_CHECK_VALUE(R < (int64_t{1} << 31), "aux must have fewer than 2**31 rows, got ", R);
@@ -115,6 +124,8 @@ void capture_aux_cuda(const at::Tensor& hidden, const std::optional<at::Tensor>&
 
   const c10::cuda::OptionalCUDAGuard guard(hidden.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const int dev = hidden.get_device();
+  int64_t* err = device_error_word(dev);
   const at::Tensor aux_slice = aux.narrow(1, slot * H, H);
 
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, hidden.scalar_type(), "capture_aux", [&] {
@@ -129,11 +140,11 @@ void capture_aux_cuda(const at::Tensor& hidden, const std::optional<at::Tensor>&
       // across the chip; many rows: 4 vectors per thread, all loads issued before the stores.
       const bool small = R * ((H / V + kThreads * 4 - 1) / (kThreads * 4)) < kSmallGridBlocks;
       if (vec_ok && small) {
-        launch<scalar_t, V, 1, index_t>(hidden, residual, aux_slice, rows_ptr, R, stream);
+        launch<scalar_t, V, 1, index_t>(hidden, residual, aux_slice, rows_ptr, R, err, stream);
       } else if (vec_ok) {
-        launch<scalar_t, V, 4, index_t>(hidden, residual, aux_slice, rows_ptr, R, stream);
+        launch<scalar_t, V, 4, index_t>(hidden, residual, aux_slice, rows_ptr, R, err, stream);
       } else {
-        launch<scalar_t, 1, 4, index_t>(hidden, residual, aux_slice, rows_ptr, R, stream);
+        launch<scalar_t, 1, 4, index_t>(hidden, residual, aux_slice, rows_ptr, R, err, stream);
       }
     };
     if (rows && rows->scalar_type() == at::kInt) {
@@ -142,6 +153,7 @@ void capture_aux_cuda(const at::Tensor& hidden, const std::optional<at::Tensor>&
       go(int64_t{});
     }
   });
+  after_launch(dev, stream);
 }
 
 }  // namespace

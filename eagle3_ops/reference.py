@@ -42,7 +42,7 @@ def capture_aux(hidden: Tensor, residual: Optional[Tensor], aux: Tensor, slot: i
 
     Parameters
     ----------
-    hidden : Tensor [T, H] bf16 | fp16 | fp32
+    hidden : Tensor [T, H] bf16 | fp16 | fp32 | fp64
         Sublayer output (or the full residual stream when residual is None).
     residual : Tensor [T, H] same dtype, optional
         Residual stream before the add; the sum is rounded once to the dtype, as `hidden + residual`.
@@ -53,14 +53,19 @@ def capture_aux(hidden: Tensor, residual: Optional[Tensor], aux: Tensor, slot: i
         Which of the n_aux column blocks, 0 <= slot < n_aux.
     rows : Tensor [R] int32 | int64, optional
         Source row of each aux row (e.g. the last token of each request in prefill); None means R = T
-        and row r <- r. On CUDA an index outside [0, T) fills that aux row with NaN (no host sync to
-        raise); here it raises IndexError.
+        and row r <- r. An index outside [0, T) raises Eagle3InputError here, e.g. `capture_aux:
+        rows[3] = 5000000 is out of range (valid: 0..12)`, and writes nothing. On CUDA (no host sync to
+        raise) that aux row's slot block is filled with NaN, nothing is read for it, the other rows and
+        the other column blocks are as usual, and the device error word records the index:
+        eagle3_ops.check_errors() (or strict mode, at the call) raises the same message.
     """
+    from .errors import check_range
+
     s = _validate.capture_aux(hidden, residual, aux, slot, rows)
     H = s["H"]
     src = hidden if residual is None else hidden + residual
     if rows is not None:
-        _check_index(rows, s["T"], "rows", f"T = {s['T']} hidden rows")
+        check_range(rows, 0, s["T"] - 1, "capture_aux", "rows")
         src = src[rows.long()]
     aux[:, slot * H:(slot + 1) * H] = src
 
@@ -89,11 +94,16 @@ def add_rmsnorm_capture(x: Tensor, residual: Tensor, weight: Tensor, eps: float,
     slot : int
         Column block of aux to write, 0 <= slot < n_aux (ignored without aux).
     rows : Tensor [R] int32 | int64, optional
-        Residual rows to capture; None means all T. Out-of-range: as in capture_aux.
+        Residual rows to capture; None means all T. An index outside [0, T) raises Eagle3InputError
+        here (`add_rmsnorm_capture: rows[1] = 4 is out of range (valid: 0..3)`) and writes nothing. On
+        CUDA that aux row's slot block is filled with NaN, x, residual and the other aux rows are
+        computed as usual, and the device error word records the index (as in capture_aux).
     """
+    from .errors import check_range
+
     s = _validate.add_rmsnorm_capture(x, residual, weight, eps, aux, slot, rows)
     if rows is not None:
-        _check_index(rows, s["T"], "rows", f"T = {s['T']} residual rows")
+        check_range(rows, 0, s["T"] - 1, "add_rmsnorm_capture", "rows")
     acc = _acc(x, residual, weight)
     new_residual = (x.to(acc) + residual.to(acc)).to(residual.dtype)
     r = new_residual.to(acc)
