@@ -12,12 +12,13 @@
 // The selection is closed under ancestry (a parent's eff is >= its child's and its depth smaller), so
 // every parent is a node with a smaller index: the result is a canonical tree.
 //
-// Values that the CPU reference raises on cannot be checked here without a host sync; they are made
-// harmless instead: a NaN score ranks as -inf, a depth-0 parent is ignored (depth-0 candidates are
-// the root's children), an out-of-range parent at depth >= 1 is read as the root (the candidate joins
-// the root's children and its chain stops there), negative tokens or prefix lengths are copied as
-// given. No index read from the inputs is ever used unchecked, so nothing is read or written out of
-// bounds.
+// Bad values are recorded in the device error word (eagle3/errors.h; the CPU reference raises the same
+// message) and made harmless: a NaN score ranks as -inf (so, through the cap, does every descendant; ties
+// to the lower flat index); a depth-0 parent other than -1 is ignored (depth-0 candidates are the root's
+// children); a parent outside [0, M) at depth >= 1 is read as the root (the candidate joins the root's
+// children at depth 1 and its chain stops there). Tokens and prefix lengths are only copied (positions =
+// prefix + depth), never used as an index, so no value of theirs is invalid here. No index read from the
+// inputs is ever used unchecked, so nothing is read or written out of bounds.
 
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -27,6 +28,8 @@
 #include <cstdint>
 
 #include "eagle3/checks.h"
+#include "eagle3/errors.cuh"
+#include "eagle3/errors.h"
 
 namespace eagle3 {
 namespace {
@@ -54,13 +57,15 @@ __device__ __forceinline__ uint64_t sort_key(float eff, uint32_t flat) {
 // draft_parents [B, S, M]  int32 | int64
 // prefix_lens   [B]        int32
 // tokens [B, N] int64, parents [B, N] int32, positions [B, N] int64, tree_mask [B, N, W] int32
+// err: the device error word
 // grid: B blocks; dynamic shared memory: C keys (u64), C node_of (i32), N parents (i32), C = S * M
 template <typename score_t, typename par_t>
 __global__ void __launch_bounds__(kMaxThreads) build_tree_kernel(
     const int64_t* __restrict__ root_tokens, const int64_t* __restrict__ draft_tokens,
     const score_t* __restrict__ draft_scores, const par_t* __restrict__ draft_parents,
     const int32_t* __restrict__ prefix_lens, int64_t* __restrict__ tokens, int32_t* __restrict__ parents,
-    int64_t* __restrict__ positions, int32_t* __restrict__ tree_mask, int S, int M, int N, int W) {
+    int64_t* __restrict__ positions, int32_t* __restrict__ tree_mask, int S, int M, int N, int W,
+    int64_t* __restrict__ err) {
   extern __shared__ uint64_t smem[];
   const int C = S * M;
   uint64_t* key = smem;                                      // [C]
@@ -73,7 +78,13 @@ __global__ void __launch_bounds__(kMaxThreads) build_tree_kernel(
   // 1 + 2: effective scores and keys
   for (int f = threadIdx.x; f < C; f += blockDim.x) {
     int d = f / M, m = f - d * M;
-    float e = clean(score_to_float(sc[f]));
+    const float raw = score_to_float(sc[f]);
+    if constexpr (kDeviceChecks) {  // each candidate reports its own score and parent
+      if (raw != raw) report_float(err, kOpBuildTree, kArgDraftScores, kKindNaN, raw, b, d, m);
+      const int64_t p = static_cast<int64_t>(pa[f]), lo = d == 0 ? -1 : 0, hi = d == 0 ? -1 : M - 1;
+      if (p < lo || p > hi) report_range(err, kOpBuildTree, kArgDraftParents, p, lo, hi, b, d, m);
+    }
+    float e = clean(raw);
     while (d > 0) {
       const int64_t p = static_cast<int64_t>(pa[d * M + m]);
       if (p < 0 || p >= M) break;  // out of range: read as the root
@@ -192,6 +203,8 @@ void build_tree_cuda(const at::Tensor& root_tokens, const at::Tensor& draft_toke
                     " in shared memory on this GPU");
   if (B == 0) return;
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const int device = root_tokens.get_device();
+  int64_t* err = device_error_word(device);
   const int work = static_cast<int>(std::max<int64_t>(C, N * W));
   const int threads = std::min(kMaxThreads, std::max(32, (work + 31) / 32 * 32));
 
@@ -207,7 +220,7 @@ void build_tree_cuda(const at::Tensor& root_tokens, const at::Tensor& draft_toke
         reinterpret_cast<const score_t*>(draft_scores.data_ptr()), draft_parents.data_ptr<par_t>(),
         prefix_lens.data_ptr<int32_t>(), tokens.data_ptr<int64_t>(), parents.data_ptr<int32_t>(),
         positions.data_ptr<int64_t>(), tree_mask.data_ptr<int32_t>(), static_cast<int>(S), static_cast<int>(M),
-        static_cast<int>(N), static_cast<int>(W));
+        static_cast<int>(N), static_cast<int>(W), err);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   };
   auto by_parent = [&](auto score_tag) {
@@ -222,6 +235,7 @@ void build_tree_cuda(const at::Tensor& root_tokens, const at::Tensor& draft_toke
     case at::kBFloat16: by_parent(at::BFloat16{}); break;
     default: by_parent(at::Half{}); break;
   }
+  after_launch(device, stream);
 }
 
 }  // namespace

@@ -6,8 +6,9 @@
 // (max, first index). The per-element work is a packed NaN-propagating max (max.NaN.bf16x2 / f16x2 /
 // f32) over the loaded vectors; the index is looked up only when a thread's running maximum improves,
 // which after the first few iterations is rare, so the pass stays bandwidth-bound.
-// Phase 2 (walk_kernel), one block per request, launched as a programmatic dependent of phase 1 (its
-// launch overlaps phase 1; it waits for phase 1's writes before reading them): reduces the S partials of
+// Phase 2 (walk_kernel), one block per request, launched as a programmatic dependent of phase 1 where the
+// device and the kernel's binary have sm_90 (its launch overlaps phase 1; it waits for phase 1's writes
+// before reading them; elsewhere an ordinary launch after phase 1): reduces the S partials of
 // each of its N rows, marks for every node the lowest-index child whose token equals the node's argmax,
 // then one thread follows those marks from the root (shared memory only) and all threads write the
 // outputs.
@@ -15,9 +16,11 @@
 // Ties and NaN exactly as torch.argmax: the first maximum wins, any NaN counts as the maximum (the first
 // NaN wins), -0.0 == +0.0.
 //
-// The tree is not validated on the device (that needs a host sync; the CPU reference raises): a node
-// whose parent is not in [0, j) is never accepted, so the walk always ends, indices stay in bounds and
-// every output element is written.
+// A bad tree is recorded in the device error word (eagle3/errors.h; the CPU reference raises the same
+// message) and made harmless: a node j whose parent is not in [0, j) is never accepted (nor, so, is any
+// node below it), and a root parent other than -1 is ignored; the walk always ends, indices stay in
+// bounds and every output element is written. Tokens are only compared with the argmax: one outside
+// [0, V) is never accepted.
 
 #include <ATen/Dispatch.h>
 #include <ATen/core/Tensor.h>
@@ -30,13 +33,17 @@
 #include <cuda_fp16.h>
 #include <torch/library.h>
 
+#include <atomic>
 #include <climits>
 #include <cstdint>
 #include <tuple>
 
 #include "eagle3/checks.h"
 #include "eagle3/device.h"
+#include "eagle3/errors.cuh"
+#include "eagle3/errors.h"
 #include "eagle3/launch.h"
+#include "eagle3/pdl.cuh"
 #include "eagle3/vec.cuh"
 
 namespace eagle3 {
@@ -198,9 +205,9 @@ __global__ void __launch_bounds__(kThreads) argmax_partial_kernel(const scalar_t
   using E = Elem<scalar_t>;
   using acc_t = typename E::acc_t;
   // Programmatic dependent launch: the walk kernel may be launched once every block of this grid has
-  // started; it waits (griddepcontrol.wait) for this grid's completion before reading the partials, so
+  // started; it waits (wait_previous_grid) for this grid's completion before reading the partials, so
   // only its launch latency overlaps with this pass.
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  allow_next_grid();
   const int64_t row = blockIdx.x / S;
   const int s = blockIdx.x % S;
   const scalar_t* x = logits + row * stride;
@@ -287,6 +294,7 @@ __global__ void __launch_bounds__(kThreads) argmax_partial_kernel(const scalar_t
 // accept_nodes  [B, N] int32  out: accepted path, root first, -1 padded
 // accept_len    [B]    int32  out: accepted drafts (bonus excluded)
 // emitted       [B, N] int64  out: accepted drafts, then the bonus, -1 padded
+// err           the device error word
 // grid: B blocks; dynamic shared memory 3 * N ints.
 template <typename acc_t>
 __global__ void __launch_bounds__(kWalkThreads) walk_kernel(const Partial<acc_t>* __restrict__ partial, int S,
@@ -294,7 +302,8 @@ __global__ void __launch_bounds__(kWalkThreads) walk_kernel(const Partial<acc_t>
                                                             const int32_t* __restrict__ parents, int N,
                                                             int32_t* __restrict__ accept_nodes,
                                                             int32_t* __restrict__ accept_len,
-                                                            int64_t* __restrict__ emitted) {
+                                                            int64_t* __restrict__ emitted,
+                                                            int64_t* __restrict__ err) {
   extern __shared__ int smem[];
   int* target = smem;          // [N] argmax of each node's row
   int* matched = smem + N;     // [N] lowest-index child carrying that argmax (INT_MAX: none)
@@ -303,7 +312,7 @@ __global__ void __launch_bounds__(kWalkThreads) walk_kernel(const Partial<acc_t>
   const int64_t b = blockIdx.x;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const Partial<acc_t>* p = partial + b * N * S;
-  asm volatile("griddepcontrol.wait;" ::: "memory");  // phase 1 has finished and its writes are visible
+  wait_previous_grid();  // phase 1 has finished and its writes are visible
 
   for (int r = warp; r < N; r += kWalkThreads / 32) {
     acc_t best = -INFINITY;
@@ -322,9 +331,16 @@ __global__ void __launch_bounds__(kWalkThreads) walk_kernel(const Partial<acc_t>
   __syncthreads();
   const int64_t* tok = tokens + b * N;
   const int32_t* par = parents + b * N;
+  if constexpr (kDeviceChecks) {  // the root's parent is never read: checked only to report
+    if (threadIdx.x == 0 && par[0] != -1) report_range(err, kOpVerifyGreedy, kArgParents, par[0], -1, -1, b, 0);
+  }
   for (int j = 1 + threadIdx.x; j < N; j += kWalkThreads) {
     const int pj = par[j];
-    if (pj >= 0 && pj < j && tok[j] == static_cast<int64_t>(target[pj])) atomicMin(&matched[pj], j);
+    if (pj < 0 || pj >= j) {
+      report_range(err, kOpVerifyGreedy, kArgParents, pj, 0, j - 1, b, j);
+    } else if (tok[j] == static_cast<int64_t>(target[pj])) {
+      atomicMin(&matched[pj], j);
+    }
   }
   __syncthreads();
   if (threadIdx.x == 0) {
@@ -351,9 +367,27 @@ __global__ void __launch_bounds__(kWalkThreads) walk_kernel(const Partial<acc_t>
   }
 }
 
+// PDL needs sm_90 in the device and in the binary the runtime loaded for `kernel`: compiled for an older
+// architecture its wait_previous_grid is empty, and as a dependent it could read phase 1's partials early.
+template <typename Kernel>
+bool pdl_available(Kernel kernel, int device) {
+  if (sm_major(device) < 9) return false;
+  static std::atomic<int> ptx[64] = {};  // per device: the runtime picks one image per architecture
+  const bool cacheable = device >= 0 && device < 64;
+  int v = cacheable ? ptx[device].load(std::memory_order_relaxed) : 0;
+  if (v == 0) {
+    cudaFuncAttributes attrs{};
+    C10_CUDA_CHECK(cudaFuncGetAttributes(&attrs, kernel));  // of the current device
+    v = attrs.ptxVersion;
+    if (cacheable) ptx[device].store(v, std::memory_order_relaxed);
+  }
+  return v >= 90;
+}
+
 template <typename scalar_t>
 void launch(const at::Tensor& logits, const at::Tensor& tokens, const at::Tensor& parents, int64_t B, int64_t N,
-            at::Tensor& accept_nodes, at::Tensor& accept_len, at::Tensor& emitted, cudaStream_t stream) {
+            at::Tensor& accept_nodes, at::Tensor& accept_len, at::Tensor& emitted, int64_t* err,
+            cudaStream_t stream) {
   using E = Elem<scalar_t>;
   using acc_t = typename E::acc_t;
   const int64_t rows = B * N, V = logits.size(1), stride = logits.stride(0);
@@ -386,11 +420,12 @@ void launch(const at::Tensor& logits, const at::Tensor& tokens, const at::Tensor
     C10_CUDA_CHECK(cudaFuncSetAttribute(walk_kernel<acc_t>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                         static_cast<int>(smem)));
   }
-  // a programmatic dependent of phase 1 (its launch overlaps phase 1's tail)
-  launch_ex(walk_kernel<acc_t>, dim3(static_cast<unsigned>(B)), dim3(kWalkThreads), smem, stream, 0, true,
+  // a programmatic dependent of phase 1 where it can be (its launch overlaps phase 1's tail)
+  launch_ex(walk_kernel<acc_t>, dim3(static_cast<unsigned>(B)), dim3(kWalkThreads), smem, stream, 0,
+            pdl_available(walk_kernel<acc_t>, logits.get_device()),
             static_cast<const Partial<acc_t>*>(part), static_cast<int>(S), tokens.data_ptr<int64_t>(),
             parents.data_ptr<int32_t>(), static_cast<int>(N), accept_nodes.data_ptr<int32_t>(),
-            accept_len.data_ptr<int32_t>(), emitted.data_ptr<int64_t>());
+            accept_len.data_ptr<int32_t>(), emitted.data_ptr<int64_t>(), err);
 }
 
 // logits   [B * N, V]  bf16 | fp16 | fp32 | fp64, last dim contiguous
@@ -429,9 +464,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_greedy_cuda(const at::Tens
   at::Tensor emitted = at::empty({B, N}, idx.dtype(at::kLong));
   if (B == 0) return {accept_nodes, accept_len, emitted};
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const int device = logits.get_device();
+  int64_t* err = device_error_word(device);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, logits.scalar_type(), "verify_greedy", [&] {
-    launch<scalar_t>(logits, tokens, parents, B, N, accept_nodes, accept_len, emitted, stream);
+    launch<scalar_t>(logits, tokens, parents, B, N, accept_nodes, accept_len, emitted, err, stream);
   });
+  after_launch(device, stream);
   return {accept_nodes, accept_len, emitted};
 }
 

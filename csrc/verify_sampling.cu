@@ -27,11 +27,13 @@
 // agreement on all but a tiny fraction of draws, and the chi-square tests check the distribution.
 // Temperature 0 (greedy) compares logits only and agrees exactly.
 //
-// Values the CPU reference raises on are made harmless here (a check would need a host sync):
-// a negative or NaN temperature samples greedily; a token outside [0, V) has probability 0 (never
-// accepted, never excluded); a parent that is not smaller than its node is never visited (children
-// are looked for only at larger indices, so a walk ends after at most N - 1 steps); a d2t entry that
-// maps outside [0, V) drops that draft token's probability. A non-injective d2t is handled (q(t) sums
+// Bad values are recorded in the device error word (eagle3/errors.h; the CPU reference raises the same
+// message) and made harmless: a negative or NaN temperature samples greedily; a node j whose parent is
+// not in [0, j) is never visited (not tried, no uniform drawn for it; nor is any node below it) and a
+// root parent other than -1 is ignored (children are looked for only at larger indices, so a walk ends
+// after at most N - 1 steps); a d2t entry outside [-d, V - 1 - d] (draft id d + d2t[d] outside the
+// target vocabulary) drops that draft id's probability from q. A token outside [0, V) is valid and has
+// probability 0 (never accepted, never excluded), as in the reference. A non-injective d2t is handled (q(t) sums
 // every draft id mapped to t, as the reference's index_add), in an order that may vary in the last bit.
 
 #include <ATen/Dispatch.h>
@@ -43,6 +45,8 @@
 #include <cstdint>
 
 #include "eagle3/checks.h"
+#include "eagle3/errors.cuh"
+#include "eagle3/errors.h"
 
 namespace eagle3 {
 namespace {
@@ -186,6 +190,7 @@ __global__ void __launch_bounds__(kThreads) row_stats_kernel(const scalar_t* __r
 // tokens [B, N] int64, parents [B, N] int32, draft_probs [B * N, Vd] row stride ldq (nullptr: one-hot),
 // d2t [Vd] int64 (nullptr: identity), qt [B, V] f32 scratch (draft_probs path only)
 // outputs accept_nodes [B, N] i32, accept_len [B] i32, emitted [B, N] i64 (bonus slot left to finish)
+// err: the device error word
 // grid: B; dynamic shared memory: N doubles (1 / residual mass per rejection)
 template <typename scalar_t, typename prob_t>
 __global__ void __launch_bounds__(kThreads) walk_kernel(
@@ -194,7 +199,7 @@ __global__ void __launch_bounds__(kThreads) walk_kernel(
     int N, const float* __restrict__ temperature, const int64_t* __restrict__ seed, const int64_t* __restrict__ offset,
     const float* __restrict__ part_m, const int32_t* __restrict__ part_a, const float* __restrict__ part_s, int G,
     float* __restrict__ qt, int64_t* __restrict__ ws_i, double* __restrict__ ws_d, int32_t* __restrict__ accept_nodes,
-    int32_t* __restrict__ accept_len, int64_t* __restrict__ emitted) {
+    int32_t* __restrict__ accept_len, int64_t* __restrict__ emitted, int64_t* __restrict__ err) {
   extern __shared__ double inv[];  // [N]
   __shared__ double red[kThreads / 32];
   __shared__ double sh_m, sh_Z;
@@ -208,6 +213,15 @@ __global__ void __launch_bounds__(kThreads) walk_kernel(
   const bool has_q = draft_probs != nullptr;
   int64_t* wi = ws_i + b * (kWsI + N);
   double* wd = ws_d + b * (kWsD + N);
+  if constexpr (kDeviceChecks) {  // the walk never needs these checks (see above): they only report
+    if (threadIdx.x == 0 && !(T >= 0.0f)) {
+      report_float(err, kOpVerifySampling, kArgTemperature, T != T ? kKindNaN : kKindNegative, T, b);
+    }
+    for (int j = threadIdx.x; j < N; j += kThreads) {
+      const int64_t p = parents[b * N + j], lo = j == 0 ? -1 : 0;  // the root's is -1, others' in [0, j)
+      if (p < lo || p > j - 1) report_range(err, kOpVerifySampling, kArgParents, p, lo, j - 1, b, j);
+    }
+  }
   int c = 0, depth = 0;
   if (threadIdx.x == 0) accept_nodes[b * N] = 0;
   while (true) {
@@ -218,8 +232,12 @@ __global__ void __launch_bounds__(kThreads) walk_kernel(
       for (int64_t v = threadIdx.x; v < V; v += kThreads) qrow[v] = 0.0f;
       __syncthreads();
       for (int64_t d = threadIdx.x; d < Vd; d += kThreads) {
-        const int64_t t = d + (d2t != nullptr ? d2t[d] : 0);
-        if (t >= 0 && t < V) atomicAdd(qrow + t, to_f(draft_probs[row * ldq + d]));
+        const int64_t o = d2t != nullptr ? d2t[d] : 0;  // compared, never added unchecked: no overflow
+        if (o >= -d && o <= V - 1 - d) {
+          atomicAdd(qrow + d + o, to_f(draft_probs[row * ldq + d]));
+        } else {
+          report_range(err, kOpVerifySampling, kArgD2t, o, -d, V - 1 - d, d);
+        }
       }
       __syncthreads();
     }
@@ -469,6 +487,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_sampling_cuda(
 
   const c10::cuda::OptionalCUDAGuard guard(target_logits.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const int device = target_logits.get_device();
+  int64_t* err = device_error_word(device);
   const auto i32 = tokens.options().dtype(at::kInt);
   at::Tensor accept_nodes = at::empty({B, N}, i32);
   at::Tensor accept_len = at::empty({B}, i32);
@@ -499,7 +519,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_sampling_cuda(
           tokens.data_ptr<int64_t>(), parents.data_ptr<int32_t>(), static_cast<int>(N), temperature.data_ptr<float>(),
           seed.data_ptr<int64_t>(), offset.data_ptr<int64_t>(), part_m, part_a, part_s, G,
           draft_probs ? qt.data_ptr<float>() : nullptr, ws_i.data_ptr<int64_t>(), ws_d.data_ptr<double>(),
-          accept_nodes.data_ptr<int32_t>(), accept_len.data_ptr<int32_t>(), emitted.data_ptr<int64_t>());
+          accept_nodes.data_ptr<int32_t>(), accept_len.data_ptr<int32_t>(), emitted.data_ptr<int64_t>(), err);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
     race_kernel<logit_t><<<dim3(static_cast<unsigned>(B), G), kThreads, 0, stream>>>(
@@ -510,6 +530,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_sampling_cuda(
   finish_kernel<<<static_cast<unsigned>((B + 127) / 128), 128, 0, stream>>>(
       static_cast<int>(B), static_cast<int>(N), V, ws_i.data_ptr<int64_t>(), emitted.data_ptr<int64_t>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+  after_launch(device, stream);
   return {accept_nodes, accept_len, emitted};
 }
 

@@ -11,7 +11,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import eagle3_ops
 from eagle3_ops import tree
+from eagle3_ops.errors import Eagle3InputError
 from tests.conftest import assert_equal, poison_
 
 PROPERTY = settings(derandomize=True, max_examples=60, deadline=None)
@@ -296,11 +298,12 @@ LAYOUT_CASES = [
 ]
 
 
+# Bad values: the exact messages the CUDA kernel records too (tests/test_contract_tree.py covers CUDA).
 @pytest.mark.parametrize("case, error, match", [
-    ("nan_score", ValueError, "draft_scores"),
-    ("depth0_parent", IndexError, r"draft_parents\[:, 0\]"),
-    ("parent_too_large", IndexError, "draft_parents"),
-    ("parent_negative", IndexError, "draft_parents"),
+    ("nan_score", Eagle3InputError, r"^build_tree: draft_scores\[1, 1, 0\] is NaN$"),
+    ("depth0_parent", Eagle3InputError, r"^build_tree: draft_parents\[1, 0, 1\] = 0 is out of range \(valid: -1\.\.-1\)$"),
+    ("parent_too_large", Eagle3InputError, r"^build_tree: draft_parents\[1, 1, 0\] = 2 is out of range \(valid: 0\.\.1\)$"),
+    ("parent_negative", Eagle3InputError, r"^build_tree: draft_parents\[0, 1, 1\] = -1 is out of range \(valid: 0\.\.1\)$"),
 ] + LAYOUT_CASES)
 def test_bad_input_raises_and_writes_nothing(case, error, match):
     args = _bad_args(case)
@@ -407,10 +410,13 @@ def test_gpu_bad_input_raises_and_writes_nothing(case, error, match):
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", ["nan_score", "depth0_parent", "parent_too_large", "parent_negative"])
 def test_gpu_values_the_reference_rejects_still_give_a_canonical_tree(case):
-    # Value checks would need a host sync: the kernel reads NaN as -inf and a bad parent as the root, and
+    # The kernel reads NaN as -inf and a bad parent as the root, records the value in the error word and
     # never indexes out of bounds (compute-sanitizer runs these); the output is still a canonical tree.
+    eagle3_ops.check_errors()
     args = [t.cuda() for t in _bad_args(case)]
     torch.ops.eagle3.build_tree(*args)
+    with pytest.raises(Eagle3InputError, match="^build_tree: draft_"):
+        eagle3_ops.check_errors()
     tokens, parents, positions, tree_mask = (t.cpu() for t in args[5:])
     tree.validate(tokens, parents)
     assert_equal(positions, args[4].cpu().long()[:, None] + tree.depth(parents), "positions")

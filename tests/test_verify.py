@@ -11,7 +11,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import eagle3_ops
 from eagle3_ops import _philox, tree
+from eagle3_ops.errors import Eagle3InputError
 from tests.conftest import assert_equal, capture_graph
 
 PROPERTY = settings(derandomize=True, max_examples=40, deadline=None)
@@ -588,8 +590,9 @@ def _good_sampling_args(B=2, N=3, V=11):
     ("logits_dtype", TypeError, "logits must have dtype"),
     ("tokens_dtype", TypeError, "tokens must have dtype"),
     ("parents_shape", ValueError, "parents must have shape"),
-    ("parents_not_tree", ValueError, "parents must be topological"),
-    ("negative_token", ValueError, "tokens must be >= 0"),
+    # the exact message the CUDA kernel records too (tests/test_contract_tree.py); token ids are only
+    # compared with the argmax, so a negative one is no error
+    ("parents_not_tree", Eagle3InputError, r"^verify_greedy: parents\[1, 1\] = 2 is out of range \(valid: 0\.\.0\)$"),
     ("empty_tree", ValueError, "tokens must have N >= 1"),
 ])
 def test_greedy_bad_input(case, error, match):
@@ -612,8 +615,6 @@ def _bad_greedy_args(case, device):
         parents = parents[:, :2]
     elif case == "parents_not_tree":
         parents = i32([[-1, 0, 0], [-1, 2, 0]]).to(device)
-    elif case == "negative_token":
-        tokens[1, 2] = -1
     elif case == "empty_tree":
         logits, tokens, parents = torch.randn(0, V), torch.empty(B, 0, dtype=torch.int64), torch.empty(B, 0, dtype=torch.int32)
         logits, tokens, parents = logits.to(device), tokens.to(device), parents.to(device)
@@ -655,14 +656,14 @@ def _bad_sampling_args(case):
 
 
 @pytest.mark.parametrize("case, error, match", [
-    ("negative_temperature", ValueError, "temperature"),
-    ("nan_temperature", ValueError, "temperature"),
+    ("negative_temperature", Eagle3InputError, r"^verify_sampling: temperature\[1\] = -0\.5 must be >= 0$"),
+    ("nan_temperature", Eagle3InputError, r"^verify_sampling: temperature\[0\] is NaN$"),
     ("temperature_dtype", TypeError, "temperature must have dtype"),
     ("seed_dtype", TypeError, "seed must have dtype"),
     ("offset_shape", ValueError, "offset must have shape"),
     ("d2t_without_draft_probs", ValueError, "d2t"),
     ("vd_without_d2t", ValueError, "d2t"),
-    ("d2t_out_of_range", IndexError, "d2t"),
+    ("d2t_out_of_range", Eagle3InputError, r"^verify_sampling: d2t\[4\] = 7 is out of range \(valid: -4\.\.6\)$"),
     ("draft_probs_rows", ValueError, "draft_probs must have shape"),
 ])
 def test_sampling_bad_input(case, error, match):
@@ -821,10 +822,11 @@ def test_cuda_greedy_bad_input(case, error, match):
 
 @pytest.mark.gpu
 def test_cuda_greedy_invalid_tree_is_harmless():
-    # A tree check needs a host sync, so CUDA does not raise on a broken tree (the CPU reference does):
-    # a node whose parent is not an earlier node is never accepted, the walk ends, and every output is a
+    # CUDA records a broken tree in the error word instead of raising (the CPU reference raises): a node
+    # whose parent is not an earlier node is never accepted, the walk ends, and every output is a
     # well-formed path over valid edges. Here node 2 claims parent 3 (not topological) and node 4 claims
     # itself; both carry their claimed parent's argmax.
+    eagle3_ops.check_errors()
     V = 50
     argmax = [10, 11, 12, 13, 14, 15]
     logits = logits_with_argmax(argmax, V)
@@ -834,6 +836,8 @@ def test_cuda_greedy_invalid_tree_is_harmless():
     assert nodes.cpu().tolist() == [[0, 1, 3, -1, -1, -1]]  # 0 -> 1 (token 10) -> 3 (token 11); 3 -> 2 refused
     assert lens.cpu().tolist() == [2]
     assert emitted.cpu().tolist() == [[10, 11, 13, -1, -1, -1]]
+    with pytest.raises(Eagle3InputError, match=r"^verify_greedy: parents\[0, [24]\] = [34] is out of range"):
+        eagle3_ops.check_errors()  # either violation may be recorded first
 
 
 @pytest.mark.gpu
@@ -1049,7 +1053,9 @@ def test_cuda_sampling_bad_input(case, error, match):
 @pytest.mark.gpu
 def test_cuda_sanitize_verify_sampling_small():
     # Small enough for compute-sanitizer (SANITIZE='sampling'): both q paths, a 64-node tree, odd V, B 0,
-    # harmless bad values (token out of range, parent not topological, negative temperature).
+    # bad values (token out of range: valid; parent not topological, negative temperature, d2t entries
+    # mapping below 0: recorded in the error word).
+    eagle3_ops.check_errors()
     V = 333
     logits, tokens, parents = planted(5, 3, 64, V, "beam")
     tokens[0, 5] = V + 7
@@ -1062,6 +1068,8 @@ def test_cuda_sanitize_verify_sampling_small():
                                                       torch.arange(3), torch.zeros(3, dtype=torch.int64)))
         torch.cuda.synchronize()
         assert out[1].cpu().tolist()[1] >= 0
+        with pytest.raises(Eagle3InputError, match="^verify_sampling: (parents|temperature|d2t)"):
+            eagle3_ops.check_errors()
     out = torch.ops.eagle3.verify_sampling(torch.randn(0, 9, device="cuda"), None, None,
                                            torch.empty(0, 4, dtype=torch.int64, device="cuda"),
                                            torch.empty(0, 4, dtype=torch.int32, device="cuda"),
