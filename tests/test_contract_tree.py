@@ -282,12 +282,13 @@ VD = 20
 
 
 def draft_q(bad=None):
-    """(draft_probs [12, VD], d2t [VD]) over the walk case, d2t[d] = 2 * d (target ids 0, 3, 6, .., 57 -
-    57 is past V = 50 for d >= 17, so d2t is cut to valid entries first); bad = (d, value) pokes one."""
+    """(draft_probs [12, VD], d2t [VD]) over the walk case: draft id d -> target 3 * d for d < 17, 3 * d - 49
+    (2, 5, 8) above. Injective, so every q(t) is one float (no atomics' order to vary between two calls).
+    bad = (d, value) pokes one entry."""
     g = torch.Generator().manual_seed(3)
     dp = torch.softmax(torch.randn(12, VD, generator=g) * 2, -1)
     d = torch.arange(VD)
-    d2t = torch.where(3 * d < V, 2 * d, -d)  # ids past V map to target 0
+    d2t = torch.where(3 * d < V, 2 * d, 2 * d - 49)
     if bad is not None:
         d2t[bad[0]] = bad[1]
     return dp, d2t
@@ -317,7 +318,7 @@ def test_sampling_d2t_edges_are_valid():
 @pytest.mark.parametrize("case", D2T_CASES, ids=[c[0] for c in D2T_CASES])
 def test_sampling_d2t_cuda(case):
     # A bad entry drops draft id d's probability from q: the outputs are those of the same call with
-    # draft_probs[:, d] = 0 and a valid d2t[d] (exactly: adding 0 changes no sum).
+    # draft_probs[:, d] = 0 and d2t[d] valid (exactly: q of d's target is then 0 + 0).
     d = case[1][0]
     dp, d2t = draft_q()
     dp[:, d] = 0.0
