@@ -7,7 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+import eagle3_ops
 from eagle3_ops import reference
+from eagle3_ops.errors import Eagle3InputError
 from tests.conftest import TOLERANCES, assert_equal, capture_graph, poison_, rel_err
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
@@ -159,7 +161,8 @@ def test_bad_row_raises_and_writes_nothing(gen):
     x, residual, weight = _inputs(gen, 4, 8, torch.float32)
     aux = poison_(torch.empty(2, 8))
     before = [t.clone() for t in (x, residual, aux)]
-    with pytest.raises(IndexError, match="rows"):
+    message = r"^add_rmsnorm_capture: rows\[1\] = 4 is out of range \(valid: 0\.\.3\)$"
+    with pytest.raises(Eagle3InputError, match=message):
         torch.ops.eagle3.add_rmsnorm_capture(x, residual, weight, 1e-6, aux, 0, torch.tensor([1, 4]))
     for t, b in zip((x, residual, aux), before):
         assert_equal(t, b)
@@ -239,7 +242,11 @@ def test_cuda_out_of_range_rows_write_nan_rows(gen):
     x0 = x.clone()
     rows = torch.tensor([0, 8, -1, 7, 2**31 - 1, 3, 3], dtype=torch.int32, device="cuda")
     aux = torch.zeros(7, 256, dtype=torch.bfloat16, device="cuda")
+    eagle3_ops.check_errors()
     torch.ops.eagle3.add_rmsnorm_capture(x, residual, weight, 1e-6, aux, 0, rows)
+    # several bad rows: the error word names one of them (test_contract_capture.py: single violations)
+    with pytest.raises(Eagle3InputError, match=r"^add_rmsnorm_capture: rows\[(1|2|4)\] = (8|-1|2147483647) is out"):
+        eagle3_ops.check_errors()
     bad = torch.tensor([False, True, True, False, True, False, False])
     assert torch.isnan(aux.cpu()[bad]).all()
     assert_equal(aux.cpu()[~bad], (x0 + r0).cpu()[rows.cpu()[~bad].long()])

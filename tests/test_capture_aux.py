@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+import eagle3_ops
 from eagle3_ops import reference
+from eagle3_ops.errors import Eagle3InputError
 from tests.conftest import assert_equal, capture_graph, poison_
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
@@ -55,7 +57,7 @@ def test_bf16_sum_rounds_once(gen):
 def test_out_of_range_row_raises_and_writes_nothing(gen):
     hidden, residual, aux, _ = _inputs(gen, 4, 8, 1, torch.float32)
     poison_(aux)
-    with pytest.raises(IndexError, match="rows"):
+    with pytest.raises(Eagle3InputError, match=r"^capture_aux: rows\[3\] = 4 is out of range \(valid: 0\.\.3\)$"):
         torch.ops.eagle3.capture_aux(hidden, residual, aux, 0, torch.tensor([0, 1, 2, 4]))
     assert torch.isnan(aux).all()
 
@@ -93,11 +95,15 @@ def test_cuda_odd_widths(gen, H):
 
 @pytest.mark.gpu
 def test_cuda_out_of_range_rows_write_nan_and_read_nothing(gen):
+    # several bad rows: each is NaN-filled; the error word names one of them (tests/test_contract_capture.py
+    # checks single violations message for message)
     hidden, residual, aux, _ = _inputs(gen, 8, 64, 1, torch.bfloat16, "cuda")
     rows = torch.tensor([0, 8, -1, 7, 2**31 - 1, 3, 1, 2], dtype=torch.int32, device="cuda")
     aux.zero_()
+    eagle3_ops.check_errors()
     torch.ops.eagle3.capture_aux(hidden, residual, aux, 0, rows)
-    torch.cuda.synchronize()
+    with pytest.raises(Eagle3InputError, match=r"^capture_aux: rows\[(1|2|4)\] = (8|-1|2147483647) is out of range"):
+        eagle3_ops.check_errors()
     bad = torch.tensor([False, True, True, False, True, False, False, False])
     assert torch.isnan(aux.cpu()[bad]).all()
     good = (hidden + residual).cpu()[rows.cpu()[~bad].long()]
