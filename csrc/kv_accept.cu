@@ -2,11 +2,12 @@
 // every layer's cache, then prefix_lens += accept_len + 1: all layers in one launch.
 //
 // Work split: one thread-block cluster of C blocks per request (C up to 8, chosen so the grid fills the
-// chip; C = 1 without a cluster on devices below sm_90 or when the binary has no sm_90 code). Each block first compacts the request's *moving* rows (accept_nodes[i] != i) into a list in
-// shared memory: rows that stay in place cost neither a read nor a write. The cluster then divides the
-// flat column space (layer, 16-byte unit within a row) of all layers between its blocks; a block moves
-// its columns in rounds of kThreads * kUnits units: every thread loads its units of all moving rows of
-// the round's columns into registers, the block barrier, then every thread stores. All rows of one
+// chip; C = 1 without a cluster on devices below sm_90 or when the binary has no sm_90 code). Each block
+// first compacts the request's *moving* rows (accept_nodes[i] != i) into a list in shared memory (at most
+// max_rows = min(width, kMaxRows) entries): rows that stay in place cost neither a read nor a write. The
+// cluster then divides the flat column space (layer, 16-byte unit within a row) of all layers between its
+// blocks; a block moves its columns in rounds of kThreads * kUnits units: every thread loads its units of
+// all moving rows of the round's columns into registers, the block barrier, then every thread stores. All rows of one
 // column belong to one round of one block, and only rows of the same column can overlap (accepted
 // [0, 2, 3] moves 2 -> 1 and 3 -> 2), so every read of a position precedes every write to it.
 //
@@ -385,7 +386,9 @@ __global__ void __launch_bounds__(kBulkThreads) kv_accept_bulk_kernel(
 int binary_version(int device) {
   static std::atomic<int> cached[64] = {};
   const bool cacheable = device >= 0 && device < 64;
-  if (cacheable && cached[device].load(std::memory_order_relaxed) > 0) return cached[device].load(std::memory_order_relaxed);
+  if (cacheable && cached[device].load(std::memory_order_relaxed) > 0) {
+    return cached[device].load(std::memory_order_relaxed);
+  }
   cudaFuncAttributes attrs{};
   C10_CUDA_CHECK(cudaFuncGetAttributes(&attrs, kv_accept_bulk_kernel));
   if (cacheable) cached[device].store(attrs.binaryVersion, std::memory_order_relaxed);
@@ -521,9 +524,9 @@ void kv_accept_cuda(const at::TensorList caches, const at::Tensor& page_table, c
                     first.device(), "), got ", accept_nodes.device());
   TORCH_CHECK_VALUE(accept_nodes.is_contiguous(), "accept_nodes must be contiguous, got strides ",
                     accept_nodes.strides());
-  const int64_t width = accept_nodes.size(1);
-  CHECK_SHAPE(accept_nodes, B, width);
-  TORCH_CHECK_VALUE(width > 0, "accept_nodes must have W >= 1 columns");
+  const int64_t W = accept_nodes.size(1);
+  CHECK_SHAPE(accept_nodes, B, W);
+  TORCH_CHECK_VALUE(W > 0, "accept_nodes must have W >= 1 columns");
   CHECK_DTYPE(accept_len, at::kInt);
   CHECK_SHAPE(accept_len, B);
   TORCH_CHECK_VALUE(accept_len.device() == first.device(), "accept_len must be on the same device as caches[0] (",
@@ -560,8 +563,8 @@ void kv_accept_cuda(const at::TensorList caches, const at::Tensor& page_table, c
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const Requests r{B, page_table.data_ptr<int32_t>(), page_table.stride(0),
                    std::min<int64_t>(page_table.size(1) * page_size, INT32_MAX), prefix_lens.data_ptr<int32_t>(),
-                   accept_nodes.data_ptr<int32_t>(), accept_len.data_ptr<int32_t>(), width,
-                   static_cast<int>(std::min<int64_t>(width, kMaxRows)), page_size, num_pages,
+                   accept_nodes.data_ptr<int32_t>(), accept_len.data_ptr<int32_t>(), W,
+                   static_cast<int>(std::min<int64_t>(W, kMaxRows)), page_size, num_pages,
                    device_error_word(device)};
   // Launch options, read once per call (the environment switches exist for tests and benchmark sweeps).
   const bool clusters = hopper(device);
