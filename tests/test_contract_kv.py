@@ -154,8 +154,9 @@ CASES = {
 }
 
 
-def bad_args(case, device):
-    """Three valid requests (W = 4, or 2049 for the 2048-row case), then `case` applied to request 1."""
+def bad_args(case, device, mutate=None):
+    """Three valid requests (W = 4, or 2049 for the 2048-row case), then `case` (or `mutate`) applied to
+    request 1 on the host, then moved to `device`."""
     g = torch.Generator().manual_seed(21)
     W = 2049 if case == "accept_len_past_2048" else 4
     table = torch.randperm(NUM_PAGES, generator=g).view(3, 6).int()
@@ -163,8 +164,7 @@ def bad_args(case, device):
     nodes = torch.full((3, W), -1, dtype=torch.int32)
     nodes[0, :3], nodes[1, :3], nodes[2, :2] = i32([0, 1, 3]), i32([0, 9, 10]), i32([0, 2])
     a = dict(caches=caches, table=table, prefix=i32([0, 7, 13]), nodes=nodes, lens=i32([2, 2, 1]))
-    if case is not None:
-        CASES[case][0](a)
+    (CASES[case][0] if case is not None else mutate or (lambda _: None))(a)
     return {k: [c.to(device) for c in v] if k == "caches" else v.to(device) for k, v in a.items()}
 
 
@@ -214,15 +214,17 @@ def test_cuda_graph_bad_value_reports_on_replay(case):
     expect_cuda_graph(maker(case), "kv_accept: " + CASES[case][1])
 
 
-def edge_args(device):
-    """Valid at every bound: request 1's last destination at cap - 1 (P = 21, a = 2, stays in place),
-    request 2's source at cap - 1 - P, and slots no row uses holding anything."""
-    a = bad_args(None, device)
+def _at_the_bounds(a):
     a["prefix"][1] = CAP - 1 - 2
     a["nodes"][1, :3] = i32([0, 1, 2])
     a["nodes"][2, 1] = CAP - 1 - 13
     a["table"][1, 0], a["table"][1, 2] = -1, NUM_PAGES  # request 1 uses slot 5 only
-    return a
+
+
+def edge_args(device):
+    """Valid at every bound: request 1's last destination at cap - 1 (P = 21, a = 2, stays in place),
+    request 2's source at cap - 1 - P, and slots no row uses holding anything."""
+    return bad_args(None, device, _at_the_bounds)
 
 
 def test_bounds_are_inclusive_and_unused_slots_are_not_read():
