@@ -140,13 +140,19 @@ def fc_proj(aux: Tensor, weight: Tensor, weight_scale: Optional[Tensor], norm_we
         "none"; "norm_before_fc" (one RMSNorm over the whole n_aux * H row); "fc_norm" (an RMSNorm per
         H-wide chunk, EAGLE-3.1's fc_norm.{0,1,2}). The norm is applied in fp32, unrounded.
     rows : Tensor [R] int32 | int64, optional
-        Rows of aux to project (e.g. the accepted tokens), gathered without a copy; None: all T.
+        Rows of aux to project (e.g. the accepted tokens), gathered without a copy; None: all T. An index
+        outside [0, T) raises Eagle3InputError here (`fc_proj: rows[5] = 99 is out of range (valid: 0..12)`,
+        nothing written). On CUDA it is recorded in the device error word (eagle3_ops.check_errors(), or
+        strict mode at the call, raises the same message), that out row is NaN, nothing is read for it, and
+        every other row is computed as here.
     out : Tensor [R, Hd] bf16 | fp16 | fp32, mutated
-        Projected hidden; R = T without rows.
+        Projected hidden; R = T without rows. May be a strided view (last dim contiguous).
     """
+    from .errors import check_range
+
     s = _validate.fc_proj(aux, weight, weight_scale, norm_weight, eps, norm_mode, rows, out)
     if rows is not None:
-        _check_index(rows, s["T"], "rows", f"T = {s['T']} aux rows")
+        check_range(rows, 0, s["T"] - 1, "fc_proj", "rows")
     acc = _acc(aux, out)
     a = (aux if rows is None else aux[rows.long()]).to(acc)
     if norm_mode != "none":

@@ -8,6 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import eagle3_ops
+from eagle3_ops.errors import Eagle3InputError
 from tests.conftest import TOLERANCES, assert_equal, capture_graph, poison_, rel_err
 
 FP8 = getattr(torch, "float8_e4m3fn", None)
@@ -255,7 +257,7 @@ def test_triton_interpreted(gen, monkeypatch, T, R, H, Hd, norm_mode, dtype, pat
 def test_triton_interpreted_fp8_prepared_rows(gen, monkeypatch, norm_mode, path):
     # fp8 weight, bf16 rows: with FP8_PREP_ROWS reached, the gathered / normalised rows are written once as
     # fp16 x 2^-8 and fed to the stream-K dot as loaded (through a TMA descriptor on the -tma path); an
-    # out-of-range row index gives a NaN row. Same result as the in-loop conversion, within rounding.
+    # out-of-range row index gives a NaN row and is reported. Same result as the in-loop conversion, within rounding.
     from eagle3_ops.triton_kernels import fc_proj as kernels
 
     T, H, Hd = 20, 32, 40
@@ -272,6 +274,8 @@ def test_triton_interpreted_fp8_prepared_rows(gen, monkeypatch, norm_mode, path)
         monkeypatch.setattr(kernels, "FP8_PREP_ROWS", prep)
         outs[prep] = poison_(torch.empty(24, Hd))
         _triton_fc(aux, w8, scale, nw, 1e-6, norm_mode, rows, outs[prep])
+        with pytest.raises(Eagle3InputError, match=r"^fc_proj: rows\[5\] = 20 is out of range \(valid: 0\.\.19\)$"):
+            eagle3_ops.check_errors("cpu")
     good = torch.arange(24) != 5
     truth = _truth64(aux, w8, scale, nw, 1e-6, norm_mode, rows[good])
     for prep, out in outs.items():
@@ -300,6 +304,10 @@ def test_config_override_fields(monkeypatch, config, fields):
             kernels.parse_override(bad)
 
 
+# the message of either bad index in rows [_, T, -1, _] (a GPU reports the one a program found first)
+BAD_ROWS = r"^fc_proj: rows\[(1\] = {T}|2\] = -1) is out of range \(valid: 0\.\.{T_1}\)$"
+
+
 @pytest.mark.skipif(not INTERPRET, reason="the Triton interpreter runs the kernels on CPU tensors")
 @pytest.mark.parametrize("path", ["stream", "persistent"])
 def test_triton_interpreted_out_of_range_rows_give_nan_rows(gen, monkeypatch, path):
@@ -309,6 +317,8 @@ def test_triton_interpreted_out_of_range_rows_give_nan_rows(gen, monkeypatch, pa
     from eagle3_ops.triton_kernels import fc_proj as kernels
     monkeypatch.setattr(kernels, "CONFIG_OVERRIDE", PERSISTENT.get(path))
     kernels.fc_proj(aux, weight, None, torch.ones(3, 16), 1e-6, "fc_norm", rows, out)
+    with pytest.raises(Eagle3InputError, match=BAD_ROWS.format(T=4, T_1=3)):  # either bad index, as a program found it
+        eagle3_ops.check_errors("cpu")
     assert torch.isnan(out[1:3]).all()
     good = torch.tensor([0, 3])
     _check(out[good], _truth64(aux, weight, None, None, 1e-6, "fc_norm", rows[good]))
@@ -367,6 +377,8 @@ def test_cuda_out_of_range_rows_give_nan_rows(gen):
     rows = torch.tensor([0, 8, -1, 7], device="cuda")
     out = torch.zeros(4, 32, dtype=torch.bfloat16, device="cuda")
     torch.ops.eagle3.fc_proj(aux.cuda(), w.cuda(), None, None, 1e-6, "none", rows, out)
+    with pytest.raises(Eagle3InputError, match=BAD_ROWS.format(T=8, T_1=7)):  # tests/test_contract_fc.py: the rest
+        eagle3_ops.check_errors()
     assert torch.isnan(out[1:3].cpu()).all()
     _check(out[[0, 3]].cpu(), _truth64(aux, w, None, None, 1e-6, "none", torch.tensor([0, 7])))
 

@@ -19,8 +19,18 @@ Large R (prefill) uses cuBLAS through torch.mm on aux (normalised rows written o
 is on); an fp8 weight there is first dequantised to aux's dtype (cuBLAS has no bf16 x fp8 product); fp32
 or mixed dtypes use the Triton kernel as a tiled GEMM.
 
-A row index outside [0, T) cannot be raised without a host sync: its output row is NaN, nothing is
-read out of bounds (the CPU reference raises). float64 is for the CPU reference only: refused on CUDA.
+Any view the reference takes runs: aux and out are read and written through plain pointer loads and stores,
+which Triton vectorises only where it sees the base address and the row stride 16-byte aligned (a column slice
+of a wider buffer gets scalar accesses). Only the weight tiles (and the prepared rows) go through TMA, and only
+where Hopper allows it: base address, row stride and the first column of every box (chunk starts included)
+16-byte aligned, else an "illegal instruction" kills the context (_tma_ok); otherwise plain loads. The default
+tiles are cut down (stages, then BLOCK_K, then BLOCK_N) until an upper bound of their shared memory fits the
+device (_fit_shared): 4-byte activations or weights need about twice the bf16 tiles' space.
+
+A row index outside [0, T) cannot be raised without a host sync: it is recorded in the device error word
+(eagle3_ops.check_errors() raises `fc_proj: rows[i] = v is out of range (valid: 0..T-1)`), its output row is
+NaN and nothing is read out of bounds; the other rows are exact (the CPU reference raises instead). float64 is
+for the CPU reference only: refused on CUDA.
 """
 
 from __future__ import annotations
@@ -34,6 +44,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 from triton.tools.tensor_descriptor import TensorDescriptor
+
+from .. import errors
 
 # "BN,BK,SPLIT,warps,stages[,PER_SM[,TMA]]" replaces stream_config's choice (tuning runs: bench/sweep_fc.py
 # sets it). PER_SM > 0 selects the persistent stream-K kernel with PER_SM programs per SM (SPLIT is then
@@ -51,6 +63,39 @@ FP8_VIA_F16 = os.environ.get("EAGLE3_FC_FP8_F16", "1") == "1"
 # bench/results/fc_sweep_prep_h200.log). Kept for sweeps through the environment variable.
 FP8_PREP_ROWS = int(os.environ.get("EAGLE3_FC_FP8_PREP_ROWS", "0")) or 1 << 62
 _NORM_CODE = {"none": 0, "norm_before_fc": 1, "fc_norm": 2}
+# the error word's ids (eagle3_ops/errors.py)
+_OP_FC_PROJ = tl.constexpr(errors.OPS.index("fc_proj") + 1)
+_ARG_ROWS = tl.constexpr(errors.ARGS.index("rows") + 1)
+_KIND_RANGE = tl.constexpr(errors.KINDS.index("range") + 1)
+_NO_INDEX = tl.constexpr(errors.NO_INDEX)
+_NO_ROW = tl.constexpr(2**31 - 1)
+
+
+@triton.jit
+def _report_row(err, i, value, T):
+    """Record `fc_proj: rows[i] = value is out of range (valid: 0..T-1)` in the error word err [12] int64 unless
+    a violation is recorded already: claim it (state 0 -> 1), write the fields, publish (state 2). The error path
+    only, so no volatile pre-check: its value could differ between a program's threads, and the CAS's result is
+    shared through a barrier that all of them must reach (one thread does the atomics and stores)."""
+    if tl.atomic_cas(err, tl.full([], 0, tl.int64), tl.full([], 1, tl.int64)) == 0:
+        tl.store(err + 1, _OP_FC_PROJ)
+        tl.store(err + 2, _ARG_ROWS)
+        tl.store(err + 3, _KIND_RANGE)
+        tl.store(err + 4, i)
+        tl.store(err + 5, _NO_INDEX)
+        tl.store(err + 6, _NO_INDEX)
+        tl.store(err + 7, value)
+        tl.store(err + 8, 0)
+        tl.store(err + 9, T - 1)
+        tl.atomic_xchg(err, tl.full([], 2, tl.int64), sem="release")  # the fields are visible first
+
+
+@triton.jit
+def _report_first_bad_row(err, rows, T, offs_t, bad):
+    """_report_row for the first row of a tile whose index is out of range (bad [BLOCK_T]), if any."""
+    first = tl.min(tl.where(bad, offs_t, _NO_ROW), axis=0)
+    if first != _NO_ROW:
+        _report_row(err, first, tl.load(rows + first).to(tl.int64), T)
 
 
 @triton.jit
@@ -88,11 +133,12 @@ def _source_rows(rows, T, offs_t, t_ok, HAS_ROWS: tl.constexpr):
 
 @triton.jit
 def _fc_stream_kernel(aux, stride_a, rows, T, R, w, K, Hd, rstd, n_chunks, CHUNK, SPLITS_PER_CHUNK, K_PER_SPLIT,
-                      nw, scale, out, stride_o, part,
+                      nw, scale, out, stride_o, part, err,
                       HAS_ROWS: tl.constexpr, NORM: tl.constexpr, HAS_NW: tl.constexpr, HAS_SCALE: tl.constexpr,
                       SPLIT: tl.constexpr, COMPUTE: tl.constexpr, IEEE: tl.constexpr, F16: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr):
-    """One (output-channel tile, row tile, K split): acc[n, t] = sum_k w[n, k] * aux[rows[t], k]."""
+    """One (output-channel tile, row tile, K split): acc[n, t] = sum_k w[n, k] * aux[rows[t], k]. SPLIT == 1:
+    written to out (NaN rows for out-of-range indices, reported to err); else to part for _fc_reduce_kernel."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_t = tl.program_id(2)
@@ -133,6 +179,8 @@ def _fc_stream_kernel(aux, stride_a, rows, T, R, w, K, Hd, rstd, n_chunks, CHUNK
         if HAS_SCALE:
             acc *= tl.load(scale + offs_n, mask=n_ok, other=0.0)[:, None]
         acc = tl.where(valid[None, :], acc, float("nan"))
+        if HAS_ROWS:
+            _report_first_bad_row(err, rows, T, offs_t, t_ok & ~valid)
         o_ptrs = out + offs_t.to(tl.int64)[None, :] * stride_o + offs_n[:, None]
         tl.store(o_ptrs, acc.to(out.dtype.element_ty), mask=n_ok[:, None] & t_ok[None, :])
     else:
@@ -141,26 +189,30 @@ def _fc_stream_kernel(aux, stride_a, rows, T, R, w, K, Hd, rstd, n_chunks, CHUNK
 
 
 @triton.jit
-def _fc_reduce_kernel(part, rows, T, R, Hd, scale, out, stride_o, n_split,
+def _fc_reduce_kernel(part, rows, T, R, Hd, scale, out, stride_o, n_split, err,
                       HAS_ROWS: tl.constexpr, HAS_SCALE: tl.constexpr, BLOCK: tl.constexpr):
-    """out[r, n] = scale[n] * sum_s part[s, r, n], rounded once; NaN for an out-of-range row index."""
+    """out[r, n] = scale[n] * sum_s part[s, r, n], rounded once; NaN for an out-of-range row index (reported).
+    n_split 0: zeros (the K == 0 product), still checking rows."""
     r = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < Hd
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for s in range(0, n_split):
         acc += tl.load(part + (s * R + r).to(tl.int64) * Hd + offs, mask=ok, other=0.0)
-    _store_row(acc, r, offs, ok, rows, T, scale, out, stride_o, HAS_ROWS, HAS_SCALE)
+    _store_row(acc, r, offs, ok, rows, T, scale, out, stride_o, err, HAS_ROWS, HAS_SCALE)
 
 
 @triton.jit
-def _store_row(acc, r, offs, ok, rows, T, scale, out, stride_o, HAS_ROWS: tl.constexpr, HAS_SCALE: tl.constexpr):
-    """out[r, offs] = scale[offs] * acc rounded once; NaN where rows[r] is out of range."""
+def _store_row(acc, r, offs, ok, rows, T, scale, out, stride_o, err, HAS_ROWS: tl.constexpr,
+               HAS_SCALE: tl.constexpr):
+    """out[r, offs] = scale[offs] * acc rounded once; NaN where rows[r] is out of range (reported to err)."""
     if HAS_SCALE:
         acc *= tl.load(scale + offs, mask=ok, other=0.0)
     if HAS_ROWS:
         src = tl.load(rows + r).to(tl.int64)
         acc = tl.where((src >= 0) & (src < T), acc, float("nan"))
+        if (src < 0) | (src >= T):
+            _report_row(err, r, src, T)
     tl.store(out + r.to(tl.int64) * stride_o + offs, acc.to(out.dtype.element_ty), mask=ok)
 
 
@@ -238,7 +290,7 @@ def _fc_persistent_kernel(aux, a_desc, stride_a, rows, T, R, w, w_desc, K, Hd, r
 
 
 @triton.jit
-def _fc_fixup_kernel(part, rows, T, R, Hd, ipn, ITERS, scale, out, stride_o,
+def _fc_fixup_kernel(part, rows, T, R, Hd, ipn, ITERS, scale, out, stride_o, err,
                      HAS_ROWS: tl.constexpr, HAS_SCALE: tl.constexpr, BLOCK_N: tl.constexpr, S_MAX: tl.constexpr):
     """out[r, n-block nb] = scale * (sum of the partials of the programs whose steps cover nb), in order."""
     r = tl.program_id(0)
@@ -249,15 +301,15 @@ def _fc_fixup_kernel(part, rows, T, R, Hd, ipn, ITERS, scale, out, stride_o,
     for p in range(nb * ipn // ITERS, ((nb + 1) * ipn - 1) // ITERS + 1):
         slot = (p * S_MAX + nb - p * ITERS // ipn).to(tl.int64)
         acc += tl.load(part + (slot * R + r) * BLOCK_N + tl.arange(0, BLOCK_N))
-    _store_row(acc, r, offs, ok, rows, T, scale, out, stride_o, HAS_ROWS, HAS_SCALE)
+    _store_row(acc, r, offs, ok, rows, T, scale, out, stride_o, err, HAS_ROWS, HAS_SCALE)
 
 
 @triton.jit
-def _normalise_rows_kernel(aux, stride_a, rows, T, K, CHUNK, n_chunks, rstd, nw, dst,
+def _normalise_rows_kernel(aux, stride_a, rows, T, K, CHUNK, n_chunks, rstd, nw, dst, err,
                            HAS_ROWS: tl.constexpr, NORM: tl.constexpr, HAS_NW: tl.constexpr, BLOCK: tl.constexpr,
                            SCALE: tl.constexpr = 1.0):
     """dst[r] = SCALE * norm(aux[rows[r]]) in dst's dtype (the prefill path's one pass before cuBLAS: aux's dtype,
-    SCALE 1; the fp8 stream path's: fp16, SCALE 2^-8); NaN rows for indices outside [0, T)."""
+    SCALE 1; the fp8 stream path's: fp16, SCALE 2^-8); NaN rows for indices outside [0, T), reported to err."""
     r = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < K
@@ -266,6 +318,9 @@ def _normalise_rows_kernel(aux, stride_a, rows, T, K, CHUNK, n_chunks, rstd, nw,
     else:
         src = r.to(tl.int64)
     valid = (src >= 0) & (src < T)
+    if HAS_ROWS:
+        if not valid:
+            _report_row(err, r, src, T)
     a = tl.load(aux + tl.where(valid, src, 0) * stride_a + offs, mask=ok & valid, other=0.0).to(tl.float32)
     if NORM != 0:
         a *= tl.load(rstd + r * n_chunks + offs // CHUNK, mask=ok, other=0.0)
@@ -283,6 +338,11 @@ def _compute_dtype(aux: Tensor, weight: Tensor) -> torch.dtype:
     return torch.float32
 
 
+def _via_f16(aux: Tensor, weight: Tensor) -> bool:
+    """An fp8 weight with bf16 rows: the dot runs in fp16 (see FP8_VIA_F16)."""
+    return weight.element_size() == 1 and _compute_dtype(aux, weight) == torch.bfloat16 and FP8_VIA_F16
+
+
 _TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
@@ -296,7 +356,8 @@ def parse_override(config: str) -> tuple:
 
 
 def stream_config(R: int, Hd: int, K: int, n_chunks: int, weight: Tensor) -> dict:
-    """Tile sizes and the K split for the weight-streaming kernel (CONFIG_OVERRIDE replaces them)."""
+    """Tile sizes and the K split for the weight-streaming kernel (CONFIG_OVERRIDE replaces them), sized for bf16
+    activations; _fit_shared cuts them down where the dtypes need more shared memory."""
     per_sm, tma = 0, 0
     if CONFIG_OVERRIDE:
         bn, bk, split, warps, stages, per_sm, tma = parse_override(CONFIG_OVERRIDE)
@@ -315,6 +376,48 @@ def stream_config(R: int, Hd: int, K: int, n_chunks: int, weight: Tensor) -> dic
                 tma=tma)
 
 
+def shared_need(cfg: dict, block_t: int, aux: Tensor, weight: Tensor, has_nw: bool) -> int:
+    """An upper bound of the shared memory (bytes) the stream / stream-K kernels take on sm_90 with cfg's tiles:
+    num_stages buffers of a weight [BLOCK_N, BLOCK_K] and an activation [BLOCK_K, block_t] tile, the [BLOCK_N,
+    block_t] fp32 accumulator's exchange before a store, each tile again in the dot's dtype where it is converted
+    first (an fp8 weight, fp32 compute, a norm weight applied), and the barriers. Above what Triton 3.8 gives 184
+    variants compiled for sm_90a (every dtype pair, BLOCK_T 16-64, 2-4 stages, norm weight or not; within 1% for
+    same-dtype tiles at BLOCK_T 16-32); fp32 rows at BLOCK_T 32 took 263680 bytes before this cut."""
+    bn, bk, stages = cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["num_stages"]
+    dot = torch.float16 if _via_f16(aux, weight) else _compute_dtype(aux, weight)
+    need = stages * bk * (bn * weight.element_size() + block_t * aux.element_size()) + 4 * bn * block_t + 1024
+    if weight.dtype != dot:
+        need += bn * bk * dot.itemsize
+    if aux.dtype != dot or has_nw:
+        need += bk * block_t * dot.itemsize
+    return need
+
+
+def _fit_shared(cfg: dict, block_t: int, aux: Tensor, weight: Tensor, has_nw: bool) -> dict:
+    """cfg with num_stages (down to 2), then BLOCK_K and BLOCK_N (halved, down to 32) lowered until shared_need
+    fits the device."""
+    cfg = dict(cfg)
+    limit = _limits(aux.device)[1]
+    while shared_need(cfg, block_t, aux, weight, has_nw) > limit:
+        if cfg["num_stages"] > 2:
+            cfg["num_stages"] -= 1
+        elif cfg["BLOCK_K"] > 32:
+            cfg["BLOCK_K"] //= 2
+        elif cfg["BLOCK_N"] > 32:
+            cfg["BLOCK_N"] //= 2
+        else:
+            break
+    return cfg
+
+
+def _tma_ok(t: Tensor, *column_steps: int) -> bool:
+    """Whether TMA may read t [rows, cols] in boxes whose first columns are sums of multiples of column_steps:
+    Hopper wants the base address, the row stride and every box's first column 16-byte aligned (else an
+    "illegal instruction" that kills the context: a chunk of 24 fp8 columns was one)."""
+    e = t.element_size()
+    return t.data_ptr() % 16 == 0 and t.stride(0) * e % 16 == 0 and all(s * e % 16 == 0 for s in column_steps)
+
+
 def _norm_rstd(aux, rows, T, R, K, n_chunks, eps):
     rstd = torch.empty(R, n_chunks, dtype=torch.float32, device=aux.device)
     chunk = K // n_chunks
@@ -323,7 +426,7 @@ def _norm_rstd(aux, rows, T, R, K, n_chunks, eps):
     return rstd
 
 
-def _streamed(aux, weight, weight_scale, nw, rstd, norm, n_chunks, rows, out, T, R, K, Hd, block_t, cfg):
+def _streamed(aux, weight, weight_scale, nw, rstd, norm, n_chunks, rows, out, T, R, K, Hd, block_t, cfg, err):
     compute = _compute_dtype(aux, weight)
     chunk = K // n_chunks
     spc = cfg["splits_per_chunk"]
@@ -336,30 +439,38 @@ def _streamed(aux, weight, weight_scale, nw, rstd, norm, n_chunks, rows, out, T,
         aux, aux.stride(0), rows if rows is not None else aux, T, R, weight, K, Hd,
         rstd if rstd is not None else aux, n_chunks, chunk, spc, k_per_split,
         nw if nw is not None else aux, weight_scale if weight_scale is not None else aux, out, out.stride(0), part,
-        HAS_ROWS=rows is not None, NORM=norm, HAS_NW=nw is not None, HAS_SCALE=weight_scale is not None,
-        SPLIT=n_split, COMPUTE=_TL[compute], IEEE=compute == torch.float32,
-        F16=weight.element_size() == 1 and compute == torch.bfloat16 and FP8_VIA_F16,
+        err, HAS_ROWS=rows is not None, NORM=norm, HAS_NW=nw is not None, HAS_SCALE=weight_scale is not None,
+        SPLIT=n_split, COMPUTE=_TL[compute], IEEE=compute == torch.float32, F16=_via_f16(aux, weight),
         BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], BLOCK_T=block_t,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if n_split > 1:
-        block = 1024
-        _fc_reduce_kernel[(R, triton.cdiv(Hd, block))](
-            part, rows if rows is not None else aux, T, R, Hd, weight_scale if weight_scale is not None else aux, out,
-            out.stride(0), n_split, HAS_ROWS=rows is not None, HAS_SCALE=weight_scale is not None, BLOCK=block)
+        _reduced(part, rows, T, R, Hd, weight_scale, out, n_split, err)
 
 
-_SM_COUNT: dict = {}
+def _reduced(part, rows, T, R, Hd, weight_scale, out, n_split, err):
+    """out = scale * the sum of part's n_split slices, with the rows check (n_split 0: zeros)."""
+    block = 1024
+    _fc_reduce_kernel[(R, max(1, triton.cdiv(Hd, block)))](
+        part, rows if rows is not None else out, T, R, Hd, weight_scale if weight_scale is not None else out, out,
+        out.stride(0), n_split, err, HAS_ROWS=rows is not None, HAS_SCALE=weight_scale is not None, BLOCK=block)
 
 
-def _sm_count(device: torch.device) -> int:
+_LIMITS: dict = {}
+
+
+def _limits(device: torch.device) -> tuple:
+    """(multiprocessors, shared memory bytes a program may take) of a device, asked once. The interpreter: 2
+    "SMs" (few programs, so that ranges straddle n-blocks and chunks) and an H200's 232448 bytes (its tiles)."""
     if device.type != "cuda":
-        return 2  # the interpreter: few programs, so that ranges straddle n-blocks and chunks
-    if device.index not in _SM_COUNT:
-        _SM_COUNT[device.index] = torch.cuda.get_device_properties(device).multi_processor_count
-    return _SM_COUNT[device.index]
+        return 2, 232448
+    if device.index not in _LIMITS:
+        props = triton.runtime.driver.active.utils.get_device_properties(device.index)
+        _LIMITS[device.index] = props["multiprocessor_count"], props["max_shared_mem"]
+    return _LIMITS[device.index]
 
 
-def _persistent(aux, weight, weight_scale, nw, rstd, norm, n_chunks, rows, out, T, R, K, Hd, block_t, cfg, a16=False):
+def _persistent(aux, weight, weight_scale, nw, rstd, norm, n_chunks, rows, out, T, R, K, Hd, block_t, cfg, err,
+                a16=False):
     """Stream-K over (n-block, chunk, BLOCK_K step): cfg["per_sm"] programs per SM, equal step counts. a16: aux
     is the prepared [R, K] fp16 x 2^-8 rows of an fp8 weight's product (rows, norms and nw already applied)."""
     bn, bk = cfg["BLOCK_N"], cfg["BLOCK_K"]
@@ -367,41 +478,42 @@ def _persistent(aux, weight, weight_scale, nw, rstd, norm, n_chunks, rows, out, 
     ipc = triton.cdiv(chunk, bk)
     ipn = n_chunks * ipc
     total = triton.cdiv(Hd, bn) * ipn
-    iters = triton.cdiv(total, cfg["per_sm"] * _sm_count(aux.device))
+    iters = triton.cdiv(total, cfg["per_sm"] * _limits(aux.device)[0])
     programs = triton.cdiv(total, iters)
     s_max = triton.cdiv(iters, ipn) + 1  # n-blocks one program's steps can touch
     part = torch.empty(programs, s_max, R, bn, dtype=torch.float32, device=aux.device)
     compute = _compute_dtype(aux, weight)
-    tma = bool(cfg["tma"]) and K * weight.element_size() % 16 == 0 and weight.data_ptr() % 16 == 0
+    # weight boxes start at chunk * CHUNK + step * BLOCK_K columns; the prepared rows' at step * BLOCK_K
+    tma = bool(cfg["tma"]) and _tma_ok(weight, chunk, bk) and (not a16 or _tma_ok(aux, bk))
     desc = TensorDescriptor.from_tensor(weight, [bn, bk]) if tma else weight
     a_desc = TensorDescriptor.from_tensor(aux, [block_t, bk]) if tma and a16 else aux
     _fc_persistent_kernel[(programs, triton.cdiv(R, block_t))](
         aux, a_desc, aux.stride(0), rows if rows is not None else aux, T, R, weight, desc, K, Hd,
         rstd if rstd is not None else aux, n_chunks, chunk, ipc, iters, nw if nw is not None else aux, part,
-        HAS_ROWS=rows is not None, NORM=norm, HAS_NW=nw is not None,
-        F16=a16 or (weight.element_size() == 1 and compute == torch.bfloat16 and FP8_VIA_F16), TMA=tma,
+        HAS_ROWS=rows is not None, NORM=norm, HAS_NW=nw is not None, F16=a16 or _via_f16(aux, weight), TMA=tma,
         COMPUTE=_TL[compute], IEEE=compute == torch.float32, BLOCK_N=bn, BLOCK_K=bk, BLOCK_T=block_t, S_MAX=s_max,
         A16=a16, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     _fc_fixup_kernel[(R, triton.cdiv(Hd, bn))](
         part, rows if rows is not None else aux, T, R, Hd, ipn, iters,
-        weight_scale if weight_scale is not None else aux, out, out.stride(0), HAS_ROWS=rows is not None,
+        weight_scale if weight_scale is not None else aux, out, out.stride(0), err, HAS_ROWS=rows is not None,
         HAS_SCALE=weight_scale is not None, BLOCK_N=bn, S_MAX=s_max)
 
 
-def _prepared_rows(aux, rows, T, R, K, n_chunks, norm, rstd, nw, dtype, scale) -> Tensor:
-    """[R, K] of dtype: scale * norm(aux[rows]) with nw applied, written once (NaN rows for bad indices)."""
+def _prepared_rows(aux, rows, T, R, K, n_chunks, norm, rstd, nw, dtype, scale, err) -> Tensor:
+    """[R, K] of dtype: scale * norm(aux[rows]) with nw applied, written once (NaN rows for bad indices, reported)."""
     a = torch.empty(R, K, dtype=dtype, device=aux.device)
     block = 1024
     _normalise_rows_kernel[(R, triton.cdiv(K, block))](
         aux, aux.stride(0), rows if rows is not None else aux, T, K, K // n_chunks, n_chunks,
-        rstd if rstd is not None else aux, nw if nw is not None else aux, a,
+        rstd if rstd is not None else aux, nw if nw is not None else aux, a, err,
         HAS_ROWS=rows is not None, NORM=norm, HAS_NW=nw is not None, BLOCK=block, SCALE=scale)
     return a
 
 
 def fc_proj(aux: Tensor, weight: Tensor, weight_scale: Optional[Tensor], norm_weight: Optional[Tensor], eps: float,
             norm_mode: str, rows: Optional[Tensor], out: Tensor) -> None:
-    """The CUDA launcher (arguments already checked by eagle3_ops._validate.fc_proj)."""
+    """The CUDA launcher (arguments already checked by eagle3_ops._validate.fc_proj), on aux's device. A rows
+    index outside [0, T) is recorded in the device error word and its out row is NaN (the module docstring)."""
     for name, t in (("aux", aux), ("weight", weight), ("norm_weight", norm_weight), ("out", out)):
         if t is not None and t.dtype == torch.float64:
             raise TypeError(f"{name} must have dtype bfloat16 | float16 | float32 on CUDA (float64 runs on the CPU "
@@ -409,44 +521,52 @@ def fc_proj(aux: Tensor, weight: Tensor, weight_scale: Optional[Tensor], norm_we
     T, K = aux.shape
     Hd = weight.shape[0]
     R = out.shape[0]
+    if R == 0:
+        return
     n_chunks = norm_weight.shape[0] if norm_mode == "fc_norm" else 1
-    if R == 0 or Hd == 0:
-        return
-    if K == 0:
-        out.zero_()
-        return
     norm = _NORM_CODE[norm_mode]
     nw = norm_weight.reshape(-1) if norm_weight is not None else None
+    err = errors.error_word(aux.device)
     # (CPU tensors only under TRITON_INTERPRET=1, in the tests)
     on_device = torch.cuda.device(aux.device) if aux.is_cuda else contextlib.nullcontext()
     with on_device:
-        rstd = _norm_rstd(aux, rows, T, R, K, n_chunks, eps) if norm else None
-        if R <= STREAM_MAX_ROWS:
-            block_t = max(16, triton.next_power_of_2(R))
-            cfg = stream_config(R, Hd, K, n_chunks, weight)
-            if (cfg["per_sm"] > 0 and R >= FP8_PREP_ROWS and weight.element_size() == 1 and FP8_VIA_F16
-                    and _compute_dtype(aux, weight) == torch.bfloat16):
-                a16 = _prepared_rows(aux, rows, T, R, K, n_chunks, norm, rstd, nw, torch.float16, 0.00390625)
-                _persistent(a16, weight, weight_scale, None, None, 0, 1, None, out, R, R, K, Hd, block_t, cfg,
-                            a16=True)
-            else:
-                launch = _persistent if cfg["per_sm"] > 0 else _streamed
-                launch(aux, weight, weight_scale, nw, rstd, norm, n_chunks, rows, out, T, R, K, Hd, block_t, cfg)
-        elif aux.dtype in (torch.bfloat16, torch.float16) and out.dtype == aux.dtype and (
-                weight.dtype == aux.dtype or weight.element_size() == 1):
-            # prefill: cuBLAS on aux itself, or on the normalised / gathered rows written once; an fp8 (or
-            # scaled) weight is dequantised to aux's dtype first (cuBLAS has no bf16 x fp8 product)
-            w_mm = weight if weight_scale is None else _dequantised(weight, weight_scale, aux.dtype)
-            if norm or rows is not None or nw is not None:
-                a = _prepared_rows(aux, rows, T, R, K, n_chunks, norm, rstd, nw, aux.dtype, 1.0)
-            else:
-                a = aux
-            torch.mm(a, w_mm.t(), out=out)
+        if K == 0 or Hd == 0:  # nothing to multiply: zeros (the empty sum), still checking rows
+            _reduced(out, rows, T, R, Hd, None, out, 0, err)
         else:
-            # fp32 / mixed precision / another out dtype at prefill size: the same kernel as a tiled GEMM
-            # (one rounding, fp32 accumulation, IEEE fp32 products where the reference has them)
-            cfg = dict(BLOCK_N=128, BLOCK_K=64, splits_per_chunk=1, num_warps=8, num_stages=4)
-            _streamed(aux, weight, weight_scale, nw, rstd, norm, n_chunks, rows, out, T, R, K, Hd, 64, cfg)
+            _launch(aux, weight, weight_scale, nw, eps, norm, n_chunks, rows, out, T, R, K, Hd, err)
+    errors.after_launch(aux.device)
+
+
+def _launch(aux, weight, weight_scale, nw, eps, norm, n_chunks, rows, out, T, R, K, Hd, err):
+    rstd = _norm_rstd(aux, rows, T, R, K, n_chunks, eps) if norm else None
+    if R <= STREAM_MAX_ROWS:
+        block_t = max(16, triton.next_power_of_2(R))
+        cfg = stream_config(R, Hd, K, n_chunks, weight)
+        if not CONFIG_OVERRIDE:  # a tuning run's tiles are taken as given (it wants its own error)
+            cfg = _fit_shared(cfg, block_t, aux, weight, nw is not None)
+        if cfg["per_sm"] > 0 and R >= FP8_PREP_ROWS and _via_f16(aux, weight):
+            a16 = _prepared_rows(aux, rows, T, R, K, n_chunks, norm, rstd, nw, torch.float16, 0.00390625, err)
+            _persistent(a16, weight, weight_scale, None, None, 0, 1, None, out, R, R, K, Hd, block_t, cfg, err,
+                        a16=True)
+        else:
+            launch = _persistent if cfg["per_sm"] > 0 else _streamed
+            launch(aux, weight, weight_scale, nw, rstd, norm, n_chunks, rows, out, T, R, K, Hd, block_t, cfg, err)
+    elif aux.dtype in (torch.bfloat16, torch.float16) and out.dtype == aux.dtype and (
+            weight.dtype == aux.dtype or weight.element_size() == 1):
+        # prefill: cuBLAS on aux itself, or on the normalised / gathered rows written once; an fp8 (or
+        # scaled) weight is dequantised to aux's dtype first (cuBLAS has no bf16 x fp8 product)
+        w_mm = weight if weight_scale is None else _dequantised(weight, weight_scale, aux.dtype)
+        if norm or rows is not None or nw is not None:
+            a = _prepared_rows(aux, rows, T, R, K, n_chunks, norm, rstd, nw, aux.dtype, 1.0, err)
+        else:
+            a = aux
+        torch.mm(a, w_mm.t(), out=out)
+    else:
+        # fp32 / mixed precision / another out dtype at prefill size: the same kernel as a tiled GEMM
+        # (one rounding, fp32 accumulation, IEEE fp32 products where the reference has them)
+        cfg = dict(BLOCK_N=128, BLOCK_K=64, splits_per_chunk=1, num_warps=8, num_stages=4)
+        cfg = _fit_shared(cfg, 64, aux, weight, nw is not None)
+        _streamed(aux, weight, weight_scale, nw, rstd, norm, n_chunks, rows, out, T, R, K, Hd, 64, cfg, err)
 
 
 @triton.jit
