@@ -108,11 +108,15 @@ def _run(aux, weight, scale, nw, mode, rows, out_dtype, launch=None):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(FP8 is None, reason="this torch has no float8_e4m3fn")
-def test_cuda_misaligned_bf16_aux_fp8_weight_fc_norm(gen):
+@pytest.mark.parametrize("view", ["slice", "contiguous"])
+def test_cuda_misaligned_bf16_aux_fp8_weight_fc_norm(gen, view):
     # The H200's case: aux = big[1:, 4:52] of a [14, 57] bf16 buffer (row stride 114 bytes, base 122 bytes in),
     # T 13, n_aux 2, H 24, Hd 24, fp8 weight with its per-channel scale, fc_norm ("an illegal instruction").
+    # Its cause was the weight's 24-byte chunk start, not the view: the same call on a contiguous aux (the
+    # kernel compiles to the same code, scalar loads either way) took the same TMA box.
     aux = _view(gen, 13, 48, torch.bfloat16, "cuda", row_off=1, col_off=4, extra=5)
     assert aux.stride() == (57, 1) and aux.data_ptr() % 16 != 0
+    aux = aux.contiguous() if view == "contiguous" else aux
     w, scale = _weight(gen, 24, 48, FP8, "cuda")
     nw = _norm_weight(gen, "fc_norm", 2, 24, torch.bfloat16, "cuda")
     out = torch.full((13, 24), float("nan"), dtype=torch.bfloat16, device="cuda")
@@ -272,6 +276,25 @@ def test_cuda_rows_out_of_range_reports(path, bad, rows_dtype):
 def test_cuda_graph_rows_out_of_range_reports(path):
     make, _ = _rows_case(path, 5, 99, torch.int64)
     expect_cuda_graph(make, _message(5, 99))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs a second GPU")
+def test_cuda_second_device(gen):
+    # Tensors on cuda:1 while cuda:0 is current: the launches (and TMA descriptors) follow the tensors, the bad
+    # index is recorded in cuda:1's word.
+    assert torch.cuda.current_device() == 0
+    dev = torch.device("cuda", 1)
+    aux = _view(gen, 13, 48, torch.bfloat16, dev, 1, 4, 5)
+    w, scale = _weight(gen, 40, 48, FP8 or torch.bfloat16, dev)
+    nw = _norm_weight(gen, "fc_norm", 2, 24, torch.bfloat16, dev)
+    _run(aux, w, scale, nw, "fc_norm", None, torch.bfloat16)
+    rows = torch.tensor([0, 12, 3, 4, 1, 99], device=dev)
+    out = torch.empty(6, 40, dtype=torch.bfloat16, device=dev)
+    torch.ops.eagle3.fc_proj(aux, w, scale, nw, EPS, "fc_norm", rows, out)
+    with pytest.raises(Eagle3InputError, match="^" + re.escape(_message(5, 99)) + "$"):
+        eagle3_ops.check_errors(dev)
+    assert torch.isnan(out[5].cpu()).all()
 
 
 # ---- the Triton kernels under the interpreter (CPU tensors, fp16 / fp32) -------------------------------------
