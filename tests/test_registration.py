@@ -89,7 +89,8 @@ def test_compile_fullgraph_cpu():
 
 def test_build_info():
     info = eagle3_ops.build_info()
-    assert set(info) == {"cuda", "cuda_archs", "cuda_version", "torch_version", "cuda_kernels"}
+    assert set(info) == {"cuda", "cuda_archs", "cuda_version", "torch_version", "cuda_kernels", "device_checks"}
+    assert info["device_checks"] in (True, False)  # False: built with EAGLE3_DEVICE_CHECKS=0
     assert info["torch_version"].split("+")[0] == torch.__version__.split("+")[0]
     if info["cuda"]:
         assert "capture_aux" in info["cuda_kernels"] and info["cuda_archs"]
