@@ -26,8 +26,14 @@
 // tiles' work, not the bytes: 23.9 us with its KV in L2 against 26.5 us from HBM (bench/ceiling_mla.py,
 // results/mla_ceiling_h200.log; where its time goes: bench/trace_mla.py, results/mla_sm90_early_h200.log);
 // 1.5x the Triton kernel.
-// Bad values: positions stop at the page table's capacity, page ids outside [0, num_pages) are never
-// dereferenced, and a request with a bad prefix length or such a page id gets NaN in all its rows.
+// Bad values (eagle3_ops.reference.tree_attention_mla's contract): a request whose prefix length is outside
+// [0, capacity - N] reads nothing, page ids outside [0, num_pages) are never dereferenced (only the page-table
+// slots covering positions [0, prefix + N) are read), and such a request gets NaN in all its rows of out and
+// lse; the value is recorded in the device error word (eagle3/errors.h) on the existing bad-value paths.
+//
+// A build without sm_90a (TORCH_CUDA_ARCH_LIST=9.0, or other archs only) compiles the kernel's body to a
+// trap: the launcher refuses such a build (sm90a_compiled) before any launch, and the Python launcher then
+// takes the Triton kernel (triton_kernels/mla_decode.py sm90_compiled).
 
 #include <ATen/core/Tensor.h>
 #include <c10/cuda/CUDAException.h>
@@ -37,12 +43,14 @@
 #include <cuda_fp16.h>
 #include <torch/library.h>
 
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <optional>
 
 #include "eagle3/checks.h"
 #include "eagle3/device.h"
+#include "eagle3/errors.cuh"
 #include "eagle3/wgmma.cuh"
 
 namespace eagle3 {
@@ -71,6 +79,7 @@ struct Params {
   float* part_out;            // [splits, B, N * G, 512] fp32 contiguous              (splits > 1)
   float* part_lse;            // [splits, B, N * G] fp32, log2 units                  (splits > 1)
   uint64_t* trace;            // [blocks, kTraceSlots] (kTrace builds only: bench/trace_mla.py)
+  int64_t* err;               // the device error word (eagle3/errors.h)
   float scale_log2;
   int B, N, W, G, num_pages, max_pages, page_size, num_splits;
   int64_t stride_qt, stride_qh, stride_kp, stride_ks, stride_pt, stride_ot, stride_oh;
@@ -194,7 +203,9 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
   const int64_t start = split * chunk;
   const int64_t end = start + chunk < prefix ? start + chunk : static_cast<int64_t>(prefix);
   const int n_prefix_tiles = end > start ? static_cast<int>((end - start + kKeys - 1) / kKeys) : 0;
-  const int n_tiles = n_prefix_tiles + (split == p.num_splits - 1 ? cdiv(p.N, kKeys) : 0);
+  // a bad prefix length: no tile at all (nothing read; the epilogue writes NaN rows)
+  const int n_tiles = bad ? 0 : n_prefix_tiles + (split == p.num_splits - 1 ? cdiv(p.N, kKeys) : 0);
+  if (bad && tid == 0) report_range(p.err, kOpTreeAttentionMla, kArgPrefixLens, prefix_raw, 0, clamp_hi, b);
   const int32_t* pt_row = p.page_table + b * p.stride_pt;
 
   // Where key row r of tile t lives, or nullptr where it must not be read (past the split, past the tree,
@@ -216,7 +227,10 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
     const uint32_t pg = upos / ups;
     const int page = valid ? pt_row[pg] : 0;
     const bool real = page >= 0 && page < p.num_pages;
-    unreal |= valid && !real;
+    if (valid && !real) {
+      unreal = true;
+      report_range(p.err, kOpTreeAttentionMla, kArgPageTable, page, 0, p.num_pages - 1, b, pg);
+    }
     return valid && real ? kv + page * p.stride_kp + static_cast<int64_t>(upos - pg * ups) * p.stride_ks : nullptr;
   };
   uint64_t policy = 0;
@@ -543,6 +557,33 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
 
 #pragma nv_diagnostic pop
 
+// Compiled from this file into the same module as mla_decode_kernel, so the device runs the same build of both:
+// static shared memory only where the code is sm_90a's (elsewhere mla_decode_kernel's body is the trap), which
+// cudaFuncGetAttributes reports (sharedSizeBytes) without a launch. Never launched.
+__global__ void sm90a_marker(int* sink) {
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  __shared__ volatile int mark[4];
+  mark[threadIdx.x % 4] = static_cast<int>(threadIdx.x);
+  __syncthreads();
+  if (sink != nullptr) *sink = mark[0];
+#endif
+}
+
+// Whether the current device runs this build's real sm_90a kernel (asked once per device; no stream work).
+bool sm90a_compiled(int device) {
+  static std::atomic<int> known[64] = {};  // 0 not asked yet, 1 no, 2 yes
+  if (device < 0 || device >= 64) return false;
+  int k = known[device].load(std::memory_order_relaxed);
+  if (k == 0) {
+    cudaFuncAttributes attr{};
+    const cudaError_t e = cudaFuncGetAttributes(&attr, sm90a_marker);
+    if (e != cudaSuccess) (void)cudaGetLastError();  // no code for this device at all (not sticky)
+    k = e == cudaSuccess && attr.sharedSizeBytes > 0 ? 2 : 1;
+    known[device].store(k, std::memory_order_relaxed);
+  }
+  return k == 2;
+}
+
 // q           [B * N, G, 576]  bf16 | fp16, rows 16-byte aligned, last dim contiguous
 // kv_cache    [num_pages, page_size, 576]  q's dtype, rows 16-byte aligned, last dim contiguous
 // page_table  [B, max_pages] int32, last dim contiguous;  prefix_lens [B] int32
@@ -634,7 +675,11 @@ void tree_attention_mla_sm90_cuda(const at::Tensor& q, const at::Tensor& kv_cach
     CHECK_SAME_DEVICE(trace, q);
   }
   const c10::cuda::OptionalCUDAGuard guard(q.device());
-  TORCH_CHECK_VALUE(sm_major(q.get_device()) == 9, "the sm_90a kernel needs a Hopper GPU (compute capability 9.x)");
+  const int device = q.get_device();
+  TORCH_CHECK_VALUE(sm_major(device) == 9, "the sm_90a kernel needs a Hopper GPU (compute capability 9.x)");
+  // (before the empty-input return: triton_kernels/mla_decode.py sm90_compiled asks with empty inputs)
+  TORCH_CHECK_NOT_IMPLEMENTED(sm90a_compiled(device), "this build has no sm_90a code for tree_attention_mla's "
+                              "Hopper kernel (TORCH_CUDA_ARCH_LIST without 9.0a compiles it to a trap)");
   if (B == 0 || N == 0 || G == 0) return;
 
   Params p{};
@@ -648,6 +693,7 @@ void tree_attention_mla_sm90_cuda(const at::Tensor& q, const at::Tensor& kv_cach
   p.part_out = num_splits > 1 ? part_out.data_ptr<float>() : nullptr;
   p.part_lse = num_splits > 1 ? part_lse.data_ptr<float>() : nullptr;
   p.trace = traced ? reinterpret_cast<uint64_t*>(trace_opt->data_ptr<int64_t>()) : nullptr;
+  p.err = device_error_word(device);
   p.scale_log2 = static_cast<float>(scale * 1.4426950408889634);
   p.B = static_cast<int>(B);
   p.N = static_cast<int>(N);
@@ -690,6 +736,7 @@ void tree_attention_mla_sm90_cuda(const at::Tensor& q, const at::Tensor& kv_cach
   } else {
     evict_first ? launch(mla_decode_kernel<__half, true, false>) : launch(mla_decode_kernel<__half, false, false>);
   }
+  after_launch(device, stream);
 }
 
 }  // namespace

@@ -265,17 +265,27 @@ def _tree_visible(b: int, prefix: int, tree_mask: Tensor) -> Tensor:
     return torch.cat([torch.ones(N, prefix, dtype=torch.bool), block], dim=1)
 
 
-def _gather_pages(cache: Tensor, page_table: Tensor, b: int, length: int) -> Tensor:
-    """The first `length` cached rows of request b, [length, ...], through its page table."""
+def _gather_pages(cache: Tensor, page_table: Tensor, b: int, length: int, op: str) -> Tensor:
+    """The first `length` cached rows of request b, [length, ...], through its page table: only the slots
+    that cover positions [0, length) are read (and must hold page ids in [0, num_pages))."""
+    from .errors import check_range
+
     page_size = cache.shape[1]
+    slots = -(-length // page_size) if page_size else 0
+    check_range(page_table[b:b + 1, :slots], 0, cache.shape[0] - 1, op, "page_table", offset=(b, 0))
     pos = torch.arange(length)
-    pages = page_table[b, pos // page_size].long()
-    _check_index(pages, cache.shape[0], f"page_table[{b}]", f"{cache.shape[0]} pages")
-    return cache[pages, pos % page_size]
+    return cache[page_table[b, pos // page_size].long(), pos % page_size]
 
 
-def _check_capacity(page_table: Tensor, prefix_lens: Tensor, N: int, page_size: int) -> None:
+def _check_capacity(page_table: Tensor, prefix_lens: Tensor, N: int, page_size: int, op: Optional[str] = None) -> None:
+    """prefix_lens[b] in [0, max_pages * page_size - N]: room for the N tree rows. With op, Eagle3InputError in
+    the kernels' wording; without (kv_accept's call), IndexError."""
     cap = page_table.shape[1] * page_size
+    if op is not None:
+        from .errors import check_range
+
+        check_range(prefix_lens, 0, cap - N, op, "prefix_lens")
+        return
     bad = (prefix_lens < 0) | (prefix_lens.long() + N > cap)
     if bool(bad.any()):
         b = int(bad.nonzero()[0, 0])
@@ -294,10 +304,11 @@ def _attend(q: Tensor, k: Tensor, v: Tensor, visible: Tensor, scale: float) -> t
 
 
 def _tree_attention(q: Tensor, kv_rows, page_table: Tensor, prefix_lens: Tensor, tree_mask: Tensor, scale: float,
-                    out: Tensor, lse: Optional[Tensor], page_size: int) -> None:
-    """Shared body: kv_rows(b, length) gives request b's first `length` rows as (k [L, NH, D], v [L, NH, Dv])."""
+                    out: Tensor, lse: Optional[Tensor], page_size: int, op: str) -> None:
+    """Shared body: kv_rows(b, length) gives request b's first `length` rows as (k [L, NH, D], v [L, NH, Dv]).
+    Every prefix length is checked before any page id (the kernels skip a bad-prefix request unread)."""
     B, N = tree_mask.shape[0], tree_mask.shape[1]
-    _check_capacity(page_table, prefix_lens, N, page_size)
+    _check_capacity(page_table, prefix_lens, N, page_size, op)
     _check_self_bits(tree_mask)
     outs, lses = [], []
     for b in range(B):
@@ -338,15 +349,27 @@ def tree_attention_mla(q: Tensor, kv_cache: Tensor, page_table: Tensor, prefix_l
         Attention output in latent space.
     lse : Tensor [B * N, NH] fp32, optional, mutated
         Natural-log sum of exp(scale * q.k) over the visible positions.
+
+    Bad values: prefix_lens[b] must lie in [0, max_pages * page_size - N], and the page-table slots that cover
+    positions [0, prefix_lens[b] + N) (slots 0 .. ceil((prefix_lens[b] + N) / page_size) - 1; the slots past
+    them are never read, whatever they hold) must hold page ids in [0, num_pages). Here a violation raises
+    Eagle3InputError, e.g. `tree_attention_mla: page_table[0, 5] = 99999 is out of range (valid: 0..63)`
+    (prefix lengths are checked first, then each request's slots in order). On CUDA the request is skipped
+    instead: every row of out and lse of that request (all its nodes and heads) is NaN, nothing out of range is
+    read (nothing at all for a bad prefix length), the other requests are computed as usual, and the violation
+    is recorded for eagle3_ops.check_errors() with the same message. A node missing its own tree_mask bit
+    raises ValueError here; CUDA does not check it.
     """
     s = _validate.tree_attention_mla(q, kv_cache, page_table, prefix_lens, tree_mask, scale, out, lse)
     acc, NH, Dv = _acc(q), s["NH"], s["Dv"]
 
     def kv_rows(b, length):  # one latent head shared by every query head; V = its first Dv dims
-        kv = _gather_pages(kv_cache, page_table, b, length).to(acc)[:, None, :].expand(-1, NH, -1)
+        kv = _gather_pages(kv_cache, page_table, b, length, "tree_attention_mla").to(acc)[:, None, :]
+        kv = kv.expand(-1, NH, -1)
         return kv, kv[..., :Dv]
 
-    _tree_attention(q.to(acc), kv_rows, page_table, prefix_lens, tree_mask, scale, out, lse, s["page_size"])
+    _tree_attention(q.to(acc), kv_rows, page_table, prefix_lens, tree_mask, scale, out, lse, s["page_size"],
+                    "tree_attention_mla")
 
 
 def tree_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, page_table: Tensor, prefix_lens: Tensor,
@@ -374,16 +397,20 @@ def tree_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, page_table: Tens
         Attention output.
     lse : Tensor [B * N, NH] fp32, optional, mutated
         Natural-log sum of exp(scale * q.k) over the visible positions.
+
+    Bad values: as tree_attention_mla (same checks, same CUDA behaviour: the request's rows of out and lse NaN,
+    the violation recorded), e.g. `tree_attention: prefix_lens[1] = -3 is out of range (valid: 0..4080)`.
     """
     s = _validate.tree_attention(q, k_cache, v_cache, page_table, prefix_lens, tree_mask, scale, out, lse)
     acc, group = _acc(q), s["NH"] // s["HKV"]
 
     def kv_rows(b, length):  # query head h reads KV head h // group
-        k = _gather_pages(k_cache, page_table, b, length).to(acc).repeat_interleave(group, dim=1)
-        v = _gather_pages(v_cache, page_table, b, length).to(acc).repeat_interleave(group, dim=1)
+        k = _gather_pages(k_cache, page_table, b, length, "tree_attention").to(acc).repeat_interleave(group, dim=1)
+        v = _gather_pages(v_cache, page_table, b, length, "tree_attention").to(acc).repeat_interleave(group, dim=1)
         return k, v
 
-    _tree_attention(q.to(acc), kv_rows, page_table, prefix_lens, tree_mask, scale, out, lse, s["page_size"])
+    _tree_attention(q.to(acc), kv_rows, page_table, prefix_lens, tree_mask, scale, out, lse, s["page_size"],
+                    "tree_attention")
 
 
 # ---- verify -----------------------------------------------------------------------------------------

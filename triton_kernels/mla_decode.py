@@ -37,8 +37,12 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from .. import errors
 from ._device import hopper_kernel
-from .tree_attention import _LOG2E, _pow2, _request_span, _sm_count, merge_splits, num_splits_for
+from .tree_attention import (_LOG2E, _MAX_SPLITS, _NO_POS, OP_MLA, _pow2, _report_request, _request_span, _sm_count,
+                             merge_splits, num_splits_for)
+
+_OP_MLA = tl.constexpr(OP_MLA)
 
 try:  # triton >= 3.3 (host-side descriptors; the H200's triton 3.6 and this machine's 3.8 have it)
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -134,8 +138,8 @@ def _gathered_tile(acc_a, acc_b, m_i, l_i, qa, qb, qr, K, page, slot, stride_kp,
 
 @triton.jit
 def _mla_kernel(
-        Q, K, KA, KR, PT, PL, TM, O, LSE, PO, PLSE,
-        scale_log2, N, W, NUM_PAGES, MAX_PAGES, PAGE_SIZE, NUM_SPLITS,
+        Q, K, KA, KR, PT, PL, TM, O, LSE, PO, PLSE, ERR,
+        scale_log2, N, W, NUM_PAGES, CAPACITY, PAGE_SIZE, NUM_SPLITS,
         stride_qt, stride_qh, stride_kp, stride_ks, stride_pt, stride_ot, stride_oh,
         G: tl.constexpr, DV: tl.constexpr, DR: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, HAS_LSE: tl.constexpr,
@@ -148,11 +152,14 @@ def _mla_kernel(
     # O   [B * N, NH, DV] strides (stride_ot, stride_oh, 1);  LSE [B * N, NH] fp32 contiguous (HAS_LSE)
     # PO  [NUM_SPLITS, B, N * G, DV] fp32, PLSE [NUM_SPLITS, B, N * G] fp32 (SPLIT): tree_attention's
     #     partial layout with HKV = 1 (its merge kernel combines them)
-    # Row r of the block: node r // G, head r % G. Latent dims in two halves [0, BLOCK_H), [BLOCK_H, 2 BLOCK_H).
-    pid_m = tl.program_id(0)
-    b = tl.program_id(1)
-    pid_s = tl.program_id(2)
+    # ERR [12] int64: the device error word
+    # Grid (B * row blocks, NUM_SPLITS), request-major. Row r of the block: node r // G, head r % G. Latent dims
+    # in two halves [0, BLOCK_H), [BLOCK_H, 2 BLOCK_H).
     ROWS = N * G
+    m_blocks = tl.cdiv(ROWS, BLOCK_M)
+    pid_m = tl.program_id(0) % m_blocks
+    b = tl.program_id(0) // m_blocks
+    pid_s = tl.program_id(1)
 
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < ROWS
@@ -169,9 +176,8 @@ def _mla_kernel(
     if DR > 0:
         qr = tl.load(Q + q_row[:, None] + DV + dr[None, :], mask=row_ok[:, None] & (dr[None, :] < DR), other=0.0)
 
-    bad, prefix, pt_row, start, end = _request_span(PL, PT, b, stride_pt, MAX_PAGES, PAGE_SIZE, N, NUM_SPLITS,
-                                                    pid_s, BLOCK_N)
-    capacity = MAX_PAGES * PAGE_SIZE
+    bad_prefix, prefix_raw, prefix, tree_n, pt_row, start, end = _request_span(PL, PT, b, stride_pt, CAPACITY, N,
+                                                                               NUM_SPLITS, pid_s, BLOCK_N)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -179,13 +185,13 @@ def _mla_kernel(
     acc_b = tl.zeros([BLOCK_M, BLOCK_H], tl.float32)
 
     whole_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N
-    unreal = tl.zeros([BLOCK_N], tl.int32)  # positions whose page id is out of range (reduced after)
+    first = tl.full([BLOCK_N], _NO_POS, tl.int32)  # per lane, the first position whose page id is out of range
     # Whole tiles: every row sees every key, no masks.
     for n0 in range(start, whole_end, BLOCK_N):
         if TMA:  # the tile lies on one page (page_size % BLOCK_N == 0, n0 % BLOCK_N == 0)
             page = tl.load(pt_row + n0 // PAGE_SIZE)
             real = (page >= 0) & (page < NUM_PAGES)
-            unreal |= tl.where(real, 0, 1)
+            first = tl.minimum(first, tl.where(real, _NO_POS, n0))
             row0 = tl.where(real, page, 0) * PAGE_SIZE + n0 % PAGE_SIZE  # an unreal page: read page 0, poison
             ka = KA.load([row0, 0])
             kb = KA.load([row0, BLOCK_H])
@@ -205,7 +211,7 @@ def _mla_kernel(
             pos = n0 + tl.arange(0, BLOCK_N)
             page = tl.load(pt_row + pos // PAGE_SIZE)
             real = (page >= 0) & (page < NUM_PAGES)
-            unreal |= (~real).to(tl.int32)
+            first = tl.minimum(first, tl.where(real, _NO_POS, pos))
             kv_row = tl.where(real, page, 0).to(tl.int64) * stride_kp + (pos % PAGE_SIZE).to(tl.int64) * stride_ks
             ka = tl.load(K + kv_row[:, None] + dh[None, :], mask=dh[None, :] < DV, other=0.0)
             kb = tl.load(K + kv_row[:, None] + BLOCK_H + dh[None, :], mask=BLOCK_H + dh[None, :] < DV, other=0.0)
@@ -230,7 +236,7 @@ def _mla_kernel(
         in_range = pos < end
         page = tl.load(pt_row + pos // PAGE_SIZE, mask=in_range, other=0)
         real = (page >= 0) & (page < NUM_PAGES)
-        unreal |= (in_range & ~real).to(tl.int32)
+        first = tl.minimum(first, tl.where(in_range & ~real, pos, _NO_POS))
         acc_a, acc_b, m_i, l_i = _gathered_tile(
             acc_a, acc_b, m_i, l_i, qa, qb, qr, K, page.to(tl.int64), (pos % PAGE_SIZE).to(tl.int64), stride_kp,
             stride_ks, in_range & real, in_range[None, :], dh, dr, DV, DR, BLOCK_H, TAU, DOT_PREC, scale_log2)
@@ -241,10 +247,10 @@ def _mla_kernel(
         for j0 in range(0, N, BLOCK_N):
             j = j0 + tl.arange(0, BLOCK_N)
             pos = prefix + j
-            j_ok = (j < N) & (pos < capacity)
+            j_ok = j < tree_n  # (prefix + N <= capacity)
             page = tl.load(pt_row + pos // PAGE_SIZE, mask=j_ok, other=0)
             real = (page >= 0) & (page < NUM_PAGES)
-            unreal |= (j_ok & ~real).to(tl.int32)
+            first = tl.minimum(first, tl.where(j_ok & ~real, pos, _NO_POS))
             both = row_ok[:, None] & j_ok[None, :]
             # the (at most two, BLOCK_N <= 64) mask words of this tile per row, not a [BLOCK_M, BLOCK_N]
             # gather (whose pipelined buffer would take 16 KB of shared memory at 64 x 64)
@@ -256,8 +262,11 @@ def _mla_kernel(
                 acc_a, acc_b, m_i, l_i, qa, qb, qr, K, page.to(tl.int64), (pos % PAGE_SIZE).to(tl.int64),
                 stride_kp, stride_ks, j_ok & real, visible, dh, dr, DV, DR, BLOCK_H, TAU, DOT_PREC, scale_log2)
 
-    # NaN for the whole request on bad values (the merge carries it through every split).
-    bad |= tl.max(unreal, 0) > 0
+    # NaN for the whole request on bad values (the merge carries it through every split), and the report.
+    first_pos = tl.min(first, 0)
+    bad = bad_prefix | (first_pos < _NO_POS)
+    if bad:
+        _report_request(ERR, _OP_MLA, b, bad_prefix, prefix_raw, CAPACITY, N, first_pos, pt_row, PAGE_SIZE, NUM_PAGES)
     poison = tl.where(bad, float("nan"), 0.0)
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     inv = 1.0 / l_safe
@@ -267,7 +276,7 @@ def _mla_kernel(
     ma = row_ok[:, None] & (dh[None, :] < DV)
     mb = row_ok[:, None] & (BLOCK_H + dh[None, :] < DV)
     if SPLIT:
-        prow = (pid_s * tl.num_programs(1) + b).to(tl.int64) * ROWS + rows
+        prow = (pid_s.to(tl.int64) * (tl.num_programs(0) // m_blocks) + b) * ROWS + rows
         tl.store(PO + prow[:, None] * DV + dh[None, :], oa, mask=ma)
         tl.store(PO + prow[:, None] * DV + BLOCK_H + dh[None, :], ob, mask=mb)
         tl.store(PLSE + prow, lse2, mask=row_ok)
@@ -345,7 +354,8 @@ def tree_attention_mla(q: Tensor, kv_cache: Tensor, page_table: Tensor, prefix_l
                        scale: float, out: Tensor, lse: Optional[Tensor], config: dict) -> None:
     """This kernel's launcher (checks done by tree_attention.tree_attention_mla, which calls it by
     default). config: tma (bool), rescale_tau (float, 0 = rescale every tile; ignored with cut), cut (bool),
-    fill (bool), BLOCK_M, BLOCK_N, num_warps, num_stages, min_chunk, programs_per_sm, splits."""
+    fill (bool), BLOCK_M, BLOCK_N, num_warps, num_stages, min_chunk, programs_per_sm, splits. Launches on the
+    current device (tree_attention.tree_attention_mla makes q's current)."""
     B, N, W = tree_mask.shape
     G, D = q.shape[1], q.shape[2]
     DV = out.shape[2]
@@ -365,6 +375,7 @@ def tree_attention_mla(q: Tensor, kv_cache: Tensor, page_table: Tensor, prefix_l
     slots = _sm_count(q.device) * cfg.get("programs_per_sm", 1)
     splits = cfg.get("splits") or (splits_fill if cfg.get("fill") else num_splits_for)(m_blocks * B, max_len, slots,
                                                                                        cfg["min_chunk"])
+    splits = min(splits, _MAX_SPLITS)
     split = splits > 1
     if split:
         po = torch.empty((splits, B, rows, DV), dtype=torch.float32, device=q.device)
@@ -373,9 +384,9 @@ def tree_attention_mla(q: Tensor, kv_cache: Tensor, page_table: Tensor, prefix_l
         po = plse = out  # unused
     desc = _descriptors(kv_cache, DV, BLOCK_N, BLOCK_H, BLOCK_R) if cfg["tma"] else None
     ka, kr = desc if desc is not None else (None, None)
-    _mla_kernel[(m_blocks, B, splits)](
+    _mla_kernel[(m_blocks * B, splits)](
         q, kv_cache, ka, kr, page_table, prefix_lens, tree_mask, out, lse if lse is not None else out, po, plse,
-        scale * _LOG2E, N, W, P, page_table.shape[1], page_size, splits,
+        errors.error_word(q.device), scale * _LOG2E, N, W, P, max_len, max(page_size, 1), splits,
         q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), page_table.stride(0), out.stride(0),
         out.stride(1), G=G, DV=DV, DR=DR, BLOCK_H=BLOCK_H, BLOCK_R=BLOCK_R, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
         SPLIT=split, HAS_LSE=lse is not None, TMA=desc is not None, TAU=float(cfg["rescale_tau"]),
@@ -386,13 +397,37 @@ def tree_attention_mla(q: Tensor, kv_cache: Tensor, page_table: Tensor, prefix_l
         merge_splits(po, plse, out, lse, N, 1, G)
 
 
+_SM90A: dict = {}
+
+
+def sm90_compiled(device: torch.device) -> bool:
+    """Whether this build holds the sm90 kernel's real sm_90a code for `device` (a build for 9.0 without the
+    'a', or for other archs only, compiles its body to a trap): the internal op refuses such a build with
+    NotImplementedError before any launch. Asked once per device, on empty inputs (no stream work: safe
+    during graph capture)."""
+    if device.index not in _SM90A:
+        def empty(*shape, dtype=torch.bfloat16):
+            return torch.empty(shape, dtype=dtype, device=device)
+
+        i32, f32 = torch.int32, torch.float32
+        try:
+            torch.ops.eagle3._tree_attention_mla_sm90(
+                empty(0, 1, 576), empty(0, 1, 576), empty(0, 1, dtype=i32), empty(0, dtype=i32),
+                empty(0, 1, 1, dtype=i32), 1.0, empty(0, 1, 512), None, empty(0, dtype=f32), empty(0, dtype=f32), 1)
+            _SM90A[device.index] = True
+        except NotImplementedError:
+            _SM90A[device.index] = False
+    return _SM90A[device.index]
+
+
 def sm90_supported(q: Tensor, kv_cache: Tensor, out: Tensor, page_table: Tensor, tree_mask: Tensor) -> bool:
-    """Whether csrc/mla_decode_sm90.cu's kernel serves this call: a Hopper GPU, a build that compiled it,
-    bf16 / fp16 at Kimi's widths (576-dim keys, 512-dim V), 16-byte aligned rows of q and the cache, and
-    sizes inside its 32-bit position arithmetic and grid (else the Triton kernel takes the call)."""
+    """Whether csrc/mla_decode_sm90.cu's kernel serves this call: a Hopper GPU, a build that compiled it for
+    sm_90a (sm90_compiled), bf16 / fp16 at Kimi's widths (576-dim keys, 512-dim V), 16-byte aligned rows of q
+    and the cache, and sizes inside its 32-bit position arithmetic and grid (B on grid axis 1: at most 65535)
+    (else the Triton kernel takes the call)."""
     if not (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and q.shape[2] == 576 and out.shape[2] == 512):
         return False
-    if not hopper_kernel(q.device, "_tree_attention_mla_sm90"):
+    if not (hopper_kernel(q.device, "_tree_attention_mla_sm90") and sm90_compiled(q.device)):
         return False
     B, N, _ = tree_mask.shape
     if (page_table.shape[1] * kv_cache.shape[1] >= 2**31 or kv_cache.shape[0] >= 2**31 or B > 65535
@@ -406,7 +441,8 @@ def sm90_supported(q: Tensor, kv_cache: Tensor, out: Tensor, page_table: Tensor,
 
 def tree_attention_mla_sm90(q: Tensor, kv_cache: Tensor, page_table: Tensor, prefix_lens: Tensor,
                             tree_mask: Tensor, scale: float, out: Tensor, lse: Optional[Tensor], config: dict) -> None:
-    """The sm_90a CUDA kernel's launcher (checks done by tree_attention.tree_attention_mla): the split count
+    """The sm_90a CUDA kernel's launcher (checks done by tree_attention.tree_attention_mla, which makes q's device
+    current: the merge launches on the current device): the split count
     as this file's fill rule less the splits a full-length prefix leaves empty (trim_splits; config: min_chunk,
     splits), then the kernel, then merge_splits. With more than one
     split the KV loads are marked L2 evict-first (config evict_first: False / True forces plain / marked loads),
@@ -423,7 +459,7 @@ def tree_attention_mla_sm90(q: Tensor, kv_cache: Tensor, page_table: Tensor, pre
     max_len = page_table.shape[1] * kv_cache.shape[1]
     splits = config.get("splits") or sm90_splits(m_blocks * B, max_len, _sm_count(q.device),
                                                  config.get("min_chunk", 256))
-    splits = max(1, min(int(splits), 65535))
+    splits = max(1, min(int(splits), _MAX_SPLITS))  # grid axis 2
     if splits > 1:
         po = torch.empty((splits, B, rows, 512), dtype=torch.float32, device=q.device)
         plse = torch.empty((splits, B, rows), dtype=torch.float32, device=q.device)

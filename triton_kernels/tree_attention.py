@@ -18,13 +18,21 @@ score flops) but accumulates a 64 x 256 fp32 output instead of 64 x 512 (see def
 The grid and the split count derive from shapes only (page_table.shape[1] * page_size bounds the
 prefix); the split length comes from prefix_lens on the device: no host sync, graph-capturable.
 
-Bad values cannot read out of bounds: positions stop at the page table's capacity, page ids outside
-[0, num_pages) are never dereferenced, and a request whose prefix_lens[b] is negative or leaves no room
-for the N tree rows (or that reaches such a page id) gets NaN in out and lse, all its rows.
+Bad values (eagle3_ops.reference.tree_attention_mla's docstring is the contract) never read out of bounds:
+a request whose prefix_lens[b] is outside [0, capacity - N] (capacity = max_pages * page_size) reads nothing,
+page ids outside [0, num_pages) are never dereferenced, and only the page-table slots that cover positions
+[0, prefix + N) are read. Such a request gets NaN in every row of out and lse (all its nodes and heads; the
+merge carries a split's NaN into the whole row), the others are unaffected, and the kernel records the
+request's bad value in the device error word (eagle3_ops.check_errors): its prefix length, else the page id
+of its first position whose page is out of range.
+
+Grids: the (request, KV head, row block) product is axis 0 (CUDA's limit 2^31 - 1; axes 1 and 2 stop at
+65535), the splits axis 1, at most _MAX_SPLITS.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Optional
 
@@ -32,6 +40,8 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+
+from .. import errors
 
 _LN2 = math.log(2.0)
 _LOG2E = 1.0 / _LN2
@@ -41,6 +51,22 @@ _LOG2E = 1.0 / _LN2
 MLA_MAX_DV = 512  # latent dims read as V (Kimi / DeepSeek: 512)
 MLA_MAX_ROPE = 128  # key dims past V (Kimi / DeepSeek: 64)
 GQA_MAX_DIM = 256  # Dh and Dv of tree_attention
+_MAX_SPLITS = 65535  # grid axis 1
+
+# error word ids (eagle3_ops/errors.py: position + 1)
+OP_MLA = errors.OPS.index("tree_attention_mla") + 1
+OP_GQA = errors.OPS.index("tree_attention") + 1
+_ARG_PAGE_TABLE = tl.constexpr(errors.ARGS.index("page_table") + 1)
+_ARG_PREFIX_LENS = tl.constexpr(errors.ARGS.index("prefix_lens") + 1)
+_KIND_RANGE = tl.constexpr(errors.KINDS.index("range") + 1)
+_NO_INDEX = tl.constexpr(errors.NO_INDEX)
+_NO_POS = tl.constexpr(2**31 - 1)  # "no bad position seen" in the kernels' running minimum
+
+
+def on_device(device: torch.device):
+    """The tensors' CUDA device made current for a launch sequence (Triton launches on the current device's
+    stream; the interpreter's CPU tensors need none)."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 @triton.jit
@@ -79,31 +105,62 @@ def _tile(acc, m_i, l_i, q1, qo, q2, K, V, page, slot, stride_kp, stride_ks, str
 
 
 @triton.jit
-def _request_span(PL, PT, b, stride_pt, MAX_PAGES, PAGE_SIZE, N, NUM_SPLITS, pid_s, BLOCK_N: tl.constexpr):
-    """Request b's prefix and this split's share of it: (bad, prefix, pt_row, start, end). A bad prefix
-    length (negative, or no room for the N tree rows in the page table) is clamped into range for
-    addressing; the caller poisons the request's result with NaN. Splits are whole BLOCK_N tiles."""
-    capacity = MAX_PAGES * PAGE_SIZE
+def _report_range(ERR, op, arg, value, lo, hi, i0, i1):
+    """Record `arg[i0, i1] = value is outside [lo, hi]` in the device error word ERR (int64 [12], the layout of
+    eagle3_ops/errors.py) unless a violation is recorded already: claim it (0 -> 1), write, publish (2)."""
+    if tl.load(ERR, volatile=True) == 0:
+        if tl.atomic_cas(ERR, tl.full([], 0, tl.int64), tl.full([], 1, tl.int64)) == 0:
+            tl.store(ERR + 1, op)
+            tl.store(ERR + 2, arg)
+            tl.store(ERR + 3, _KIND_RANGE)
+            tl.store(ERR + 4, i0)
+            tl.store(ERR + 5, i1)
+            tl.store(ERR + 6, _NO_INDEX)
+            tl.store(ERR + 7, value)
+            tl.store(ERR + 8, lo)
+            tl.store(ERR + 9, hi)
+            tl.atomic_xchg(ERR, tl.full([], 2, tl.int64), sem="release")  # the fields are visible first
+
+
+@triton.jit
+def _report_request(ERR, OP: tl.constexpr, b, bad_prefix, prefix_raw, CAPACITY, N, first, pt_row, PAGE_SIZE,
+                    NUM_PAGES):
+    """Record request b's bad value (the error path only): its prefix length, else the page id of its first
+    position `first` whose page is out of range (_NO_POS: none)."""
+    if bad_prefix:
+        _report_range(ERR, OP, _ARG_PREFIX_LENS, prefix_raw, 0, CAPACITY - N, b, _NO_INDEX)
+    elif first < _NO_POS:
+        slot = first // PAGE_SIZE
+        _report_range(ERR, OP, _ARG_PAGE_TABLE, tl.load(pt_row + slot), 0, NUM_PAGES - 1, b, slot)
+
+
+@triton.jit
+def _request_span(PL, PT, b, stride_pt, CAPACITY, N, NUM_SPLITS, pid_s, BLOCK_N: tl.constexpr):
+    """Request b's prefix and this split's share of it: (bad_prefix, prefix_raw, prefix, tree_n, pt_row,
+    start, end). A bad prefix length (negative, or no room for the N tree rows in the page table) skips the
+    request: prefix 0 and tree_n 0 (no tree rows), so nothing is read; the caller poisons its result with
+    NaN. Splits are whole BLOCK_N tiles."""
     prefix_raw = tl.load(PL + b)
-    bad = (prefix_raw < 0) | (prefix_raw > capacity - N)
-    prefix = tl.maximum(tl.minimum(prefix_raw, capacity - N), 0)
+    bad_prefix = (prefix_raw < 0) | (prefix_raw > CAPACITY - N)
+    prefix = tl.where(bad_prefix, 0, prefix_raw)
+    tree_n = tl.where(bad_prefix, 0, N)
     pt_row = PT + b.to(tl.int64) * stride_pt
     chunk = tl.cdiv(tl.cdiv(prefix, NUM_SPLITS), BLOCK_N) * BLOCK_N
     start = pid_s * chunk
     end = tl.minimum(start + chunk, prefix)
-    return bad, prefix, pt_row, start, end
+    return bad_prefix, prefix_raw, prefix, tree_n, pt_row, start, end
 
 
 @triton.jit
 def _tree_attention_kernel(
-        Q, K, V, PT, PL, TM, O, LSE, PO, PLSE,
-        scale_log2, N, W, HKV, NUM_PAGES, MAX_PAGES, PAGE_SIZE, NUM_SPLITS,
+        Q, K, V, PT, PL, TM, O, LSE, PO, PLSE, ERR,
+        scale_log2, N, W, HKV, NUM_PAGES, CAPACITY, PAGE_SIZE, NUM_SPLITS,
         stride_qt, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
         stride_pt, stride_ot, stride_oh,
         G: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, DV: tl.constexpr,
         BLOCK_D1: tl.constexpr, BLOCK_D2: tl.constexpr, BLOCK_DV: tl.constexpr, SHARED_V: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, HAS_LSE: tl.constexpr,
-        V_SPLIT: tl.constexpr, DOT_PREC: tl.constexpr):
+        V_SPLIT: tl.constexpr, DOT_PREC: tl.constexpr, OP: tl.constexpr):
     # Q   [B * N, NH, D1 + D2]               strides (stride_qt, stride_qh, 1)
     # K   [num_pages, page_size, HKV, D1+D2]  strides (stride_kp, stride_ks, stride_kh, 1); MLA: HKV = 1
     # V   [num_pages, page_size, HKV, DV]     strides (stride_vp, stride_vs, stride_vh, 1); MLA: V = K
@@ -113,19 +170,23 @@ def _tree_attention_kernel(
     # LSE [B * N, NH] fp32 contiguous (when HAS_LSE)
     # PO  [NUM_SPLITS, B * HKV, N * G, DV] fp32 and PLSE [NUM_SPLITS, B * HKV, N * G] fp32 (when SPLIT):
     #     per split, the normalised partial output and its log2-sum-exp2 (in units of scale * log2 e)
+    # ERR [12] int64: the device error word (OP: this op's id there)
+    # Grid (B * HKV * row blocks * V_SPLIT, NUM_SPLITS): axis 0 is (request, KV head)-major, so the launch
+    # order is the old 3-D grid's (row blocks of one (request, KV head) neighbours).
     # Query head of row r of KV head h: h * G + r % G, node r // G (node-major rows).
     # V_SPLIT = 2 (MLA): program (m, v) owns output dims [v * BLOCK_DV, (v + 1) * BLOCK_DV) of its rows and
     # recomputes the full score tile (FlashMLA's split of the 512 V dims, across programs here): half the
     # fp32 accumulator per program for +50% score flops. Both halves of a row block are neighbours in
     # axis 0, so they read the same KV tiles at about the same time (the second read hits L2).
-    pid_m = tl.program_id(0) // V_SPLIT
-    pid_v = tl.program_id(0) % V_SPLIT
-    pid_bh = tl.program_id(1)
-    pid_s = tl.program_id(2)
-    b = pid_bh // HKV
-    kvh = pid_bh % HKV
     NH = HKV * G
     ROWS = N * G
+    per_bh = tl.cdiv(ROWS, BLOCK_M) * V_SPLIT
+    pid_bh = tl.program_id(0) // per_bh
+    pid_m = tl.program_id(0) % per_bh // V_SPLIT
+    pid_v = tl.program_id(0) % V_SPLIT
+    pid_s = tl.program_id(1)
+    b = pid_bh // HKV
+    kvh = pid_bh % HKV
 
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < ROWS
@@ -146,10 +207,9 @@ def _tree_attention_kernel(
     if D2 > 0:
         q2 = tl.load(Q + q_row[:, None] + D1 + d2[None, :], mask=row_ok[:, None] & (d2[None, :] < D2), other=0.0)
 
-    # A bad prefix length is clamped for addressing and the request's result poisoned with NaN below.
-    bad, prefix, pt_row, start, end = _request_span(PL, PT, b, stride_pt, MAX_PAGES, PAGE_SIZE, N, NUM_SPLITS,
-                                                    pid_s, BLOCK_N)
-    capacity = MAX_PAGES * PAGE_SIZE
+    # A bad prefix length reads nothing; the request's result is poisoned with NaN below.
+    bad_prefix, prefix_raw, prefix, tree_n, pt_row, start, end = _request_span(PL, PT, b, stride_pt, CAPACITY, N,
+                                                                               NUM_SPLITS, pid_s, BLOCK_N)
     k_head = kvh.to(tl.int64) * stride_kh
     v_head = kvh.to(tl.int64) * stride_vh
 
@@ -158,13 +218,13 @@ def _tree_attention_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
 
     # This split's share of the prefix [start, end): whole tiles, all rows see every prefix position.
-    unreal = tl.zeros([BLOCK_N], tl.int32)  # positions whose page id is out of range (reduced after)
+    first = tl.full([BLOCK_N], _NO_POS, tl.int32)  # per lane, the first position whose page id is out of range
     for n0 in range(start, end, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         in_range = pos < end
         page = tl.load(pt_row + pos // PAGE_SIZE, mask=in_range, other=0)
         real = (page >= 0) & (page < NUM_PAGES)
-        unreal |= (in_range & ~real).to(tl.int32)
+        first = tl.minimum(first, tl.where(in_range & ~real, pos, _NO_POS))
         # padding rows (row >= N * G) have q = 0: harmless, never stored
         acc, m_i, l_i = _tile(acc, m_i, l_i, q1, qo, q2, K + k_head, V + v_head, page.to(tl.int64),
                               (pos % PAGE_SIZE).to(tl.int64), stride_kp, stride_ks, stride_vp, stride_vs,
@@ -177,10 +237,10 @@ def _tree_attention_kernel(
         for j0 in range(0, N, BLOCK_N):
             j = j0 + tl.arange(0, BLOCK_N)
             pos = prefix + j
-            j_ok = (j < N) & (pos < capacity)
+            j_ok = j < tree_n  # (prefix + N <= capacity)
             page = tl.load(pt_row + pos // PAGE_SIZE, mask=j_ok, other=0)
             real = (page >= 0) & (page < NUM_PAGES)
-            unreal |= (j_ok & ~real).to(tl.int32)
+            first = tl.minimum(first, tl.where(j_ok & ~real, pos, _NO_POS))
             both = row_ok[:, None] & j_ok[None, :]
             word = tl.load(TM + token[:, None] * W + (j // 32)[None, :], mask=both, other=0)
             visible = both & (((word >> (j % 32)[None, :]) & 1) != 0)
@@ -189,14 +249,18 @@ def _tree_attention_kernel(
                                   j_ok & real, visible, d1, do, d2, dv, D1, D2, DV, SHARED_V, V_SPLIT, DOT_PREC,
                                   scale_log2)
 
-    # NaN for the whole request on bad values (the merge carries it through every split).
-    bad |= tl.max(unreal, 0) > 0
+    # NaN for the whole request on bad values (the merge carries it through every split), and the report.
+    first_pos = tl.min(first, 0)
+    bad = bad_prefix | (first_pos < _NO_POS)
+    if bad:
+        _report_request(ERR, OP, b, bad_prefix, prefix_raw, CAPACITY, N, first_pos, pt_row, PAGE_SIZE, NUM_PAGES)
     poison = tl.where(bad, float("nan"), 0.0)
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     o = acc / l_safe[:, None] + poison
     lse2 = tl.where(l_i > 0.0, m_i + tl.math.log2(l_safe), float("-inf")) + poison
     if SPLIT:
-        prow = (pid_s * tl.num_programs(1) + pid_bh).to(tl.int64) * ROWS + rows
+        BH = tl.num_programs(0) // per_bh
+        prow = (pid_s.to(tl.int64) * BH + pid_bh) * ROWS + rows
         tl.store(PO + prow[:, None] * DV + dv[None, :], o, mask=row_ok[:, None] & (dv[None, :] < DV))
         tl.store(PLSE + prow, lse2, mask=row_ok & (pid_v == 0))  # the halves' lse agree: one writes
     else:
@@ -213,14 +277,15 @@ def _merge_kernel(PO, PLSE, O, LSE, N, HKV, NUM_SPLITS, stride_ot, stride_oh,
                   HAS_LSE: tl.constexpr):
     # PO [NUM_SPLITS, B * HKV, N * G, DV] fp32, PLSE [NUM_SPLITS, B * HKV, N * G] fp32 (see above);
     # O [B * N, NH, DV] strides (stride_ot, stride_oh, 1); LSE [B * N, NH] fp32 contiguous.
-    # One program: one query row, BLOCK_V output dims; splits combined with weights exp2(lse_s - lse), BLOCK_S
+    # Grid (B * HKV * N * G, DV blocks): one program, one query row (rows of one (request, KV head) neighbours),
+    # BLOCK_V output dims; splits combined with weights exp2(lse_s - lse), BLOCK_S
     # splits a step with a running max (one step, lse and partials loaded together, when BLOCK_S >= NUM_SPLITS:
     # the launcher sizes the tile so; a first pass for the max, then a loop, made this latency-bound).
-    row = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    pid_v = tl.program_id(2)
-    BH = tl.num_programs(1)
     ROWS = N * G
+    row = tl.program_id(0) % ROWS
+    pid_bh = tl.program_id(0) // ROWS
+    pid_v = tl.program_id(1)
+    BH = tl.num_programs(0) // ROWS
     s = tl.arange(0, BLOCK_S)
     v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
     m_run = tl.full([1], float("-inf"), tl.float32)
@@ -228,7 +293,7 @@ def _merge_kernel(PO, PLSE, O, LSE, N, HKV, NUM_SPLITS, stride_ot, stride_oh,
     acc = tl.zeros([BLOCK_V], tl.float32)
     for s0 in range(0, NUM_SPLITS, BLOCK_S):
         ok = s0 + s < NUM_SPLITS
-        prow = ((s0 + s) * BH + pid_bh).to(tl.int64) * ROWS + row
+        prow = ((s0 + s).to(tl.int64) * BH + pid_bh) * ROWS + row
         lse_s = tl.load(PLSE + prow, mask=ok, other=float("-inf"))
         part = tl.load(PO + prow[:, None] * DV + v[None, :], mask=ok[:, None] & (v[None, :] < DV), other=0.0)
         m_new = tl.maximum(m_run, tl.max(lse_s, 0))
@@ -259,7 +324,7 @@ def merge_splits(po: Tensor, plse: Tensor, out: Tensor, lse: Optional[Tensor], N
     splits, BH, rows, DV = po.shape
     block_s = min(128, _pow2(splits, 2))
     block_v = min(_pow2(DV), max(32, 8192 // block_s))
-    _merge_kernel[(rows, BH, -(-DV // block_v))](
+    _merge_kernel[(rows * BH, -(-DV // block_v))](
         po, plse, out, lse if lse is not None else out, N, HKV, splits, out.stride(0), out.stride(1),
         G=G, DV=DV, BLOCK_S=block_s, BLOCK_V=block_v, HAS_LSE=lse is not None, num_warps=4)
 
@@ -310,6 +375,7 @@ def _launch(q, k, v, page_table, prefix_lens, tree_mask, scale, out, lse, *, HKV
     max_len = page_table.shape[1] * page_size
     slots = _sm_count(q.device) * cfg.get("programs_per_sm", 1)  # programs that run at once
     splits = cfg.get("splits") or num_splits_for(m_blocks * v_split * B * HKV, max_len, slots, cfg["min_chunk"])
+    splits = min(splits, _MAX_SPLITS)
     split = splits > 1
     if split:
         po = torch.empty((splits, B * HKV, rows, DV), dtype=torch.float32, device=q.device)
@@ -321,13 +387,14 @@ def _launch(q, k, v, page_table, prefix_lens, tree_mask, scale, out, lse, *, HKV
     kst = (k.stride(0), k.stride(1), k.stride(2) if k.dim() == 4 else 0)
     vst = (v.stride(0), v.stride(1), v.stride(2) if v.dim() == 4 else 0)
     block_d1 = _pow2(D1) // v_split  # with a V split (MLA: D1 = DV), each half of the latent dims
-    _tree_attention_kernel[(m_blocks * v_split, B * HKV, splits)](
+    _tree_attention_kernel[(m_blocks * v_split * B * HKV, splits)](
         q, k, v, page_table, prefix_lens, tree_mask, out, lse if lse is not None else out, po, plse,
-        scale * _LOG2E, N, W, HKV, P, page_table.shape[1], page_size, splits,
+        errors.error_word(q.device), scale * _LOG2E, N, W, HKV, P, max_len, max(page_size, 1), splits,
         q.stride(0), q.stride(1), *kst, *vst, page_table.stride(0), out.stride(0), out.stride(1),
         G=G, D1=D1, D2=D2, DV=DV, BLOCK_D1=block_d1, BLOCK_D2=_pow2(max(D2, 1)), BLOCK_DV=_pow2(DV) // v_split,
         SHARED_V=shared_v, BLOCK_M=BLOCK_M, BLOCK_N=cfg["BLOCK_N"], SPLIT=split, HAS_LSE=lse is not None,
-        V_SPLIT=v_split, DOT_PREC=dot_prec, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        V_SPLIT=v_split, DOT_PREC=dot_prec, OP=OP_MLA if shared_v else OP_GQA, num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"])
     if split:
         merge_splits(po, plse, out, lse, N, HKV, G)
 
@@ -374,7 +441,8 @@ def tree_attention_mla(q: Tensor, kv_cache: Tensor, page_table: Tensor, prefix_l
     prefix tiles unmasked, read with TMA where page_size allows; {"kernel": "mla_decode"} or a "tma" key
     selects it, "tma": False forces gathered tiles): 1.7-1.9x this file's kernel at 5180f72
     (bench/results/tree_attention_tma_h200.log). {"kernel": "v1"} runs this file's kernel (the default below
-    Dv = 256), and {"v_split": 2} its variant splitting the 512 V dims across two programs per row block."""
+    Dv = 256), and {"v_split": 2} its variant splitting the 512 V dims across two programs per row block.
+    Everything runs on q's device (and its current stream). Bad values: see the module docstring."""
     _check_float(q)
     D, Dv = q.shape[2], out.shape[2]
     if Dv > MLA_MAX_DV or D - Dv > MLA_MAX_ROPE:
@@ -388,7 +456,8 @@ def tree_attention_mla(q: Tensor, kv_cache: Tensor, page_table: Tensor, prefix_l
     if "kernel" in config:
         kernel = config.pop("kernel")
         if kernel == "sm90" and not sm90_supported(q, kv_cache, out, page_table, tree_mask):
-            raise ValueError("config kernel 'sm90' needs a Hopper GPU, a build with csrc/mla_decode_sm90.cu, bf16 or "
+            raise ValueError("config kernel 'sm90' needs a Hopper GPU, a build with csrc/mla_decode_sm90.cu for sm_90a "
+                             "(TORCH_CUDA_ARCH_LIST with 9.0a), bf16 or "
                              "fp16 q with D = 576 and Dv = 512, 16-byte aligned rows of q and kv_cache, and sizes "
                              "within the kernel's range (page table capacity < 2**31, B <= 65535)")
     elif Dv < 256 and "tma" not in config:
@@ -398,29 +467,34 @@ def tree_attention_mla(q: Tensor, kv_cache: Tensor, page_table: Tensor, prefix_l
         kernel = "sm90" if sm90 else "mla_decode"
     if kernel not in ("v1", "mla_decode", "sm90"):
         raise ValueError(f"config kernel must be 'v1', 'mla_decode' or 'sm90', got {kernel!r}")
-    if kernel == "sm90":
-        tree_attention_mla_sm90(q, kv_cache, page_table, prefix_lens, tree_mask, scale, out, lse, config)
-        return
-    if kernel == "v1" or config.get("v_split", 1) != 1:
-        if "tma" in config:
-            raise ValueError("config tma needs the default kernel, not kernel v1 / v_split")
-        _launch(q, kv_cache, kv_cache, page_table, prefix_lens, tree_mask, scale, out, lse, HKV=1, D1=Dv,
-                D2=D - Dv, DV=Dv, shared_v=True, config=config)
-        return
+    v1 = kernel == "v1" or (kernel != "sm90" and config.get("v_split", 1) != 1)
+    if v1 and "tma" in config:
+        raise ValueError("config tma needs the default kernel, not kernel v1 / v_split")
     from .mla_decode import tree_attention_mla as launch
 
-    launch(q, kv_cache, page_table, prefix_lens, tree_mask, scale, out, lse, {"tma": True, **config})
+    with on_device(q.device):  # the sm90 kernel, the Triton kernels and the merge on one device's stream
+        if kernel == "sm90":
+            tree_attention_mla_sm90(q, kv_cache, page_table, prefix_lens, tree_mask, scale, out, lse, config)
+        elif v1:
+            _launch(q, kv_cache, kv_cache, page_table, prefix_lens, tree_mask, scale, out, lse, HKV=1, D1=Dv,
+                    D2=D - Dv, DV=Dv, shared_v=True, config=config)
+        else:
+            launch(q, kv_cache, page_table, prefix_lens, tree_mask, scale, out, lse, {"tma": True, **config})
+    errors.after_launch(q.device)
 
 
 def tree_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, page_table: Tensor, prefix_lens: Tensor,
                    tree_mask: Tensor, scale: float, out: Tensor, lse: Optional[Tensor], *,
                    config: Optional[dict] = None) -> None:
     """Triton tree_attention, GQA/MHA (arguments as the op; eagle3_ops.reference.tree_attention is the spec).
-    `config` overrides tile sizes and the split count (benchmarks and tests only)."""
+    `config` overrides tile sizes and the split count (benchmarks and tests only). Runs on q's device; bad
+    values: see the module docstring."""
     _check_float(q)
     Dh, Dv = k_cache.shape[3], v_cache.shape[3]
     if Dh > GQA_MAX_DIM or Dv > GQA_MAX_DIM:
         raise ValueError(f"k_cache and v_cache must have head dims <= {GQA_MAX_DIM} for the Triton kernel, got "
                          f"Dh = {Dh}, Dv = {Dv}")
-    _launch(q, k_cache, v_cache, page_table, prefix_lens, tree_mask, scale, out, lse, HKV=k_cache.shape[2],
-            D1=Dh, D2=0, DV=Dv, shared_v=False, config=config)
+    with on_device(q.device):
+        _launch(q, k_cache, v_cache, page_table, prefix_lens, tree_mask, scale, out, lse, HKV=k_cache.shape[2],
+                D1=Dh, D2=0, DV=Dv, shared_v=False, config=config)
+    errors.after_launch(q.device)
