@@ -342,6 +342,26 @@ def test_cuda_sm90_at_65535_requests():
 # ---- the sm90 kernel only where the build really holds it ----------------------------------------------------
 
 
+@pytest.mark.parametrize("compiled", [True, False])
+def test_sm90_probe_reads_the_internal_ops_refusal(monkeypatch, compiled):
+    # mla_decode.sm90_compiled: the internal op on empty inputs returns (sm_90a code) or raises
+    # NotImplementedError (a trap-only build); asked once per device (here the meta device, with the op mocked)
+    from eagle3_ops.triton_kernels import mla_decode
+
+    calls = []
+
+    def op(q, kv_cache, page_table, prefix_lens, tree_mask, scale, out, lse, part_out, part_lse, num_splits):
+        calls.append(q.shape)
+        if not compiled:
+            raise NotImplementedError("no sm_90a code")
+
+    monkeypatch.setattr(torch.ops.eagle3, "_tree_attention_mla_sm90", op)
+    monkeypatch.setattr(mla_decode, "_SM90A", {})
+    meta = torch.device("meta")
+    assert mla_decode.sm90_compiled(meta) is compiled and mla_decode.sm90_compiled(meta) is compiled
+    assert calls == [(0, 1, 576)]
+
+
 @pytest.mark.gpu
 def test_cuda_sm90_probe_matches_the_build():
     # a build without 9.0a in TORCH_CUDA_ARCH_LIST compiles the kernel's body to a trap: the probe says so
