@@ -217,7 +217,7 @@ def compile_report():
                 common = dict(HAS_ROWS=False, NORM=0, HAS_NW=False, COMPUTE=triton.language.bfloat16, IEEE=False,
                               F16=name == "fp8", BLOCK_N=bn, BLOCK_K=bk, BLOCK_T=bt)
                 ptrs = dict(aux="*fp16" if prep else "*bf16", rows="*bf16", w=wty, rstd="*bf16", nw="*bf16",
-                            part="*fp32", scale="*fp32", out="*bf16")
+                            part="*fp32", scale="*fp32", out="*bf16", err="*i64")
                 if cfg["per_sm"]:
                     fn = kernels._fc_persistent_kernel
                     ipn = K // bk

@@ -46,6 +46,8 @@ from torch import Tensor
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .. import errors
+from ._errors import NO_INDEX as _NO_INDEX
+from ._errors import arg_id, op_id, report_range
 
 # "BN,BK,SPLIT,warps,stages[,PER_SM[,TMA]]" replaces stream_config's choice (tuning runs: bench/sweep_fc.py
 # sets it). PER_SM > 0 selects the persistent stream-K kernel with PER_SM programs per SM (SPLIT is then
@@ -64,30 +66,15 @@ FP8_VIA_F16 = os.environ.get("EAGLE3_FC_FP8_F16", "1") == "1"
 FP8_PREP_ROWS = int(os.environ.get("EAGLE3_FC_FP8_PREP_ROWS", "0")) or 1 << 62
 _NORM_CODE = {"none": 0, "norm_before_fc": 1, "fc_norm": 2}
 # the error word's ids (eagle3_ops/errors.py)
-_OP_FC_PROJ = tl.constexpr(errors.OPS.index("fc_proj") + 1)
-_ARG_ROWS = tl.constexpr(errors.ARGS.index("rows") + 1)
-_KIND_RANGE = tl.constexpr(errors.KINDS.index("range") + 1)
-_NO_INDEX = tl.constexpr(errors.NO_INDEX)
+_OP_FC_PROJ = tl.constexpr(op_id("fc_proj"))
+_ARG_ROWS = tl.constexpr(arg_id("rows"))
 _NO_ROW = tl.constexpr(2**31 - 1)
 
 
 @triton.jit
 def _report_row(err, i, value, T):
-    """Record `fc_proj: rows[i] = value is out of range (valid: 0..T-1)` in the error word err [12] int64 unless
-    a violation is recorded already: claim it (state 0 -> 1), write the fields, publish (state 2). The error path
-    only, so no volatile pre-check: its value could differ between a program's threads, and the CAS's result is
-    shared through a barrier that all of them must reach (one thread does the atomics and stores)."""
-    if tl.atomic_cas(err, tl.full([], 0, tl.int64), tl.full([], 1, tl.int64)) == 0:
-        tl.store(err + 1, _OP_FC_PROJ)
-        tl.store(err + 2, _ARG_ROWS)
-        tl.store(err + 3, _KIND_RANGE)
-        tl.store(err + 4, i)
-        tl.store(err + 5, _NO_INDEX)
-        tl.store(err + 6, _NO_INDEX)
-        tl.store(err + 7, value)
-        tl.store(err + 8, 0)
-        tl.store(err + 9, T - 1)
-        tl.atomic_xchg(err, tl.full([], 2, tl.int64), sem="release")  # the fields are visible first
+    """Record `fc_proj: rows[i] = value is out of range (valid: 0..T-1)` (the error path only)."""
+    report_range(err, _OP_FC_PROJ, _ARG_ROWS, value, 0, T - 1, i, _NO_INDEX, _NO_INDEX)
 
 
 @triton.jit

@@ -42,6 +42,8 @@ import triton.language as tl
 from torch import Tensor
 
 from .. import errors
+from ._errors import NO_INDEX as _NO_INDEX
+from ._errors import arg_id, op_id, report_range
 
 _LN2 = math.log(2.0)
 _LOG2E = 1.0 / _LN2
@@ -54,12 +56,10 @@ GQA_MAX_DIM = 256  # Dh and Dv of tree_attention
 _MAX_SPLITS = 65535  # grid axis 1
 
 # error word ids (eagle3_ops/errors.py: position + 1)
-OP_MLA = errors.OPS.index("tree_attention_mla") + 1
-OP_GQA = errors.OPS.index("tree_attention") + 1
-_ARG_PAGE_TABLE = tl.constexpr(errors.ARGS.index("page_table") + 1)
-_ARG_PREFIX_LENS = tl.constexpr(errors.ARGS.index("prefix_lens") + 1)
-_KIND_RANGE = tl.constexpr(errors.KINDS.index("range") + 1)
-_NO_INDEX = tl.constexpr(errors.NO_INDEX)
+OP_MLA = op_id("tree_attention_mla")
+OP_GQA = op_id("tree_attention")
+_ARG_PAGE_TABLE = tl.constexpr(arg_id("page_table"))
+_ARG_PREFIX_LENS = tl.constexpr(arg_id("prefix_lens"))
 _NO_POS = tl.constexpr(2**31 - 1)  # "no bad position seen" in the kernels' running minimum
 
 
@@ -105,33 +105,15 @@ def _tile(acc, m_i, l_i, q1, qo, q2, K, V, page, slot, stride_kp, stride_ks, str
 
 
 @triton.jit
-def _report_range(ERR, op, arg, value, lo, hi, i0, i1):
-    """Record `arg[i0, i1] = value is outside [lo, hi]` in the device error word ERR (int64 [12], the layout of
-    eagle3_ops/errors.py) unless a violation is recorded already: claim it (0 -> 1), write, publish (2)."""
-    if tl.load(ERR, volatile=True) == 0:
-        if tl.atomic_cas(ERR, tl.full([], 0, tl.int64), tl.full([], 1, tl.int64)) == 0:
-            tl.store(ERR + 1, op)
-            tl.store(ERR + 2, arg)
-            tl.store(ERR + 3, _KIND_RANGE)
-            tl.store(ERR + 4, i0)
-            tl.store(ERR + 5, i1)
-            tl.store(ERR + 6, _NO_INDEX)
-            tl.store(ERR + 7, value)
-            tl.store(ERR + 8, lo)
-            tl.store(ERR + 9, hi)
-            tl.atomic_xchg(ERR, tl.full([], 2, tl.int64), sem="release")  # the fields are visible first
-
-
-@triton.jit
 def _report_request(ERR, OP: tl.constexpr, b, bad_prefix, prefix_raw, CAPACITY, N, first, pt_row, PAGE_SIZE,
                     NUM_PAGES):
     """Record request b's bad value (the error path only): its prefix length, else the page id of its first
     position `first` whose page is out of range (_NO_POS: none)."""
     if bad_prefix:
-        _report_range(ERR, OP, _ARG_PREFIX_LENS, prefix_raw, 0, CAPACITY - N, b, _NO_INDEX)
+        report_range(ERR, OP, _ARG_PREFIX_LENS, prefix_raw, 0, CAPACITY - N, b, _NO_INDEX, _NO_INDEX)
     elif first < _NO_POS:
         slot = first // PAGE_SIZE
-        _report_range(ERR, OP, _ARG_PAGE_TABLE, tl.load(pt_row + slot), 0, NUM_PAGES - 1, b, slot)
+        report_range(ERR, OP, _ARG_PAGE_TABLE, tl.load(pt_row + slot), 0, NUM_PAGES - 1, b, slot, _NO_INDEX)
 
 
 @triton.jit
