@@ -61,13 +61,20 @@ for f in ${TESTS:-tests/test_*.py}; do
     echo "$name: COLLECTION FAILED (rc $rc)"; tail -n 5 "$TLOG/$name.collect"; tests_rc=1
   fi
   grep '::' "$TLOG/$name.collect" > "$TLOG/$name.ids"
-  split -d -l "${TEST_CHUNK:-16}" "$TLOG/$name.ids" "$TLOG/$name.chunk"
+  # the fuzz tests (hundreds of examples each) one a chunk, so that they run side by side
+  chunk=${TEST_CHUNK:-16}; [ "$name" = test_fuzz_gpu ] && chunk=1
+  split -d -l "$chunk" "$TLOG/$name.ids" "$TLOG/$name.chunk"
 done
 # (node ids, one a line, may hold spaces and [...]: passed NUL-separated, never split or globbed)
-ls "$TLOG" | grep '\.chunk[0-9]*$' | xargs -r -P "${TEST_JOBS:-6}" -I{} sh -c '
-  tr "\n" "\0" < "$TLOG/{}" | xargs -0 python3 -m pytest -m gpu -q -p no:cacheprovider -rf --tb=short \
-    > "$TLOG/{}.log" 2>&1
-  echo $? > "$TLOG/{}.rc"'
+# Each chunk is bounded (CHUNK_TIMEOUT s, 300; a test by TEST_TIMEOUT s, 150, through pytest-timeout, which
+# dumps every thread's stack, so a hang names its test), and its log is appended to $OUT/progress.log as it
+# ends, so a call stopped at its limit still brings back what finished.
+export OUT
+{ ls "$TLOG" | grep '^test_fuzz_gpu\.chunk[0-9]*$'; ls "$TLOG" | grep -v '^test_fuzz_gpu' | grep '\.chunk[0-9]*$'; } | xargs -r -P "${TEST_JOBS:-6}" -I{} sh -c '
+  tr "\n" "\0" < "$TLOG/{}" | timeout "${CHUNK_TIMEOUT:-300}" xargs -0 python3 -m pytest -m gpu -q -p no:cacheprovider \
+    -rf --tb=short --timeout "${TEST_TIMEOUT:-150}" --timeout-method thread > "$TLOG/{}.log" 2>&1
+  echo $? > "$TLOG/{}.rc"
+  { echo "== {} rc $(cat "$TLOG/{}.rc") at $(date +%T)"; tail -n 60 "$TLOG/{}.log"; } >> "$OUT/progress.log"'
 for ids in "$TLOG"/*.ids; do
   name=$(basename "$ids" .ids)
   echo "== $name ($(wc -l < "$ids") GPU tests)" >> "$OUT/tests.log"
