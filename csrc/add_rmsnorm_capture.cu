@@ -367,8 +367,12 @@ void add_rmsnorm_capture_cuda(const at::Tensor& x, const at::Tensor& residual, c
   if (aux) {
     const at::Tensor& a = *aux;
     const int64_t R = check_aux_slot(a, residual, "residual", slot, rows);
-    if (rows) rws = Rows{rows->data_ptr(), rows->scalar_type() == at::kLong, R};
-    aux_slice = a.narrow(1, slot * H, H);
+    // rows selecting no row captures nothing (an empty rows tensor's data pointer can be null, which the
+    // kernel would read as "no rows: capture every row", past aux's R = 0 rows: seen by the H200 fuzz test)
+    if (!rows || R > 0) {
+      if (rows) rws = Rows{rows->data_ptr(), rows->scalar_type() == at::kLong, R};
+      aux_slice = a.narrow(1, slot * H, H);
+    }
   } else {
     TORCH_CHECK_VALUE(!rows, "rows selects aux rows: pass aux too, or leave rows None");
   }

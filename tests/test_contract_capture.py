@@ -274,6 +274,24 @@ def test_add_rmsnorm_capture_layouts(layout, capture):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 5])
+def test_add_rmsnorm_capture_no_rows_selected(T):
+    # R = 0 rows (an empty rows tensor, whose data pointer is null): nothing captured, x and residual as usual.
+    # The H200 fuzz test found this writing token rows past the empty aux view into the caller's buffer.
+    g = torch.Generator().manual_seed(7)
+    x, residual = torch.randn(T, 64, generator=g).double(), torch.randn(T, 64, generator=g).double()
+    weight = torch.ones(64, dtype=torch.float64)
+    buf, aux = guarded(0, 64, torch.float64, "cuda", 8, 8)
+    xc, rc = x.cuda(), residual.cuda()
+    torch.ops.eagle3.add_rmsnorm_capture(xc, rc, weight.cuda(), 1e-6, aux, 0,
+                                         torch.empty(0, dtype=torch.int32, device="cuda"))
+    assert bool((buf == POISON).all()), "the guard buffer around an empty aux view was written"
+    reference.add_rmsnorm_capture(x, residual, weight, 1e-6, None, 0, None)
+    assert_equal(rc.cpu(), residual, "residual")
+    eagle3_ops.check_errors()
+
+
+@pytest.mark.gpu
 def test_add_rmsnorm_capture_views_leave_their_buffers_alone():
     # x and residual as row views: the columns between the rows (the views' padding) stay as they were
     g = torch.Generator().manual_seed(5)
