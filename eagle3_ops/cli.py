@@ -5,19 +5,150 @@
     eagle3 diagnose   which target layers the drafter was trained on, and whether the configured
                       capture is it (acceptance per plausible wiring)
     eagle3 selfcheck  build info, then every op once on small inputs, as a table
+
+Every flag's value is checked before torch loads (see _startup): `--help` and a usage error answer at
+once; whether --device's GPU exists is checked once torch is in, before any model loads.
+
+Exit codes (EXIT_CODES, also in --help):
+    0   ok
+    2   usage error: one line on stderr names the flag and what it allows
+    3   diagnose: the configured capture is not the wiring the drafter was trained on
+    1   a check failed, which is a bug: demo's greedy output differs from plain decoding, or a selfcheck op failed
+    any other (with a traceback): a bug
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import math
 import os
 import sys
 import time
 
-import torch
+from . import _startup
+from .models.config import TARGET_PRESETS, DrafterConfig
+
+EXIT_CODES = """exit codes:
+  0   ok
+  2   usage error: one line on stderr names the flag and what it allows
+  3   diagnose: the configured capture is not the wiring the drafter was trained on
+  1   a check failed (a bug): demo's greedy output differs from plain decoding, or a selfcheck op failed
+  any other, with a traceback: a bug"""
+BYTE_VOCAB = 256  # presets whose prompts are text (byte tokens); others draw random token prompts
+
+
+class UsageError(Exception):
+    """A flag's value is not allowed; main prints it as one line and returns 2."""
+
+
+def _int_at_least(low: int):
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {text!r}") from None
+        if v < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {v}")
+        return v
+    return parse
+
+
+def _float_in(low: float, high: float = math.inf):
+    allowed = f">= {low:g}" if high == math.inf else f"in [{low:g}, {high:g}]"
+
+    def parse(text: str) -> float:
+        try:
+            v = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a number {allowed}, got {text!r}") from None
+        if not (low <= v <= high and math.isfinite(v)):
+            raise argparse.ArgumentTypeError(f"must be a finite number {allowed}, got {text}")
+        return v
+    return parse
+
+
+def _device(text: str) -> str:
+    kind, colon, index = text.partition(":")
+    if text == "cpu" or (kind == "cuda" and (not colon or index.isdigit())):
+        return text
+    raise argparse.ArgumentTypeError(f"must be cpu, cuda or cuda:N, got {text!r}")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        """One line, not argparse's usage block: the flag and what it allows."""
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
+def _most_tokens(steps: int, topk: int) -> int:
+    """The verify tokens a tree of `steps` x `topk` holds, root included (SpecConfig's bound; a test keeps
+    them equal: the engine, which imports torch, is not loaded while the flags are checked)."""
+    return 1 + steps if topk == 1 else 1 + topk + (steps - 1) * topk * topk
+
+
+def _heldout_count() -> int:
+    with open(os.path.join(ASSETS, "heldout_prompts.json"), encoding="utf-8") as f:
+        return len(json.load(f)["prompts"])
+
+
+def check_args(args) -> None:
+    """The checks argparse's per-flag types cannot make: flags against each other and the preset.
+    Torch-free; raises UsageError."""
+    if args.command == "selfcheck":
+        return
+    most = _most_tokens(args.steps, args.topk)
+    if not 2 <= args.tokens <= most:
+        raise UsageError(f"--tokens must be in [2, {most}] for --steps {args.steps} --topk {args.topk} (the root "
+                         f"plus at most {most - 1} draft candidates), got {args.tokens}")
+    cfg = TARGET_PRESETS[args.preset]
+    if args.prompt == "":
+        raise UsageError("--prompt must be non-empty text")
+    if args.prompt is None and cfg.vocab_size == BYTE_VOCAB and args.batch > (n := _heldout_count()):
+        raise UsageError(f"--batch must be at most {n} without --prompt (one held-out prompt per request), "
+                         f"got {args.batch}; with --prompt TEXT any batch repeats TEXT")
+    if args.oracle is not None and args.temperature != 0:
+        raise UsageError(f"--oracle needs greedy decoding (--temperature 0), got --temperature {args.temperature:g}")
+    if args.graphs:
+        if not args.device.startswith("cuda"):
+            raise UsageError(f"--graphs needs --device cuda (CUDA graphs), got --device {args.device}")
+        if args.dtype != "bfloat16":
+            raise UsageError(f"--graphs needs --dtype bfloat16 (torch's grouped GEMM syncs the host in the MoE "
+                             f"for other dtypes), got --dtype {args.dtype}")
+        if args.batch_invariant:
+            raise UsageError("--graphs and --batch-invariant exclude each other (the batch-invariant MoE syncs the host)")
+    ids = getattr(args, "aux_ids", None)
+    if ids is not None:
+        layers, n_aux = cfg.num_layers, DrafterConfig.for_target(cfg).n_aux
+        if len(ids) != n_aux:
+            raise UsageError(f"--aux-ids takes {n_aux} layer ids (the drafter's capture slots), got {len(ids)}")
+        for k in ids:
+            if not -1 <= k < layers:
+                raise UsageError(f"--aux-ids {k} is out of range for preset {args.preset} ({layers} layers): each id "
+                                 f"must be in -1..{layers - 1} (-1 the embedding, k the output of layer k)")
+        if len(set(ids)) != len(ids):
+            raise UsageError(f"--aux-ids must be distinct layers, got {' '.join(map(str, ids))}")
+
+
+def check_device(device: str) -> None:
+    """After torch loads, before any model: the GPU --device names exists."""
+    import torch
+
+    if not device.startswith("cuda"):
+        return
+    if not torch.cuda.is_available():
+        raise UsageError(f"--device {device}: torch sees no CUDA device (torch {torch.__version__}, "
+                         f"{'CUDA ' + torch.version.cuda if torch.version.cuda else 'a CPU-only build'}); "
+                         "use --device cpu")
+    index = int(device.partition(":")[2] or 0)
+    if index >= torch.cuda.device_count():
+        raise UsageError(f"--device {device}: torch sees {torch.cuda.device_count()} CUDA device(s), "
+                         f"so N must be in 0..{torch.cuda.device_count() - 1}")
 
 
 def _mutated(name: str, args: tuple) -> list[torch.Tensor]:
+    import torch
+
     schema = getattr(torch.ops.eagle3, name).default._schema
     out = []
     for a, v in zip(schema.arguments, args):
@@ -27,6 +158,8 @@ def _mutated(name: str, args: tuple) -> list[torch.Tensor]:
 
 
 def _summary(name: str, args: tuple, result) -> str:
+    import torch
+
     if name.startswith("verify_"):
         _, accept_len, emitted = result
         return f"accept_len {accept_len.tolist()}, emitted {emitted[:, 0].tolist()}..."
@@ -37,6 +170,8 @@ def _summary(name: str, args: tuple, result) -> str:
 
 
 def _compare(cpu_args: tuple, dev_args: tuple, name: str, cpu_res, dev_res) -> str:
+    import torch
+
     pairs = list(zip(_mutated(name, cpu_args), _mutated(name, dev_args)))
     if name.startswith("verify_"):
         pairs = list(zip(cpu_res, dev_res))
@@ -54,6 +189,8 @@ def _compare(cpu_args: tuple, dev_args: tuple, name: str, cpu_res, dev_res) -> s
 
 
 def selfcheck(device: str) -> int:
+    import torch
+
     import eagle3_ops
     from eagle3_ops._register import OPS, TRITON_OPS
     from eagle3_ops.samples import sample_args
@@ -63,9 +200,6 @@ def selfcheck(device: str) -> int:
     print(f"build: CUDA kernels {'compiled for ' + info['cuda_archs'] + ' with CUDA ' + info['cuda_version'] if info['cuda'] else 'not compiled (C++ op table only)'}"
           f"; CUDA ops: {', '.join(info['cuda_kernels']) or 'none'}; Triton ops: {', '.join(TRITON_OPS) or 'none'}")
     use_cuda = device == "cuda"
-    if use_cuda and not torch.cuda.is_available():
-        print("--device cuda asked for, but torch sees no CUDA device", file=sys.stderr)
-        return 2
     header = f"{'op':<20} {'cpu (reference)':<16} {'result':<52} {'cuda kernel':<12} {'cuda vs reference'}"
     print(header)
     print("-" * len(header))
@@ -125,6 +259,8 @@ def _load_pair(preset: str, device: str, dtype: torch.dtype, seed: int = 0):
 
 
 def _prompts(args, target) -> tuple[torch.Tensor, list[str]]:
+    import torch
+
     from . import data
 
     if args.prompt is not None:
@@ -148,6 +284,8 @@ def _spec(args):
 
 def demo(args) -> int:
     from . import data
+    import torch
+
     from .engine import Timer, generate_plain, generate_speculative
 
     torch.manual_seed(args.seed)
@@ -162,8 +300,6 @@ def demo(args) -> int:
     if args.oracle is not None:
         from .engine.oracle import OracleDrafter
 
-        if spec.temperature != 0:
-            raise SystemExit("--oracle needs greedy decoding (--temperature 0)")
         reference, _ = generate_plain(target, prompts, args.max_new)  # the answers the oracle reads
         drafter = OracleDrafter(drafter, torch.cat([prompts, reference], 1), args.oracle, target.cfg.vocab_size,
                                 args.seed, start=prompts.shape[1] - 1)
@@ -220,6 +356,8 @@ def demo(args) -> int:
 
 
 def diagnose_cmd(args) -> int:
+    import torch
+
     from .diagnose import diagnose
 
     torch.set_num_threads(args.threads)
@@ -235,47 +373,80 @@ def diagnose_cmd(args) -> int:
 
 
 def _add_decode_args(p):
-    p.add_argument("--device", default="cpu", help="cpu or cuda")
-    p.add_argument("--preset", default="byte-small", help="byte-small (the shipped trained pair) or a target "
-                   "preset (tiny, kimi-k2-slice, ...) with synthesised weights")
+    at_least_1 = _int_at_least(1)
+    p.add_argument("--device", type=_device, default="cpu", help="cpu, cuda or cuda:N")
+    p.add_argument("--preset", default="byte-small", choices=list(TARGET_PRESETS), metavar="NAME",
+                   help="byte-small (the shipped trained pair) or a target preset with synthesised weights: "
+                        f"{', '.join(k for k in TARGET_PRESETS if k != 'byte-small')}")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float64"])
-    p.add_argument("--prompt", default=None, help="text to continue (default: held-out prompts)")
-    p.add_argument("--batch", type=int, default=1, help="requests decoded together")
-    p.add_argument("--max-new", type=int, default=64, help="new tokens per request")
-    p.add_argument("--steps", type=int, default=3, help="draft steps per round")
-    p.add_argument("--topk", type=int, default=1, help="beams per draft step (1 = chain)")
-    p.add_argument("--tokens", type=int, default=4, help="verify tokens per round, root included")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--oracle", type=float, default=None, metavar="P",
+    p.add_argument("--prompt", default=None, help="text to continue, for every request (default: held-out prompts)")
+    p.add_argument("--batch", type=at_least_1, default=1,
+                   help="requests decoded together (without --prompt: at most the 64 held-out prompts)")
+    p.add_argument("--max-new", type=at_least_1, default=64, help="new tokens per request (>= 1)")
+    p.add_argument("--steps", type=at_least_1, default=3, help="draft steps per round (>= 1)")
+    p.add_argument("--topk", type=at_least_1, default=1, help="beams per draft step (1 = chain)")
+    p.add_argument("--tokens", type=_int_at_least(2), default=4,
+                   help="verify tokens per round, root included: 2 .. 1 + steps (chain) or "
+                        "1 + topk + (steps - 1) * topk^2 (tree)")
+    p.add_argument("--temperature", type=_float_in(0), default=0.0, help="0 = greedy, > 0 = sampling")
+    p.add_argument("--seed", type=_int_at_least(0), default=0)
+    p.add_argument("--oracle", type=_float_in(0, 1), default=None, metavar="P",
                    help="replace the drafter's proposals by a labelled ORACLE's: the target's own greedy tokens "
-                        "(from a plain run first), each corrupted with probability 1 - P (0 = adversarial); greedy only")
+                        "(from a plain run first), each corrupted with probability 1 - P (0 = adversarial, "
+                        "P in [0, 1]); greedy only")
     p.add_argument("--batch-invariant", action="store_true",
                    help="the target's batch-invariant mode (Target.batch_invariant_rows = batch x tokens): plain and "
                         "verify steps give each token bit-identical logits, so greedy losslessness holds bit for "
                         "bit in bf16 too; slower (float64 attention, host syncs in the MoE)")
     p.add_argument("--graphs", action="store_true",
-                   help="replay the decode, verify, draft and catch-up steps from CUDA graphs (CUDA only)")
-    p.add_argument("--threads", type=int, default=1, help="CPU threads (the small models gain nothing from more, "
-                   "and OpenMP stalls when the cores are shared)")
+                   help="replay the decode, verify, draft and catch-up steps from CUDA graphs (needs --device cuda "
+                        "and --dtype bfloat16)")
+    p.add_argument("--threads", type=at_least_1, default=1, help="CPU threads (the small models gain nothing from "
+                   "more, and OpenMP stalls when the cores are shared)")
+
+
+def parser() -> argparse.ArgumentParser:
+    top = _Parser(prog="eagle3", description="eagle3_ops: EAGLE-3 speculative decoding kernels", epilog=EXIT_CODES,
+                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = top.add_subparsers(dest="command", required=True, metavar="{demo,diagnose,selfcheck}")
+    kw = dict(epilog=EXIT_CODES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser("demo", help="plain vs speculative decoding with the shipped small pair", **kw)
+    _add_decode_args(p)
+    p = sub.add_parser("diagnose", help="acceptance per plausible wiring: is the configured capture the trained one?",
+                       **kw)
+    _add_decode_args(p)
+    p.add_argument("--aux-ids", type=int, nargs="+", default=None, metavar="K",
+                   help="the capture to check, one id per drafter slot (ours: output of layer k, -1 the "
+                        "embedding); default the drafter's config")
+    p = sub.add_parser("selfcheck", help="build info, then every op once on small inputs (a table)", **kw)
+    p.add_argument("--device", choices=["cpu", "cuda"], default=None,
+                   help="cuda also runs each CUDA/Triton kernel and compares it with the CPU reference "
+                        "(default: cuda when torch sees a GPU)")
+    return top
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="eagle3", description="eagle3_ops: EAGLE-3 speculative decoding kernels")
-    sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("demo", help="plain vs speculative decoding with the shipped small pair")
-    _add_decode_args(p)
-    p = sub.add_parser("diagnose", help="acceptance per plausible wiring: is the configured capture the trained one?")
-    _add_decode_args(p)
-    p.add_argument("--aux-ids", type=int, nargs="+", default=None,
-                   help="the capture to check (ours: output of layer k); default the drafter's config")
-    p = sub.add_parser("selfcheck", help="build info, then every op once on small inputs (a table)")
-    p.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu",
-                   help="cuda also runs each CUDA/Triton kernel and compares it with the CPU reference")
-    args = parser.parse_args(argv)
-    if args.command == "selfcheck":
-        return selfcheck(args.device)
-    return demo(args) if args.command == "demo" else diagnose_cmd(args)
+    """The command; returns its exit code (EXIT_CODES)."""
+    args = parser().parse_args(argv)
+    prog = f"eagle3 {args.command}"
+    try:
+        check_args(args)
+        _startup.finish_import()  # torch and the native extension, deferred while the arguments were checked
+        if args.command == "selfcheck" and args.device is None:
+            import torch
+
+            args.device = "cuda" if torch.cuda.is_available() else "cpu"
+        check_device(args.device)
+    except UsageError as e:
+        print(f"{prog}: {e}", file=sys.stderr)
+        return 2
+    try:
+        if args.command == "selfcheck":
+            return selfcheck(args.device)
+        return demo(args) if args.command == "demo" else diagnose_cmd(args)
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":
