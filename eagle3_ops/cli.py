@@ -146,6 +146,32 @@ def check_device(device: str) -> None:
                          f"so N must be in 0..{torch.cuda.device_count() - 1}")
 
 
+def _host_available() -> int | None:
+    """Bytes of host memory free for new allocations (MemAvailable), None where /proc/meminfo is not."""
+    try:
+        with open("/proc/meminfo") as f:
+            kib = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return None
+    return kib * 1024
+
+
+def check_memory(preset: str, device: str, dtype: str) -> None:
+    """A synthesised target's weights must fit where they are drawn: kimi-k2 is ~1.9 TiB in bf16, which a run
+    would otherwise start allocating until the OOM killer ends it. Sized on the meta device (no memory)."""
+    import torch
+
+    from .models.target import Target
+
+    with torch.device("meta"):
+        target = Target(TARGET_PRESETS[preset])
+    need = sum(p.numel() for p in target.parameters()) * getattr(torch, dtype).itemsize
+    free = torch.cuda.mem_get_info(torch.device(device))[0] if device.startswith("cuda") else _host_available()
+    if free is not None and need > free:
+        raise UsageError(f"--preset {preset} needs {need / 2**30:,.1f} GiB for the target's weights in {dtype}, but "
+                         f"{device} has {free / 2**30:,.1f} GiB free: choose a smaller --preset (or --dtype)")
+
+
 def _mutated(name: str, args: tuple) -> list[torch.Tensor]:
     import torch
 
@@ -437,6 +463,8 @@ def main(argv: list[str] | None = None) -> int:
 
             args.device = "cuda" if torch.cuda.is_available() else "cpu"
         check_device(args.device)
+        if args.command != "selfcheck" and args.preset != "byte-small":  # byte-small: the shipped pair, 3 MB
+            check_memory(args.preset, args.device, args.dtype)
     except UsageError as e:
         print(f"{prog}: {e}", file=sys.stderr)
         return 2

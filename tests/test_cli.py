@@ -95,6 +95,13 @@ def test_cuda_without_a_gpu(argv, capsys, no_models):
     assert f"--device {argv[-1]}" in err
 
 
+def test_preset_too_large_for_memory(monkeypatch, capsys, no_models):
+    monkeypatch.setattr(cli, "_host_available", lambda: 2**30)
+    rc, err = _run(["demo", "--preset", "kimi-k2-slice", "--dtype", "bfloat16"], capsys)
+    assert rc == 2 and err.count("\n") == 1, err
+    assert "--preset kimi-k2-slice needs 68.9 GiB for the target's weights in bfloat16, but cpu has 1.0 GiB free" in err
+
+
 @pytest.mark.parametrize("steps", [1, 2, 3, 5])
 @pytest.mark.parametrize("topk", [1, 2, 4])
 def test_tokens_bound_is_spec_configs(steps, topk):
