@@ -5,7 +5,7 @@ are the real drafter's), and the per-component breakdown of a step.
 
     python3 bench/bench_e2e.py                                  # on the H200: kimi-k2-slice, bf16
     python3 bench/bench_e2e.py --preset tiny --device cpu --dtype float32 --prefix 32 --max-new 16
-    python3 bench/bench_e2e.py --plot bench/results/e2e_h200.json   # the chart, where matplotlib is installed
+    python3 bench/bench_e2e.py --plot bench/results/e2e_graphs_b1_4096_h200.json   # the chart, where matplotlib is installed
 
 For every batch x prefix: a plain run (the reference tokens and the baseline), then per spec setting, p and
 glue one untimed run (tokens/s of the decode phase: after the prefill, whose time is kept apart), one run with

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Everything that needs the H200, in one call (GPU.md): build for sm_90a, run the GPU tests, run the
+# Everything that needs the H200, in one call (docs/method.md): build for sm_90a, run the GPU tests, run the
 # benchmarks, and leave logs, JSON and the table under $OUT (the table printed last).
 #   usage: [SANITIZE='-k expr'] bash bench/gpu_run.sh [pytest -k expression for the GPU tests] [bench files... | none]
 #   SANITIZE runs the GPU tests matching that expression under compute-sanitizer memcheck.
-#   TESTS='tests/test_x.py ...' selects the test files (their GPU tests run in chunks of TEST_CHUNK node ids,
+#   TESTS='tests/test_kv_accept.py ...' selects the test files (their GPU tests run in chunks of TEST_CHUNK node ids,
 #   TEST_JOBS pytest processes at once); EAGLE3_CUDA_ONLY=a,b
 #   builds only those csrc/*.cu; EAGLE3_COMMIT names the commit in the results (required in practice).
 set -o pipefail

@@ -38,7 +38,7 @@ TS = (1, 4, 16, 32, 64)  # issue 4's T <= 64 grid
 # Now: the fp8 neighbourhood of its default 128,128,0,4,4,2,1 (42.1 / 44.8 / 65.1 us at T = 1 / 16 / 64, where
 # 1.9x bf16 F.linear needs ~40.5 us): deeper pipelines, 8 warps (half the converted tile per thread), wider K.
 # 6501455's run (results/fc_sweep_prep_h200.log): "+prep" lost at every T and no tile config beat the defaults.
-# The CUDA kernel csrc/fc_stream_sm90.cu (the weight as wgmma's register operand, straight from global memory)
+# The CUDA kernel fc_stream_sm90.cu, removed (the weight as wgmma's register operand, straight from global memory)
 # was run at a7c24b9 (results/fc_sweep_sm90_h200.log): correct, but 0.47-0.73x F.linear at every T, so it is
 # gone. Left: the best fp8 tiles of 6501455's run.
 CANDIDATES = {

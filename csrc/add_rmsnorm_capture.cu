@@ -1,6 +1,6 @@
 // add_rmsnorm_capture: residual += x; x = rmsnorm(residual) * weight; aux[r, slot*H:(slot+1)*H] = residual[rows[r]]
 //
-// The target's capture point (DESIGN.md "aux-capture ids"): at the input norm of layer k + 1 the new
+// The target's capture point (docs/design.md, "Aux ids"): at the input norm of layer k + 1 the new
 // residual is the output of layer k, so the capture costs only its writes, never another launch.
 // Memory-bound: one block per token row, every 16-byte load of the row issued before the first store,
 // the row held in registers between the add and the normalisation (a second pass over global memory

@@ -1,7 +1,7 @@
 // The op table: every torch.ops.eagle3 schema, in one place, grouped by area.
 //
-// Conventions (STYLE.md "Schemas", DESIGN.md "The op table"):
-//  - argument order and names are DESIGN.md's; one name per argument everywhere;
+// Conventions (docs/design.md, "Schemas"):
+//  - argument order and names are docs/design.md's; one name per argument everywhere;
 //  - a mutated tensor carries a distinct alias name (a!), (b!), ... and a mutating op returns ();
 //  - no streams or pointers: kernels run on the current stream of the inputs' device;
 //  - values that change every step under CUDA-graph replay (seed, offset, temperature) are tensors.

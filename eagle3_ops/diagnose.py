@@ -2,7 +2,7 @@
 
 For a target, a drafter and prompts, greedy speculative decoding runs once per plausible wiring: the
 configured one, the config's ids read in every convention, the seed deployment's miswiring (the ids read
-in the wrong convention and an embedding captured in front, docs/FIELD.md), and every reading one layer
+in the wrong convention and an embedding captured in front, docs/wiring.md), and every reading one layer
 off in each direction or with an embedding captured in front. The wiring
 with the highest acceptance length is the one the drafter was trained on. Exposed as
 `eagle3_ops.wiring.diagnose` and `eagle3 diagnose`.
@@ -64,7 +64,7 @@ def candidate_wirings(configured: Sequence[int], num_layers: int,
                       config_ids: Optional[Sequence[int]] = None,
                       convention: Optional[str] = None) -> list[tuple[str, tuple[int, ...]]]:
     """(label, ids) for the configured capture and the plausible wirings around it, deduplicated by ids:
-    the config's ids read in every convention; the seed deployment's miswiring (docs/FIELD.md): the ids
+    the config's ids read in every convention; the seed deployment's miswiring (docs/wiring.md): the ids
     read in a convention other than the config's own, with an embedding captured in front; and each
     reading (and the configured capture) one layer off either way or with an embedding captured in
     front. config_ids: the ids as written in the drafter's config.json (default: the configured ones,

@@ -344,7 +344,7 @@ def tree_attention_mla(q: Tensor, kv_cache: Tensor, page_table: Tensor, prefix_l
     tree_mask : Tensor [B, N, ceil(N / 32)] int32
         Ancestor-or-self bits over the tree block (tree.tree_mask).
     scale : float
-        Softmax scale, e.g. 0.130861 for Kimi-K2 (docs/KIMI.md), never 576 ** -0.5.
+        Softmax scale, e.g. 0.130861 for Kimi-K2 (docs/models.md), never 576 ** -0.5.
     out : Tensor [B * N, NH, Dv] q's dtype, mutated
         Attention output in latent space.
     lse : Tensor [B * N, NH] fp32, optional, mutated

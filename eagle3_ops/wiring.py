@@ -6,7 +6,7 @@ when asked for (``allow_embedding=True``). Slot order is the order of the ids (i
 of the drafter's fc input): ids are never sorted. Default for L layers: ``[1, L//2 - 1, L - 4]``.
 
 A drafter fed the wrong layers still runs and silently loses acceptance (accept length 1.04 instead of
-2.77, vLLM #50170; docs/FIELD.md), so external ids are converted only through an explicit convention:
+2.77, vLLM #50170; docs/wiring.md), so external ids are converted only through an explicit convention:
 
 =============== ============================================= ==========================
 convention      config id k names                             61 layers: outputs 1,29,57

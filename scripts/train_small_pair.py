@@ -15,7 +15,7 @@ Target: AdamW on random windows, next-byte cross-entropy (nats/byte), DeepSeek-V
 load balancing. Ten minutes is about the least after which its greedy output is code-like rather than
 runs of spaces (five minutes: 1.57 nats/byte and all-space continuations, a meaningless 3.95 acceptance).
 
-Drafter (docs/KIMI.md, "EAGLE-3 drafters for Kimi"): the target's aux states F_i are
+Drafter (docs/models.md, "EAGLE-3 drafters for Kimi"): the target's aux states F_i are
 hidden_states[k + 1] for each aux id k (output of layer k), concatenated in id order. At position i the
 drafter sees (embed(x_{i+1}), fc(F_i)) and is trained towards the target's distribution at position
 i + 1 (over x_{i+2}), restricted to the draft vocabulary and renormalised (soft cross-entropy, i.e.

@@ -16,7 +16,7 @@ HAS_CUDA = torch.cuda.is_available()
 torch.set_num_threads(1)
 
 # ||out - ref|| / ||ref|| against the float64 reference, by the dtype the kernel computed in
-# (METHOD.md): fp32 far under 1e-3; bf16 / fp16 operands between 1e-3 and 1e-2.
+# (docs/method.md): fp32 far under 1e-3; bf16 / fp16 operands between 1e-3 and 1e-2.
 TOLERANCES = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2, torch.float64: 1e-12}
 
 

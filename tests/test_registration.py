@@ -1,4 +1,4 @@
-"""The op table: every DESIGN.md op is registered, passes opcheck on CPU, and keeps one signature
+"""The op table: every docs/design.md op is registered, passes opcheck on CPU, and keeps one signature
 across schema, reference and wrapper; the build says what it holds; our Triton package shadows nothing."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The reference target (eagle3_ops.models.target): the inference step (absorbed MLA over the paged latent
 cache, through torch.ops.eagle3) equals the plain causal forward; the aux capture is wired to the layers it
-names (HF output_hidden_states[k + 1]); MoE routing, YaRN RoPE and the softmax scale follow docs/KIMI.md;
+names (HF output_hidden_states[k + 1]); MoE routing, YaRN RoPE and the softmax scale follow docs/models.md;
 state_dict names are Hugging Face's and survive a save / load round trip."""
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ from eagle3_ops import tree
 from eagle3_ops.errors import Eagle3InputError
 from tests.conftest import TOLERANCES, assert_equal, capture_graph, poison_, rel_err
 
-KIMI_SCALE = 0.130861  # docs/KIMI.md: 192 ** -0.5 * m * m for Kimi-K2, never 576 ** -0.5
+KIMI_SCALE = 0.130861  # docs/models.md: 192 ** -0.5 * m * m for Kimi-K2, never 576 ** -0.5
 
 
 # ---- the independent formulation ---------------------------------------------------------------------

@@ -1,5 +1,5 @@
 """Plain and speculative decoding on a Target (and an EAGLE-3 Drafter), every hot path through
-torch.ops.eagle3 (docs/KIMI.md "One speculative round"):
+torch.ops.eagle3 (docs/models.md, "One speculative round"):
 
 1. prefill the target on x_0..x_{n-1}, capturing the aux states F_i; x_n = its next token;
 2. draft extend at positions 0..n-1 on (embed(x_{i+1}), fc(F_i)) -> the drafter's KV, d_1's scores;

@@ -1,4 +1,4 @@
-"""The speculative step's glue done the plain-PyTorch way, as engines do it today (docs/FIELD.md): the
+"""The speculative step's glue done the plain-PyTorch way, as engines do it today (docs/e2e.md): the
 comparison issue 7 measures our ops against, in the same loop and the same run.
 
 - capture: ``h + r`` at each captured layer (a separate add), ``torch.cat`` of the captured layers after

@@ -1,4 +1,4 @@
-"""Paged KV caches with static shapes, in DESIGN.md's layout: a list of cache tensors
+"""Paged KV caches with static shapes, in docs/design.md's layout: a list of cache tensors
 [num_pages, page_size, *row_shape] sharing one page table [B, max_pages] int32 and prefix_lens [B] int32.
 
 The target keeps one latent cache per layer ([.., kv_lora_rank + rope_dim]); the drafter keeps K and V

@@ -1,5 +1,5 @@
 """Model configurations: the DeepSeek-V3 / Kimi-K2 target and its EAGLE-3 drafter, with presets by
-exact name (docs/KIMI.md) and conversion to and from Hugging Face config.json fields.
+exact name (docs/models.md) and conversion to and from Hugging Face config.json fields.
 
 `TargetConfig.from_preset("kimi-k2")` gives the real shapes; `kimi-k2-slice` keeps every width and
 fewer layers (fits one H200); `tiny` is a seconds-on-CPU shape for tests; `byte-small` is the shipped
@@ -188,7 +188,7 @@ class DrafterConfig:
 
     @classmethod
     def for_target(cls, target: TargetConfig, aux_ids=None, **overrides) -> "DrafterConfig":
-        """The Kimi EAGLE-3 drafter's shape scaled to a target (docs/KIMI.md): hidden = target hidden, the
+        """The Kimi EAGLE-3 drafter's shape scaled to a target (docs/models.md): hidden = target hidden, the
         target's head count with KV heads = heads, head_dim 128 (hidden / heads on small targets), MLP
         18432/7168 of hidden, draft vocab 32000 (capped at the target's)."""
         H, heads = target.hidden_size, target.num_heads

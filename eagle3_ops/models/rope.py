@@ -1,4 +1,4 @@
-"""YaRN rotary position embedding of the DeepSeek-V3 / Kimi-K2 targets (docs/KIMI.md), on the rope slice.
+"""YaRN rotary position embedding of the DeepSeek-V3 / Kimi-K2 targets (docs/models.md), on the rope slice.
 
 Pairs are interleaved: (x[2i], x[2i+1]) rotates by angle ``position * freq_i`` (DeepSeek's own inference
 code; Hugging Face de-interleaves first and then rotates halves, which gives the same q.k). YaRN is always

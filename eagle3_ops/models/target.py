@@ -1,4 +1,4 @@
-"""The DeepSeek-V3 / Kimi-K2 target (docs/KIMI.md): MLA with a paged latent cache, YaRN RoPE, sigmoid-routed
+"""The DeepSeek-V3 / Kimi-K2 target (docs/models.md): MLA with a paged latent cache, YaRN RoPE, sigmoid-routed
 MoE with a score-correction bias, node-limited (grouped) routing, a shared expert and first dense layers.
 
 Two forwards over one set of weights, in gpt-fast's shape:
@@ -80,7 +80,7 @@ class MLP(nn.Module):
 
 
 def route(s: Tensor, bias: Tensor, cfg: TargetConfig) -> tuple[Tensor, Tensor]:
-    """noaux_tc routing (docs/KIMI.md): pick experts by the biased score, weight them by the unbiased one.
+    """noaux_tc routing (docs/models.md): pick experts by the biased score, weight them by the unbiased one.
 
     With n_group > 1, a group's score is the sum of its two best ``s + bias``; only the topk_group best
     groups stay eligible. The top num_experts_per_tok of ``s + bias`` among eligible experts are picked;

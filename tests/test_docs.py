@@ -1,0 +1,107 @@
+"""The documentation's two promises: every file the repository cites is in it, and docs/results.md (with the
+README's headline table) is what scripts/results_table.py makes of bench/results/*.json."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# Text files scanned for citations, by extension (and Makefile by name).
+SCANNED = (".md", ".py", ".sh", ".cu", ".cuh", ".h", ".cpp", ".ini", ".toml", ".cfg", ".txt")
+# A cited path starts at one of the repository's top folders; anything else (torch/..., $OUT/..., a URL's path)
+# is not ours to check.
+TOP = ("docs", "bench", "csrc", "tests", "scripts", "eagle3_ops", "triton_kernels", ".ci")
+EXT = r"(?:md|py|sh|cu|cuh|h|cpp|json|log|png|ini|toml|txt|safetensors)"
+# `[../]*top/dir/name.ext`, not inside a longer word, path or URL; a name with {, < or * is generated (an f-string
+# or a pattern) and never matches, since those characters end the match before the extension.
+PATH = re.compile(rf"(?<![\w./\-])((?:\.\./)*(?:{'|'.join(re.escape(t) for t in TOP)})/(?:[\w.\-]+/)*[\w\-.]+\.{EXT})"
+                  rf"(?![\w/])")
+# Bare upper-case notes (DESIGN.md, STYLE.md, ...): must be the name of a tracked file somewhere.
+BARE = re.compile(r"(?<![\w./\-])([A-Z][A-Z0-9_]+\.md)\b")
+# Cited paths that are not in the repository by design, with the reason.
+ALLOWED: dict[str, str] = {
+    "bench/session_run.sh": "kv_accept_h200.json's note (a measured record) names the run's script, never committed",
+}
+SELF = "tests/test_docs.py"  # its examples and patterns are not citations
+
+
+def git(*args: str, stdin: str = "") -> list[str]:
+    try:
+        out = subprocess.run(["git", *args], cwd=ROOT, input=stdin.encode(), capture_output=True).stdout
+    except OSError:
+        pytest.skip("git is not installed: the file list is git's")
+    return [p for p in out.decode().split("\0") if p]
+
+
+def tracked() -> list[str]:
+    """Tracked files, and new ones not yet committed (not ignored): a work in progress cites them too."""
+    files = git("ls-files", "-z", "--cached", "--others", "--exclude-standard")
+    if not files:
+        pytest.skip("not a git checkout: the file list is git's")
+    return files
+
+
+def citations(path: str, text: str):
+    """(line number, cited path as written, path relative to the repository root or None when outside it)."""
+    here = os.path.dirname(path)
+    for n, line in enumerate(text.splitlines(), 1):
+        if "://" in line:  # a URL's path segments look like ours (github.com/.../docs/x.md)
+            line = re.sub(r"\S+://\S+", " ", line)
+        for m in PATH.finditer(line):
+            cited = m.group(1)
+            base = here if cited.startswith("../") else ""
+            resolved = os.path.normpath(os.path.join(base, cited))
+            yield n, cited, None if resolved.startswith("..") else resolved
+        for m in BARE.finditer(line):
+            yield n, m.group(1), m.group(1)
+
+
+def test_every_cited_file_is_in_the_repository():
+    files = tracked()
+    present = set(files)
+    present |= {os.path.dirname(p) for p in files}
+    names = {os.path.basename(p) for p in files}
+    missing = []
+    for path in files:
+        if path == SELF or not (path.endswith(SCANNED) or os.path.basename(path) == "Makefile"
+                                or path.startswith(".ci/")):
+            continue
+        full = os.path.join(ROOT, path)
+        if not os.path.isfile(full):
+            continue  # deleted in the working tree, not yet committed
+        with open(full, encoding="utf-8", errors="replace") as f:
+            text = f.read()
+        for n, cited, resolved in citations(path, text):
+            if resolved is None:  # outside the repository (../shared/...): not a citation of ours
+                continue
+            ok = (resolved in names) if "/" not in cited else (resolved in present)
+            if not ok and cited not in ALLOWED:
+                missing.append((f"{path}:{n}: {cited}", resolved))
+    # A path git ignores is a build output (eagle3_ops/_built_with.py, written by setup.py), not a missing source.
+    ignored = set(git("check-ignore", "-z", "--stdin", stdin="".join(r + "\0" for _, r in missing)))
+    missing = [m for m, r in missing if r not in ignored]
+    assert not missing, "cited but not in the repository (git ls-files):\n" + "\n".join(missing)
+
+
+def test_scanner_finds_paths_and_skips_what_is_not_ours():
+    text = ("see docs/design.md and `bench/results/capture_aux_h200.json`; DESIGN.md\n"
+            "https://github.com/x/y/blob/main/docs/nothing.md ../shared/DESIGN_NOTES.txt\n"
+            "f'bench/results/e2e_{name}.json' csrc/<op>.cu tests/test_*.py torch/utils/cpp_extension.py\n"
+            "[chart](../bench/results/e2e.png)\n")
+    found = [(n, c, r) for n, c, r in citations("docs/x.md", text)]
+    assert found == [(1, "docs/design.md", "docs/design.md"),
+                     (1, "bench/results/capture_aux_h200.json", "bench/results/capture_aux_h200.json"),
+                     (1, "DESIGN.md", "DESIGN.md"),
+                     (4, "../bench/results/e2e.png", "bench/results/e2e.png")]
+
+
+def test_results_doc_is_generated():
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "results_table.py"), "--check"], cwd=ROOT,
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
