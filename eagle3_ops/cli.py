@@ -6,15 +6,17 @@
                       capture is it (acceptance per plausible wiring)
     eagle3 selfcheck  build info, then every op once on small inputs, as a table
 
-Every flag's value is checked before torch loads (see _startup): `--help` and a usage error answer at
-once; whether --device's GPU exists is checked once torch is in, before any model loads.
+Every flag is checked before any model loads, and before torch loads (the package defers it while the
+command parses: _startup), so `--help` and a usage error answer at once; whether --device's GPU exists is
+checked once torch is in.
 
-Exit codes (EXIT_CODES, also in --help):
-    0   ok
-    2   usage error: one line on stderr names the flag and what it allows
-    3   diagnose: the configured capture is not the wiring the drafter was trained on
-    1   a check failed, which is a bug: demo's greedy output differs from plain decoding, or a selfcheck op failed
-    any other (with a traceback): a bug
+Exit codes (EXIT_CODES, also the epilog of every --help):
+  0   ok
+  1   a check failed, a bug: demo's greedy output differs from plain decoding, or a selfcheck op failed
+  2   usage error: one line on stderr names the flag and what it allows
+  3   diagnose: the configured capture is not the wiring the drafter was trained on
+  130 interrupted (Ctrl-C)
+  any other, with a traceback: a bug
 """
 
 from __future__ import annotations
@@ -31,9 +33,10 @@ from .models.config import TARGET_PRESETS, DrafterConfig
 
 EXIT_CODES = """exit codes:
   0   ok
+  1   a check failed, a bug: demo's greedy output differs from plain decoding, or a selfcheck op failed
   2   usage error: one line on stderr names the flag and what it allows
   3   diagnose: the configured capture is not the wiring the drafter was trained on
-  1   a check failed (a bug): demo's greedy output differs from plain decoding, or a selfcheck op failed
+  130 interrupted (Ctrl-C)
   any other, with a traceback: a bug"""
 BYTE_VOCAB = 256  # presets whose prompts are text (byte tokens); others draw random token prompts
 
@@ -458,20 +461,19 @@ def main(argv: list[str] | None = None) -> int:
     try:
         check_args(args)
         _startup.finish_import()  # torch and the native extension, deferred while the arguments were checked
-        if args.command == "selfcheck" and args.device is None:
+        if args.command == "selfcheck":
             import torch
 
-            args.device = "cuda" if torch.cuda.is_available() else "cpu"
+            device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+            check_device(device)
+            return selfcheck(device)
         check_device(args.device)
-        if args.command != "selfcheck" and args.preset != "byte-small":  # byte-small: the shipped pair, 3 MB
+        if args.preset != "byte-small":  # synthesised weights; byte-small is the shipped pair, loaded from disk
             check_memory(args.preset, args.device, args.dtype)
-    except UsageError as e:
+        return demo(args) if args.command == "demo" else diagnose_cmd(args)
+    except UsageError as e:  # raised by the checks only, before any work
         print(f"{prog}: {e}", file=sys.stderr)
         return 2
-    try:
-        if args.command == "selfcheck":
-            return selfcheck(args.device)
-        return demo(args) if args.command == "demo" else diagnose_cmd(args)
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
         return 130

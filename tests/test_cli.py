@@ -118,8 +118,7 @@ def test_help_lists_exit_codes(capsys):
             cli.main(argv)
         out = capsys.readouterr().out
         assert e.value.code == 0 and "exit codes:" in out and "3   diagnose" in out, out
-    for code in ("0   ok", "2   usage error", "3   diagnose", "any other"):
-        assert code in cli.__doc__ and code in cli.EXIT_CODES
+    assert cli.EXIT_CODES.split("\n", 1)[1] in cli.__doc__  # the docstring says the same
 
 
 def test_m_target():
