@@ -78,10 +78,14 @@ def _device(text: str) -> str:
     raise argparse.ArgumentTypeError(f"must be cpu, cuda or cuda:N, got {text!r}")
 
 
+def _usage_error(prog: str, message: str) -> str:
+    return f"{prog}: {message} (see {prog} --help)\n"
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):
         """One line, not argparse's usage block: the flag and what it allows."""
-        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
+        self.exit(2, _usage_error(self.prog, message.removeprefix("argument ")))
 
 
 def _most_tokens(steps: int, topk: int) -> int:
@@ -437,7 +441,7 @@ def _add_decode_args(p):
 def parser() -> argparse.ArgumentParser:
     top = _Parser(prog="eagle3", description="eagle3_ops: EAGLE-3 speculative decoding kernels", epilog=EXIT_CODES,
                   formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = top.add_subparsers(dest="command", required=True, metavar="{demo,diagnose,selfcheck}")
+    sub = top.add_subparsers(dest="command", required=True, metavar="COMMAND")
     kw = dict(epilog=EXIT_CODES, formatter_class=argparse.RawDescriptionHelpFormatter)
     p = sub.add_parser("demo", help="plain vs speculative decoding with the shipped small pair", **kw)
     _add_decode_args(p)
@@ -472,7 +476,7 @@ def main(argv: list[str] | None = None) -> int:
             check_memory(args.preset, args.device, args.dtype)
         return demo(args) if args.command == "demo" else diagnose_cmd(args)
     except UsageError as e:  # raised by the checks only, before any work
-        print(f"{prog}: {e}", file=sys.stderr)
+        sys.stderr.write(_usage_error(prog, str(e)))
         return 2
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)

@@ -67,7 +67,9 @@ MISTAKES = [  # argv, what the one line must name
     (["diagnose", "--aux-ids", "1", "5", "5"], "--aux-ids must be distinct layers, got 1 5 5"),
     (["diagnose", "--aux-ids", "1.5", "2", "3"], "--aux-ids: invalid int value: '1.5'"),
     (["selfcheck", "--device", "tpu"], "--device: invalid choice: 'tpu'"),
-    (["nosuch"], "invalid choice: 'nosuch'"),
+    ([], "the following arguments are required: COMMAND"),
+    (["demo", "--bogus"], "unrecognized arguments: --bogus"),
+    (["nosuch"], "COMMAND: invalid choice: 'nosuch' (choose from 'demo', 'diagnose', 'selfcheck')"),
 ]
 
 
