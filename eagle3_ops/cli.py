@@ -316,9 +316,9 @@ def _spec(args):
 
 
 def demo(args) -> int:
-    from . import data
     import torch
 
+    from . import data
     from .engine import Timer, generate_plain, generate_speculative
 
     torch.manual_seed(args.seed)
