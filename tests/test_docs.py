@@ -1,5 +1,6 @@
-"""The documentation's two promises: every file the repository cites is in it, and docs/results.md (with the
-README's headline table) is what scripts/results_table.py makes of bench/results/*.json."""
+"""The documentation's promises: every file the repository cites is in it, the op tables name the schemas'
+arguments, and docs/results.md (with the README's headline table) is what scripts/results_table.py makes of
+bench/results/*.json."""
 
 from __future__ import annotations
 
@@ -105,3 +106,33 @@ def test_results_doc_is_generated():
     r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "results_table.py"), "--check"], cwd=ROOT,
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
+
+
+def schema_args() -> dict[str, list[str]]:
+    """op -> argument names, from csrc/registration.cpp's m.def strings (public ops only)."""
+    with open(os.path.join(ROOT, "csrc", "registration.cpp")) as f:
+        src = f.read()
+    ops = {}
+    for m in re.finditer(r"m\.def\(\s*((?:\"[^\"]*\"\s*)+)\)", src):
+        schema = "".join(re.findall(r"\"([^\"]*)\"", m.group(1)))
+        name, args = re.match(r"(\w+)\((.*?)\)\s*->", schema).groups()
+        if not name.startswith("_"):
+            ops[name] = [a.split("=")[0].split()[-1] for a in args.split(",")]
+    return ops
+
+
+def documented_args(path: str) -> dict[str, list[str]]:
+    """op -> argument names, from the first column of a markdown table of `op(arg [shape], ...)` rows."""
+    ops = {}
+    with open(os.path.join(ROOT, path)) as f:
+        for m in re.finditer(r"^\| `(\w+)\(([^`]*?)\)(?: -> [^`]*)?` \|", f.read(), re.M):
+            args = re.sub(r"\[[^\]]*\]", "", m.group(2))  # shapes, and kv_accept's caches![]
+            ops[m.group(1)] = [re.match(r"\s*(\w+)", a).group(1) for a in args.split(",")]
+    return ops
+
+
+@pytest.mark.parametrize("path", ["README.md", "docs/design.md"])
+def test_op_tables_name_the_schemas_arguments(path):
+    schemas = schema_args()
+    assert len(schemas) == 9
+    assert documented_args(path) == schemas, f"{path}'s op table differs from csrc/registration.cpp"
