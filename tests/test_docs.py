@@ -17,7 +17,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCANNED = (".md", ".py", ".sh", ".cu", ".cuh", ".h", ".cpp", ".ini", ".toml", ".cfg", ".txt")
 # A cited path starts at one of the repository's top folders; anything else (torch/..., $OUT/..., a URL's path)
 # is not ours to check.
-TOP = ("docs", "bench", "csrc", "tests", "scripts", "eagle3_ops", "triton_kernels", ".ci")
+TOP = ("docs", "bench", "csrc", "tests", "scripts", "eagle3_ops", "triton_kernels", ".ci",
+       "results")  # bench's own shorthand for bench/results/
 EXT = r"(?:md|py|sh|cu|cuh|h|cpp|json|log|png|ini|toml|txt|safetensors)"
 # `[../]*top/dir/name.ext`, not inside a longer word, path or URL; a name with {, < or * is generated (an f-string
 # or a pattern) and never matches, since those characters end the match before the extension.
@@ -57,7 +58,7 @@ def citations(path: str, text: str):
         for m in PATH.finditer(line):
             cited = m.group(1)
             base = here if cited.startswith("../") else ""
-            resolved = os.path.normpath(os.path.join(base, cited))
+            resolved = os.path.normpath(os.path.join(base, "bench" if cited.startswith("results/") else "", cited))
             yield n, cited, None if resolved.startswith("..") else resolved
         for m in BARE.finditer(line):
             yield n, m.group(1), m.group(1)
@@ -94,12 +95,13 @@ def test_scanner_finds_paths_and_skips_what_is_not_ours():
     text = ("see docs/design.md and `bench/results/capture_aux_h200.json`; DESIGN.md\n"
             "https://github.com/x/y/blob/main/docs/nothing.md ../shared/DESIGN_NOTES.txt\n"
             "f'bench/results/e2e_{name}.json' csrc/<op>.cu tests/test_*.py torch/utils/cpp_extension.py\n"
-            "[chart](../bench/results/e2e.png)\n")
+            "[chart](../bench/results/e2e.png) (results/fc_sweep_h200.log)\n")
     found = [(n, c, r) for n, c, r in citations("docs/x.md", text)]
     assert found == [(1, "docs/design.md", "docs/design.md"),
                      (1, "bench/results/capture_aux_h200.json", "bench/results/capture_aux_h200.json"),
                      (1, "DESIGN.md", "DESIGN.md"),
-                     (4, "../bench/results/e2e.png", "bench/results/e2e.png")]
+                     (4, "../bench/results/e2e.png", "bench/results/e2e.png"),
+                     (4, "results/fc_sweep_h200.log", "bench/results/fc_sweep_h200.log")]
 
 
 def test_results_doc_is_generated():
