@@ -7,6 +7,10 @@ what validation costs). EAGLE3_CUDA_ONLY=capture_aux,kv_accept compiles just tho
 (empty: none), to iterate on one kernel quickly. Set CUDA_HOME to the toolkit root; when it is unset and `nvcc` on PATH
 is a wrapper script, the toolkit root is asked of nvcc itself (torch would otherwise guess the wrapper's
 folder and link against a libcudart that is not there).
+
+It builds against the torch already installed (`pip install --no-build-isolation .`; with build isolation it
+stops and says so), records that torch in eagle3_ops/_built_with.py for the import-time check, and makes the
+wheel require that torch release exactly.
 """
 
 import glob
@@ -15,6 +19,13 @@ import subprocess
 import sys
 
 from setuptools import setup
+
+try:
+    import torch
+except ImportError:  # pip's build isolation builds in a fresh environment without torch
+    sys.exit("eagle3_ops compiles against the torch installed beside it and finds none: install torch first, then "
+             "`pip install --no-build-isolation .` (a plain `pip install .` builds in an isolated environment "
+             "without torch)")
 
 
 def _toolkit_root_from_nvcc():
@@ -38,7 +49,7 @@ if not os.environ.get("CUDA_HOME") and not os.environ.get("CUDA_PATH"):
         os.environ["CUDA_HOME"] = root
 os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0a")
 
-import torch  # noqa: E402  (CUDA_HOME must be set before cpp_extension reads it)
+# CUDA_HOME must be set before cpp_extension reads it (`import torch` does not).
 from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -78,6 +89,17 @@ def _warn_static_libstdcxx():
         print(f"eagle3_ops: WARNING: {cxx} has no shared libstdc++ and will link it statically into _C; "
               "error messages would then crash the process. Set CXX/CC to a compiler with a shared "
               "libstdc++ (e.g. CXX=/usr/bin/g++ CC=/usr/bin/gcc).", file=sys.stderr)
+
+
+def _record_torch():
+    """eagle3_ops/_built_with.py: the torch this build compiles against, which `import eagle3_ops` compares
+    with the torch it finds before loading _C (eagle3_ops/_version_check.py). Rewritten only when it changes."""
+    text = (f"# Written by setup.py: the torch this build of eagle3_ops was compiled against.\n"
+            f"TORCH_VERSION = {str(torch.__version__)!r}\nTORCH_CUDA = {torch.version.cuda!r}\n")
+    path = os.path.join(HERE, "eagle3_ops", "_built_with.py")
+    if not os.path.exists(path) or open(path).read() != text:
+        with open(path, "w") as f:
+            f.write(text)
 
 
 def extension():
@@ -121,6 +143,11 @@ def extension():
     )
 
 
+_record_torch()
+# The wheel requires the torch release it was compiled against, exactly: torch promises no C++ ABI across
+# releases (torchvision and torchaudio pin theirs the same way), and the import check refuses any other.
+TORCH_REQUIREMENT = "torch==" + str(torch.__version__).split("+")[0]
+
 setup(
     name="eagle3_ops",
     version="0.1.0",
@@ -133,7 +160,7 @@ setup(
     package_data={"eagle3_ops": ["assets/*/*.json", "assets/*/*.md", "assets/*/*/*.json", "assets/*/*/*.safetensors"]},
     ext_modules=[extension()],
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
-    install_requires=["torch>=2.11", "numpy", "safetensors", "tqdm"],
+    install_requires=[TORCH_REQUIREMENT, "numpy", "safetensors", "tqdm"],
     extras_require={"test": ["pytest", "pytest-benchmark", "hypothesis"], "plot": ["matplotlib"]},
     entry_points={"console_scripts": ["eagle3=eagle3_ops.cli:main"]},
     zip_safe=False,
