@@ -6,19 +6,24 @@ implementation and any Triton launchers. It does no GPU work. Call the ops as `t
 through the typed wrappers in `eagle3_ops.ops`.
 """
 
-import torch  # noqa: F401  (loads libtorch before _C)
+from . import _startup
 
-from . import _version_check
+# The `eagle3` command checks its arguments before torch loads (so --help and a usage error answer at once);
+# cli.main then completes this import (_startup.finish_import). Every other import runs the whole block.
+if not _startup.defer():
+    import torch  # noqa: F401  (loads libtorch before _C)
 
-_version_check.check(torch)  # before _C: one built for another torch fails to load with an unrelated message
-try:
-    from . import _C  # noqa: E402,F401  (defines torch.ops.eagle3.*)
-except ImportError as e:
-    raise ImportError(_version_check.load_failed(e, torch)) from e
-from . import _register  # noqa: E402,F401  (CPU references, fakes, Triton launchers)
-from . import errors, ops, reference  # noqa: E402,F401
-from .errors import Eagle3InputError, check_errors, set_strict  # noqa: E402,F401
-from .ops import *  # noqa: E402,F401,F403
+    from . import _version_check
+
+    _version_check.check(torch)  # before _C: one built for another torch fails to load with an unrelated message
+    try:
+        from . import _C  # noqa: E402,F401  (defines torch.ops.eagle3.*)
+    except ImportError as e:
+        raise ImportError(_version_check.load_failed(e, torch)) from e
+    from . import _register  # noqa: E402,F401  (CPU references, fakes, Triton launchers)
+    from . import errors, ops, reference  # noqa: E402,F401
+    from .errors import Eagle3InputError, check_errors, set_strict  # noqa: E402,F401
+    from .ops import *  # noqa: E402,F401,F403
 
 __version__ = "0.1.0"
 
