@@ -66,13 +66,15 @@ $(TORCH_USED): $(DEPS) FORCE
 	fi
 
 # pip -v shows the build as it goes; of it, the terminal gets the compile steps (one line each) and setup.py's
-# own lines, and .venv/build.log the whole, printed if the build fails.
+# own lines (once each), flushed line by line, and .venv/build.log the whole, printed if the build fails.
 $(BUILT): $(TORCH_USED) $(SOURCES)
 	@echo "eagle3_ops: building the extension against $$(cat $(TORCH_USED)) with MAX_JOBS=$(JOBS) (JOBS=N):" \
 	  "the C++ op table, plus every CUDA kernel for sm_90a when torch is a CUDA build and nvcc exists (minutes)"
 	@echo "MAX_JOBS=$(JOBS) $(PY) -m pip install -v --no-build-isolation --no-deps -e . > $(VENV)/build.log"
 	@MAX_JOBS=$(JOBS) $(PY) -m pip install -v --no-build-isolation --no-deps -e . 2>&1 | tee $(VENV)/build.log \
-	  | sed -nE -e 's/^ *(\[[0-9]+\/[0-9]+\]) .* -c ([^ ]*\/)?([^ /]+) .*/  \1 compiling \3/p' -e 's/^ *(eagle3_ops: )/  \1/p' | uniq \
+	  | awk '/^ *\[[0-9]+\/[0-9]+\] / && match($$0, / -c [^ ]+/) { src = substr($$0, RSTART + 4, RLENGTH - 4); \
+	         sub(/.*\//, "", src); print "  " $$1 " compiling " src; fflush() } \
+	         /^ *eagle3_ops: / && !seen[$$0]++ { sub(/^ */, "  "); print; fflush() }' \
 	  || { cat $(VENV)/build.log; echo "eagle3_ops: the build failed (its whole log above, and in $(VENV)/build.log)"; exit 1; }
 	touch $@
 
