@@ -72,8 +72,8 @@ $(BUILT): $(TORCH_USED) $(SOURCES)
 	  "the C++ op table, plus every CUDA kernel for sm_90a when torch is a CUDA build and nvcc exists (minutes)"
 	@echo "MAX_JOBS=$(JOBS) $(PY) -m pip install -v --no-build-isolation --no-deps -e . > $(VENV)/build.log"
 	@MAX_JOBS=$(JOBS) $(PY) -m pip install -v --no-build-isolation --no-deps -e . 2>&1 | tee $(VENV)/build.log \
-	  | awk '/^ *\[[0-9]+\/[0-9]+\] / && match($$0, / -c [^ ]+/) { src = substr($$0, RSTART + 4, RLENGTH - 4); \
-	         sub(/.*\//, "", src); print "  " $$1 " compiling " src; fflush() } \
+	  | awk '/^ *\[[0-9]+\/[0-9]+\] / && match($$0, /[^ ]+\.(cpp|cu)( |$$)/) { src = substr($$0, RSTART, RLENGTH); \
+	         sub(/.*\//, "", src); sub(/ $$/, "", src); print "  " $$1 " compiling " src; fflush() } \
 	         /^ *eagle3_ops: / && !seen[$$0]++ { sub(/^ */, "  "); print; fflush() }' \
 	  || { cat $(VENV)/build.log; echo "eagle3_ops: the build failed (its whole log above, and in $(VENV)/build.log)"; exit 1; }
 	touch $@

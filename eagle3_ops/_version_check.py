@@ -37,4 +37,4 @@ def check(torch) -> None:
 def load_failed(error: ImportError, torch) -> str:
     """The message for a `_C` that failed to load although the recorded torch matches (or none was recorded)."""
     return (f"eagle3_ops: its native extension did not load ({error}); it must be built against the torch "
-            f"installed now ({describe(str(torch.__version__), torch.version.cuda)}): {REINSTALL}, or run make")
+            f"installed now, {describe(str(torch.__version__), torch.version.cuda)}: {REINSTALL}, or run make")

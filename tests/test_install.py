@@ -89,7 +89,7 @@ def test_import_error_of_the_extension_gets_the_hint():
     assert r.returncode == 3, r.stderr
     message = r.stdout.splitlines()[1]
     assert message.startswith("eagle3_ops: its native extension did not load (")
-    assert f"the torch installed now ({torch.__version__}" in message
+    assert f"the torch installed now, {torch.__version__} (" in message
     assert "pip install --no-build-isolation ." in message
 
 
