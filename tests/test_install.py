@@ -155,7 +155,9 @@ def test_given_torch_is_honoured_on_an_existing_venv(tmp_path, given, reinstalle
     for k, stamp in enumerate([tmp_path / "setup.py", venv / ".deps-installed", venv / ".torch", venv / ".eagle3-built"]):
         stamp.touch()
         os.utime(stamp, (1e9 + k, 1e9 + k))
-    env = dict(os.environ, PATH=fake_nvidia_smi(tmp_path, 9) + os.pathsep + os.environ["PATH"])
+    # Run from `make TORCH=... test`, the variables given to that make reach this one through MAKEFLAGS.
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "TORCH")}
+    env["PATH"] = fake_nvidia_smi(tmp_path, 9) + os.pathsep + os.environ["PATH"]
     r = subprocess.run([MAKE, "VENV=venv", "demo"] + ([f"TORCH={given}"] if given else []), cwd=tmp_path, env=env,
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stdout + r.stderr
