@@ -7,8 +7,9 @@ truth a kernel is compared with). Mutating ops compute everything and check ever
 write: a failed call leaves the caller's tensors as they were.
 
 On CUDA, where a data-dependent error cannot be raised without a host sync, the kernels never read or
-write out of bounds and document what they do instead (each op's docstring says). The references,
-which may look at values, raise IndexError naming the argument.
+write out of bounds, document what they do instead (each op's docstring says) and record the first
+violation in the device error word (eagle3_ops/errors.py). The references, which may look at values,
+raise eagle3_ops.Eagle3InputError at the call, with the message the device word decodes to.
 """
 
 from __future__ import annotations
@@ -20,18 +21,12 @@ import torch
 from torch import Tensor
 
 from . import _philox, _validate, tree
+from .errors import check_float, check_range
 
 
 def _acc(*ts: Optional[Tensor]) -> torch.dtype:
     """Accumulation dtype: float64 if any input is float64, else float32."""
     return torch.float64 if any(t is not None and t.dtype == torch.float64 for t in ts) else torch.float32
-
-
-def _check_index(idx: Tensor, upper: int, name: str, what: str) -> None:
-    bad = (idx < 0) | (idx >= upper)
-    if bool(bad.any()):
-        where = tuple(int(i) for i in bad.nonzero()[0])
-        raise IndexError(f"{name}{list(where)} = {int(idx[where])} is out of range for {what} (valid: 0..{upper - 1})")
 
 
 # ---- capture ----------------------------------------------------------------------------------------
@@ -59,7 +54,6 @@ def capture_aux(hidden: Tensor, residual: Optional[Tensor], aux: Tensor, slot: i
         the other column blocks are as usual, and the device error word records the index:
         eagle3_ops.check_errors() (or strict mode, at the call) raises the same message.
     """
-    from .errors import check_range
 
     s = _validate.capture_aux(hidden, residual, aux, slot, rows)
     H = s["H"]
@@ -99,7 +93,6 @@ def add_rmsnorm_capture(x: Tensor, residual: Tensor, weight: Tensor, eps: float,
         CUDA that aux row's slot block is filled with NaN, x, residual and the other aux rows are
         computed as usual, and the device error word records the index (as in capture_aux).
     """
-    from .errors import check_range
 
     s = _validate.add_rmsnorm_capture(x, residual, weight, eps, aux, slot, rows)
     if rows is not None:
@@ -148,7 +141,6 @@ def fc_proj(aux: Tensor, weight: Tensor, weight_scale: Optional[Tensor], norm_we
     out : Tensor [R, Hd] bf16 | fp16 | fp32, mutated
         Projected hidden; R = T without rows. May be a strided view (last dim contiguous).
     """
-    from .errors import check_range
 
     s = _validate.fc_proj(aux, weight, weight_scale, norm_weight, eps, norm_mode, rows, out)
     if rows is not None:
@@ -217,7 +209,6 @@ def build_tree(root_tokens: Tensor, draft_tokens: Tensor, draft_scores: Tensor, 
     """
     s = _validate.build_tree(root_tokens, draft_tokens, draft_scores, draft_parents, prefix_lens, tokens, parents,
                              positions, tree_mask)
-    from .errors import check_float, check_range
 
     B, S, M, N = s["B"], s["S"], s["M"], s["N"]
     root = (torch.arange(S) == 0)[:, None]  # depth 0: the root's children
@@ -268,7 +259,6 @@ def _tree_visible(b: int, prefix: int, tree_mask: Tensor) -> Tensor:
 def _gather_pages(cache: Tensor, page_table: Tensor, b: int, length: int, op: str) -> Tensor:
     """The first `length` cached rows of request b, [length, ...], through its page table: only the slots
     that cover positions [0, length) are read (and must hold page ids in [0, num_pages))."""
-    from .errors import check_range
 
     page_size = cache.shape[1]
     slots = -(-length // page_size) if page_size else 0
@@ -277,21 +267,9 @@ def _gather_pages(cache: Tensor, page_table: Tensor, b: int, length: int, op: st
     return cache[page_table[b, pos // page_size].long(), pos % page_size]
 
 
-def _check_capacity(page_table: Tensor, prefix_lens: Tensor, N: int, page_size: int, op: Optional[str] = None) -> None:
-    """prefix_lens[b] in [0, max_pages * page_size - N]: room for the N tree rows. With op, Eagle3InputError in
-    the kernels' wording; without (kv_accept's call), IndexError."""
-    cap = page_table.shape[1] * page_size
-    if op is not None:
-        from .errors import check_range
-
-        check_range(prefix_lens, 0, cap - N, op, "prefix_lens")
-        return
-    bad = (prefix_lens < 0) | (prefix_lens.long() + N > cap)
-    if bool(bad.any()):
-        b = int(bad.nonzero()[0, 0])
-        raise IndexError(f"prefix_lens[{b}] = {int(prefix_lens[b])} is out of range: prefix + N = "
-                         f"{int(prefix_lens[b]) + N} rows need more than the {cap} that page_table holds "
-                         f"({page_table.shape[1]} pages of {page_size})")
+def _check_capacity(page_table: Tensor, prefix_lens: Tensor, N: int, page_size: int, op: str) -> None:
+    """prefix_lens[b] in [0, max_pages * page_size - N]: room for the N tree rows (the kernels' wording)."""
+    check_range(prefix_lens, 0, page_table.shape[1] * page_size - N, op, "prefix_lens")
 
 
 def _attend(q: Tensor, k: Tensor, v: Tensor, visible: Tensor, scale: float) -> tuple[Tensor, Tensor]:
@@ -460,7 +438,6 @@ def verify_greedy(logits: Tensor, tokens: Tensor, parents: Tensor) -> tuple[Tens
     emitted : Tensor [B, N] int64
         The accept_len accepted draft tokens, then the bonus token, -1 padded.
     """
-    from .errors import check_range
 
     s = _validate.verify_greedy(logits, tokens, parents)
     B, N = s["B"], s["N"]
@@ -541,7 +518,6 @@ def verify_sampling(target_logits: Tensor, draft_probs: Optional[Tensor], d2t: O
     emitted : Tensor [B, N] int64
         The accept_len accepted draft tokens, then the bonus token, -1 padded.
     """
-    from .errors import check_float, check_range
 
     s = _validate.verify_sampling(target_logits, draft_probs, d2t, tokens, parents, temperature, seed, offset)
     B, N, V = s["B"], s["N"], s["V"]
@@ -637,7 +613,6 @@ def kv_accept(caches: Sequence[Tensor], page_table: Tensor, prefix_lens: Tensor,
     accept_len : Tensor [B] int32
         Accepted draft tokens (bonus excluded), 0 <= accept_len <= min(W, 2048) - 1.
     """
-    from .errors import check_range
 
     s = _validate.kv_accept(caches, page_table, prefix_lens, accept_nodes, accept_len)
     B, W, ps, num_pages = s["B"], s["W"], s["page_size"], s["num_pages"]
