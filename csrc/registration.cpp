@@ -61,7 +61,7 @@ TORCH_LIBRARY(eagle3, m) {
   // ---- verify -----------------------------------------------------------------------------------
   m.def("verify_greedy(Tensor logits, Tensor tokens, Tensor parents) -> (Tensor accept_nodes, Tensor accept_len, Tensor emitted)");
   m.def(
-      "verify_sampling(Tensor target_logits, Tensor? draft_probs, Tensor? d2t, Tensor tokens, Tensor parents, "
+      "verify_sampling(Tensor logits, Tensor? draft_probs, Tensor? d2t, Tensor tokens, Tensor parents, "
       "Tensor temperature, Tensor seed, Tensor offset) -> (Tensor accept_nodes, Tensor accept_len, Tensor emitted)");
 
   // ---- kv ---------------------------------------------------------------------------------------

@@ -155,11 +155,11 @@ def verify_greedy(logits: Tensor, tokens: Tensor, parents: Tensor) -> tuple[Tens
     return _ops.verify_greedy(logits, tokens, parents)
 
 
-def verify_sampling(target_logits: Tensor, draft_probs: Optional[Tensor], d2t: Optional[Tensor], tokens: Tensor,
+def verify_sampling(logits: Tensor, draft_probs: Optional[Tensor], d2t: Optional[Tensor], tokens: Tensor,
                     parents: Tensor, temperature: Tensor, seed: Tensor, offset: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """Tree rejection sampling (reference.verify_sampling). Returns (accept_nodes, accept_len, emitted)
     as verify_greedy; accept_len excludes the bonus token."""
-    return _ops.verify_sampling(target_logits, draft_probs, d2t, tokens, parents, temperature, seed, offset)
+    return _ops.verify_sampling(logits, draft_probs, d2t, tokens, parents, temperature, seed, offset)
 
 
 def kv_accept(caches: Sequence[Tensor], page_table: Tensor, prefix_lens: Tensor, accept_nodes: Tensor,
