@@ -47,7 +47,7 @@ PROVIDERS = {
 }
 
 
-def _sets(T, capture):
+def input_sets(T, capture):
     nbytes = 4 * T * H * 2 + (T * H * 2 if capture else 0)
     sets = []
     for _ in range(rotation(nbytes)):
@@ -59,7 +59,7 @@ def _sets(T, capture):
     return sets, nbytes + H * 2
 
 
-def _copy_sets(T, capture):
+def copy_sets(T, capture):
     """(dst, src) pairs whose copy reads and writes the op's bytes (the weight aside)."""
     nbytes = 4 * T * H * 2 + (T * H * 2 if capture else 0)
     n = nbytes // 4  # bf16 elements copied: half the traffic is read, half written
@@ -73,7 +73,7 @@ def _copy_sets(T, capture):
 @pytest.mark.parametrize("T", TS)
 def test_add_rmsnorm(benchmark, recorder, provider, capture, T):
     fn = PROVIDERS[provider]
-    sets, nbytes = (_copy_sets if provider == COPY else _sets)(T, capture)
+    sets, nbytes = (copy_sets if provider == COPY else input_sets)(T, capture)
     us = graph_time_us([lambda s=s: fn(*s) for s in sets])
     benchmark.pedantic(lambda: fn(*sets[0]), rounds=100, warmup_rounds=10)
     _times[(provider, capture, T)] = us

@@ -48,7 +48,7 @@ PROVIDERS = {"eagle3": eagle3_accept, "torch": torch_accept}
 _STATE: dict = {}
 
 
-def _setup(B, pattern):
+def setup(B, pattern):
     """Caches, page table and rotated prefix sets for one shape, shared by both providers."""
     key = (B, pattern)
     if key in _STATE:
@@ -78,7 +78,7 @@ def _setup(B, pattern):
 @pytest.mark.parametrize("B,pattern", SHAPES, ids=[f"B{b}-{p}" for b, p in SHAPES])
 def test_kv_accept(recorder, provider, B, pattern):
     fn = PROVIDERS[provider]
-    caches, page_table, starts, nodes, lens, nbytes, region = _setup(B, pattern)
+    caches, page_table, starts, nodes, lens, nbytes, region = setup(B, pattern)
     prefixes = [s.clone() for s in starts]
     calls = [lambda p=p: fn(caches, page_table, p, nodes, lens) for p in prefixes]
     us = graph_time_us(calls, reps=GRAPH_REPLAYS - 5)

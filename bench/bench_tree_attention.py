@@ -23,7 +23,7 @@ a short run on a time budget.
 
 `python bench/bench_tree_attention.py` (no GPU needed) compiles the first MLA kernel's variants (config
 kernel=v1, v_split) for sm_90a with triton's bundled ptxas and prints registers, spills, shared memory and
-the wgmma count of each; `python bench/sweep_mla.py --compile` does the same for mla_decode's kernel.
+the wgmma count of each; `python bench/dev/sweep_mla.py --compile` does the same for mla_decode's kernel.
 """
 
 from __future__ import annotations

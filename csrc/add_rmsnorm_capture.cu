@@ -238,7 +238,7 @@ constexpr bool kIsDouble = std::is_same_v<T, double>;
 
 // Launch options, for benchmarking only: EAGLE3_ADD_RMSNORM_VARIANT="pdl=0|1,shape=lean|wide[,occ=N]".
 // Unset at the first call: never read again (the defaults, no per-call cost). Set at the first call: read
-// at every call, so a sweep (bench/sweep_rmsnorm.py) can capture one graph per variant in one process.
+// at every call, so a sweep (bench/dev/sweep_rmsnorm.py) can capture one graph per variant in one process.
 struct Variant {
   int pdl = -1;      // -1: on for sm_90+ (the launch attribute and griddepcontrol need Hopper)
   char shape = 'a';  // T >= 264 with bf16 x and residual: 'l'ean <8, 4, 224, 4> (4 rows per SM; rows
@@ -246,7 +246,7 @@ struct Variant {
                      // 'a'uto: lean below T = 2048, wide from there
   int occ = 0;       // > 0: at most occ blocks an SM (unused dynamic shared memory caps residency), so that
                      // T = 512 runs as two waves whose reads and writes overlap rather than one wave that
-                     // reads everything, then writes everything (bench/sweep_rmsnorm.py; it lost at every T
+                     // reads everything, then writes everything (bench/dev/sweep_rmsnorm.py; it lost at every T
                      // at 6501455: results/add_rmsnorm_occ_h200.log)
 };
 

@@ -398,7 +398,7 @@ int binary_version(int device) {
 bool hopper(int device) { return sm_major(device) >= 9 && binary_version(device) >= 90; }
 
 // Programmatic dependent launch with the cluster launch: off by default, measured slower at B 64 (above;
-// EAGLE3_KV_ACCEPT_PDL=1 turns it on for sweeps, sm_90 code only; bench/sweep_kv_accept.py compares both).
+// EAGLE3_KV_ACCEPT_PDL=1 turns it on for sweeps, sm_90 code only; bench/dev/sweep_kv_accept.py compares both).
 bool pdl_enabled(int device) {
   const char* env = std::getenv("EAGLE3_KV_ACCEPT_PDL");
   return env != nullptr && env[0] == '1' && hopper(device);

@@ -23,8 +23,8 @@
 //    O_half += P V_half, 4 wgmma m64n256k16 with V read transposed from the same key tile.
 // On the H200 (bench/results/tree_attention_sm90_release_h200.log): 16-node trees at 64-69% of the bf16
 // matmul rate, N 1 at B 32 at 81% of the copy rate over the KV bytes, N 1 at B 1 at 35% - bound by the
-// tiles' work, not the bytes: 23.9 us with its KV in L2 against 26.5 us from HBM (bench/ceiling_mla.py,
-// results/mla_ceiling_h200.log; where its time goes: bench/trace_mla.py, results/mla_sm90_early_h200.log);
+// tiles' work, not the bytes: 23.9 us with its KV in L2 against 26.5 us from HBM (bench/dev/ceiling_mla.py,
+// results/mla_ceiling_h200.log; where its time goes: bench/dev/trace_mla.py, results/mla_sm90_early_h200.log);
 // 1.5x the Triton kernel.
 // Bad values (eagle3_ops.reference.tree_attention_mla's contract): a request whose prefix length is outside
 // [0, capacity - N] reads nothing, page ids outside [0, num_pages) are never dereferenced (only the page-table
@@ -78,7 +78,7 @@ struct Params {
   float* lse;                 // [B * N, G] contiguous, natural log, or nullptr          (one split)
   float* part_out;            // [splits, B, N * G, 512] fp32 contiguous              (splits > 1)
   float* part_lse;            // [splits, B, N * G] fp32, log2 units                  (splits > 1)
-  uint64_t* trace;            // [blocks, kTraceSlots] (kTrace builds only: bench/trace_mla.py)
+  uint64_t* trace;            // [blocks, kTraceSlots] (kTrace builds only: bench/dev/trace_mla.py)
   int64_t* err;               // the device error word (eagle3/errors.h)
   float scale_log2;
   int B, N, W, G, num_pages, max_pages, page_size, num_splits;
@@ -158,7 +158,7 @@ __device__ __forceinline__ void named_barrier_sync(int id, int threads) {
 #pragma nv_diagnostic push
 #pragma nv_diag_suppress 128  // (the skeleton builds end their loops' bodies early: "loop is not reachable")
 // kEvictFirst: the KV loads carry an L2 evict-first policy (else plain cp.async). kTrace: the diagnostic trace.
-// kSkeleton (a diagnostic, bench/ceiling_mla.py): bit 1 drops all the math (Q K^T, the softmax, P V: the loads,
+// kSkeleton (a diagnostic, bench/dev/ceiling_mla.py): bit 1 drops all the math (Q K^T, the softmax, P V: the loads,
 // barriers and epilogue stay), bit 2 the epilogue's stores too; what is left is this decomposition's floor.
 template <typename T, bool kEvictFirst, bool kTrace, int kSkeleton = 0>
 __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_constant__ Params p) {
@@ -594,9 +594,9 @@ bool sm90a_compiled(int device) {
 // evict_first the KV loads marked L2 evict-first (when num_splits > 1: the partials, written last and read
 //             by the merge, then stay in L2)
 // trace       [grid blocks, 16] int64: the diagnostic trace build writes its stamps there (bf16 only;
-//             bench/trace_mla.py)
+//             bench/dev/trace_mla.py)
 // skeleton    0, or a diagnostic build (bf16, evict-first loads, no trace): 1 without the math, 3 without the
-//             math and the epilogue's stores (kSkeleton; bench/ceiling_mla.py)
+//             math and the epilogue's stores (kSkeleton; bench/dev/ceiling_mla.py)
 void tree_attention_mla_sm90_cuda(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& page_table,
                                   const at::Tensor& prefix_lens, const at::Tensor& tree_mask, double scale,
                                   const at::Tensor& out, const std::optional<at::Tensor>& lse,

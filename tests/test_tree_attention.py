@@ -835,7 +835,7 @@ def test_gpu_sm90_internal_op_refuses_bad_input():
         op(c.q, c.k_cache, *common, out, None, po, plse, 2, trace=torch.zeros(3, 16, dtype=torch.int64, device="cuda"))
     with pytest.raises(TypeError, match="trace must have dtype"):
         op(c.q, c.k_cache, *common, out, None, po, plse, 2, trace=torch.zeros(16, 16, dtype=torch.int32, device="cuda"))
-    for bad_skeleton, evict in ((2, True), (1, False), (-1, True)):  # the diagnostic builds (bench/ceiling_mla.py)
+    for bad_skeleton, evict in ((2, True), (1, False), (-1, True)):  # the diagnostic builds (bench/dev/ceiling_mla.py)
         with pytest.raises(ValueError, match="skeleton must be 0, or 1"):
             op(c.q, c.k_cache, *common, out, None, po, plse, 2, evict, None, bad_skeleton)
     for bad_scale in (0.0, -c.scale, math.inf):  # the softmax takes the row max of the unscaled scores
@@ -845,7 +845,7 @@ def test_gpu_sm90_internal_op_refuses_bad_input():
 
 @pytest.mark.gpu
 def test_gpu_sm90_trace_build():
-    # bench/trace_mla.py's build: the same results as the untraced kernel, and per block stamps in order
+    # bench/dev/trace_mla.py's build: the same results as the untraced kernel, and per block stamps in order
     # (entry <= tile 0 landed <= tile 1 landed ... <= last wgmma <= epilogue done).
     from eagle3_ops.triton_kernels import mla_decode
 

@@ -49,7 +49,7 @@ from .. import errors
 from ._errors import NO_INDEX as _NO_INDEX
 from ._errors import arg_id, op_id, report_range
 
-# "BN,BK,SPLIT,warps,stages[,PER_SM[,TMA]]" replaces stream_config's choice (tuning runs: bench/sweep_fc.py
+# "BN,BK,SPLIT,warps,stages[,PER_SM[,TMA]]" replaces stream_config's choice (tuning runs: bench/dev/sweep_fc.py
 # sets it). PER_SM > 0 selects the persistent stream-K kernel with PER_SM programs per SM (SPLIT is then
 # unused); TMA=1 loads its weight tiles through a host-side tensor descriptor.
 CONFIG_OVERRIDE = os.environ.get("EAGLE3_FC_CONFIG")

@@ -326,7 +326,7 @@ def trim_splits(splits: int, max_len: int, keys: int = 64) -> int:
 
 
 def sm90_splits(programs: int, max_len: int, sms: int, min_chunk: int = 256) -> int:
-    """The sm90 launcher's default split count (bench/trace_mla.py and ceiling_mla.py size their buffers with it):
+    """The sm90 launcher's default split count (bench/dev/trace_mla.py and ceiling_mla.py size their buffers with it):
     splits_fill's, less the splits a full-length prefix leaves empty."""
     return trim_splits(splits_fill(programs, max_len, sms, min_chunk), max_len)
 
@@ -448,7 +448,7 @@ def tree_attention_mla_sm90(q: Tensor, kv_cache: Tensor, page_table: Tensor, pre
     split the KV loads are marked L2 evict-first (config evict_first: False / True forces plain / marked loads),
     which keeps the partials in L2 for the merge: on the H200, N1 B1 P32768 25.8 vs 27.7 us; unsplit, plain loads
     are faster (N16 B8 P8192 286 vs 300 us; results/mla_sm90_early_h200.log). config trace=<int64 [blocks, 16]
-    tensor> runs the diagnostic trace build (bench/trace_mla.py). (Ways that lost on the H200 at N1 B1: 129 splits
+    tensor> runs the diagnostic trace build (bench/dev/trace_mla.py). (Ways that lost on the H200 at N1 B1: 129 splits
     of <= 4 tiles, results/mla_sweep_makespan_h200.log; splits reduced on chip by thread-block clusters,
     results/mla_sm90_cluster_h200.log; 2-byte split partials and bulk-copied partials, mla_sm90_early_h200.log; the
     merge as a CUDA kernel, launched plainly or by PDL, mla_sm90_merge_h200.log.)"""

@@ -301,7 +301,7 @@ def merge_splits(po: Tensor, plse: Tensor, out: Tensor, lse: Optional[Tensor], N
     """Combine the split programs' partials po [splits, B * HKV, N * G, DV] / plse [splits, B * HKV, N * G] into
     out (and lse). The tile holds every split up to 128 (one step), BLOCK_V sized to 8192 elements: on the H200
     the former 16-split x 128-dim steps (after a pass for the max) took 13.2 us for 119 splits of 64 x 512
-    (N 1, B 1, prefix 32768; bench/profile_mla.py), 4096-element tiles 5.1 us, these 4.5 us (L2-hot partials,
+    (N 1, B 1, prefix 32768; bench/dev/profile_mla.py), 4096-element tiles 5.1 us, these 4.5 us (L2-hot partials,
     results/mla_sm90_early_h200.log)."""
     splits, BH, rows, DV = po.shape
     block_s = min(128, _pow2(splits, 2))

@@ -4,7 +4,7 @@ bench/common.py times benchmarks (CUDA-graph replays of back-to-back calls over 
 
 - read: the cache's bytes read once and nothing else - a Triton kernel summing its rows (each program a
   contiguous span, loads pipelined), over a sweep of program counts and tile sizes, best and all printed;
-  torch.amax beside it (bench/read_ceiling.py's torch reductions are no read ceiling at this size: amax takes
+  torch.amax beside it (bench/dev/read_ceiling.py's torch reductions are no read ceiling at this size: amax takes
   twice the best). No attention kernel can read the cache faster than the best of these.
 - launch: a kernel that reads and writes 4 bytes: the per-call floor of one launch in such a graph.
 - op: the op as the benchmark times it; kernel alone (the internal op with the split count the launcher picks)
@@ -15,23 +15,17 @@ bench/common.py times benchmarks (CUDA-graph replays of back-to-back calls over 
 - op, KV in L2: the same call with every page id pointing into 8 pages (590 KB, L2-resident): what the kernel
   costs when its 37.8 MB come from L2 instead of HBM - its compute, latency and merge without the HBM stream.
 
-    python3 bench/ceiling_mla.py       # on the GPU, from the repo root (built in place)
+    python3 bench/dev/ceiling_mla.py       # on the GPU, from the repo root (built in place)
 """
 
 from __future__ import annotations
 
-import os
-import sys
 
 import torch
 import triton
 import triton.language as tl
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "bench"))
-
-from sweep_mla import KIMI_SCALE, _counts, _inputs  # noqa: E402
+from _shared import KIMI_SCALE, mla_counts, mla_inputs  # (first: puts the checkout and bench/ on sys.path)
 
 
 @triton.jit
@@ -61,9 +55,9 @@ def main():
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}  "
           f"copy {ceil.copy_bw / 1e12:.2f} TB/s, bf16 matmul {ceil.mm_rate / 1e12:.0f} TFLOP/s", flush=True)
     B, P, N, ps = 1, 32768, 1, 64
-    nbytes, flops = _counts(B, P, N)
+    nbytes, flops = mla_counts(B, P, N)
     g = torch.Generator(device="cuda").manual_seed(0)
-    sets = [_inputs(B, P, N, ps, g) for _ in range(4)]  # 4 x 37.8 MB: a pass is 2.5x the 60 MB L2
+    sets = [mla_inputs(B, P, N, ps, g) for _ in range(4)]  # 4 x 37.8 MB: a pass is 2.5x the 60 MB L2
     kv = sets[0]["k"].numel() * 2
     target_us = nbytes / (0.75 * ceil.copy_bw) * 1e6
 

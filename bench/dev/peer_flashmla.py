@@ -7,7 +7,7 @@ their outputs are compared.
 
 FlashMLA is not a dependency: point EAGLE3_FLASHMLA_SO at vLLM's build of it, e.g.
     pip download --no-deps vllm==0.33.0 && unzip -j vllm-0.33.0-*.whl 'vllm/_flashmla_C.abi3.so' -d .peer
-    EAGLE3_FLASHMLA_SO=.peer/_flashmla_C.abi3.so python3 bench/peer_flashmla.py      # on the GPU, repo root
+    EAGLE3_FLASHMLA_SO=.peer/_flashmla_C.abi3.so python3 bench/dev/peer_flashmla.py      # on the GPU, repo root
 (a torch stable-ABI extension: it registers torch.ops._flashmla_C.dense_decode_fwd.)
 """
 
@@ -18,11 +18,7 @@ import sys
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "bench"))
-
-from sweep_mla import DV, KIMI_SCALE, NH, _counts  # noqa: E402
+from _shared import DV, KIMI_SCALE, NH, mla_counts  # (first: puts the checkout and bench/ on sys.path)
 
 # (B, prefix, N): issue 5's MLA rows
 SHAPES = [(1, 32768, 1), (32, 32768, 1), (1, 32768, 16), (8, 8192, 16), (1, 4096, 16)]
@@ -65,7 +61,7 @@ def main():
     print(f"{'shape':22s} {'eagle3 us':>10s} {'FlashMLA us':>12s} {'FlashMLA/eagle3':>16s}   eagle3 of floor   "
           f"FlashMLA of floor   max |diff|", flush=True)
     for B, P, N in SHAPES:
-        nbytes, flops = _counts(B, P, N)
+        nbytes, flops = mla_counts(B, P, N)
         kv = B * (P + N) * 576 * 2
         n_sets = max(1, min(4, -(-150_000_000 // kv)))  # rotate past the 60 MB L2
         sets = [_chain_inputs(B, P, N, g) for _ in range(n_sets)]

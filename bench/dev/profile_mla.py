@@ -1,22 +1,16 @@
 """Where tree_attention_mla's time goes (a diagnosis aid for issue 5, not a benchmark): per shape and config,
-the end-to-end CUDA-graph time (as bench/sweep_mla.py times it) and each kernel's own device time from
+the end-to-end CUDA-graph time (as bench/dev/sweep_mla.py times it) and each kernel's own device time from
 torch.profiler (CUPTI), so the attention kernel, the split merge and the gaps between them separate.
 
-    python3 bench/profile_mla.py        # on the GPU, from the repo root (built in place)
+    python3 bench/dev/profile_mla.py        # on the GPU, from the repo root (built in place)
 """
 
 from __future__ import annotations
 
-import os
-import sys
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "bench"))
-
-from sweep_mla import KIMI_SCALE, _counts, _inputs  # noqa: E402
+from _shared import KIMI_SCALE, mla_counts, mla_inputs  # (first: puts the checkout and bench/ on sys.path)
 
 # (B, prefix, N, page_size) -> configs ({} = default: on Hopper the CUDA kernel csrc/mla_decode_sm90.cu;
 # {"kernel": "mla_decode"} is the Triton kernel with 64-key TMA tiles, cut + fill)
@@ -43,8 +37,8 @@ def main():
           f"bf16 matmul {ceil.mm_rate / 1e12:.0f} TFLOP/s")
     g = torch.Generator(device="cuda").manual_seed(0)
     for (B, P, N, ps), cfgs in CASES.items():
-        nbytes, flops = _counts(B, P, N)
-        sets = [_inputs(B, P, N, ps, g) for _ in range(2)]
+        nbytes, flops = mla_counts(B, P, N)
+        sets = [mla_inputs(B, P, N, ps, g) for _ in range(2)]
         for cfg in cfgs:
             def call(x, cfg=cfg):
                 ta.tree_attention_mla(x["q"], x["k"], x["page_table"], x["prefix_lens"], x["tree_mask"], KIMI_SCALE,

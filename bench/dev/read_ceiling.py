@@ -3,18 +3,16 @@ A diagnosis aid for issue 4's fc targets (not a benchmark of ours): the device-t
 read-only reductions over the same bytes (torch.sum, amax; several sizes), and F.linear at T = 1, all in
 one run, CUDA-graph timed over inputs rotated past L2 as bench/common.py does.
 
-    python3 bench/read_ceiling.py
+    python3 bench/dev/read_ceiling.py
 """
 
 from __future__ import annotations
 
-import os
-import sys
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _shared  # noqa: F401  (first: puts the checkout and bench/ on sys.path)
 from common import Ceilings, graph_time_us  # noqa: E402
 
 H, K = 7168, 3 * 7168

@@ -1,12 +1,12 @@
 """fc_proj weight-streaming candidates at Kimi shape (issue 4), in one H200 run of about a minute:
-python bench/sweep_fc.py [T ...]. For each weight dtype (bf16; fp8-e4m3 with a per-channel scale) and T
+python bench/dev/sweep_fc.py [T ...]. For each weight dtype (bf16; fp8-e4m3 with a per-channel scale) and T
 (default 1, 4, 16, 32, 64): F.linear (bf16) and torch._scaled_mm (fp8 activations quantised outside the timed
 call, rowwise scales) as same-run baselines, the current default and each candidate in CANDIDATES, each
 checked once against an fp32 product of the same (dequantised) weight, then the best per case with its
 % of copy bandwidth over the weight bytes.
 
 Candidates compile first in parallel worker processes (the Triton cache is shared), so the timed loop
-only loads them. `python bench/sweep_fc.py --compile` needs no GPU: it compiles every candidate for
+only loads them. `python bench/dev/sweep_fc.py --compile` needs no GPU: it compiles every candidate for
 sm_90a and prints ptxas's registers and spills and the shared memory (triton's bundled ptxas).
 
 Configs read "BN,BK,SPLIT,warps,stages[,PER_SM[,TMA]]" (triton_kernels/fc_proj.py:CONFIG_OVERRIDE):
@@ -25,8 +25,7 @@ import traceback
 
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import _shared  # noqa: F401  (first: puts the checkout and bench/ on sys.path)
 
 H = HD = 7168
 K = 3 * H

@@ -1,5 +1,5 @@
 """kv_accept's bulk-copy path under different staging / pipeline / cluster settings (a tuning aid, not a
-benchmark): python bench/sweep_kv_accept.py [--ncu]. Same caches and patterns as bench_kv_accept.py;
+benchmark): python bench/dev/sweep_kv_accept.py [--ncu]. Same caches and patterns as bench_kv_accept.py;
 prints us per (setting, shape) and, for reference, a plain device copy of the same bytes in the same run.
 Settings are EAGLE3_KV_ACCEPT_TUNE="staging_kb,stages,max_cluster" (csrc/kv_accept.cu: bulk_tuning) and
 EAGLE3_KV_ACCEPT_PDL=1 (programmatic dependent launch, off by default: it lost at B 64, results/kv_accept_sweep_h200.log).
@@ -12,8 +12,7 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout's eagle3_ops
+import _shared  # noqa: F401  (first: puts the checkout and bench/ on sys.path)
 import bench_kv_accept as bk  # noqa: E402
 from common import Ceilings, graph_time_us, rotation  # noqa: E402
 
@@ -26,7 +25,7 @@ SHAPES = [(64, "all_move"), (1, "all_move"), (64, "chain")]
 
 def time_setting(setting, B, pattern):
     os.environ["EAGLE3_KV_ACCEPT_TUNE"], os.environ["EAGLE3_KV_ACCEPT_PDL"] = setting
-    caches, page_table, starts, nodes, lens, nbytes, region = bk._setup(B, pattern)
+    caches, page_table, starts, nodes, lens, nbytes, region = bk.setup(B, pattern)
     prefixes = [s.clone() for s in starts]
     calls = [lambda p=p: bk.eagle3_accept(caches, page_table, p, nodes, lens) for p in prefixes]
     return graph_time_us(calls, reps=20), nbytes
@@ -41,7 +40,7 @@ def copy_same_bytes(nbytes):
 
 def main():
     if "--ncu" in sys.argv:
-        caches, page_table, starts, nodes, lens, _, _ = bk._setup(64, "all_move")
+        caches, page_table, starts, nodes, lens, _, _ = bk.setup(64, "all_move")
         for k in range(4):
             bk.eagle3_accept(caches, page_table, starts[k % len(starts)], nodes, lens)
         torch.cuda.synchronize()

@@ -4,8 +4,8 @@ against the float64 truth (tests/test_tree_attention.py's GpuCase) on a small an
 table: us, TFLOP/s, % of the bf16 matmul rate and % of copy bandwidth (over the KV, q and out bytes), both
 ceilings measured in this run. A candidate that fails to compile or launch is reported and skipped.
 
-    python3 bench/sweep_mla.py              # on the GPU, from the repo root (built in place)
-    python3 bench/sweep_mla.py --compile    # no GPU needed: registers, spills, shared memory per candidate
+    python3 bench/dev/sweep_mla.py              # on the GPU, from the repo root (built in place)
+    python3 bench/dev/sweep_mla.py --compile    # no GPU needed: registers, spills, shared memory per candidate
                                             # (sm_90a, triton's bundled ptxas), specialised as for N16 P32768
 
 EAGLE3_SWEEP_BUDGET_S (default 140) stops timing new cases past that many seconds.
@@ -20,12 +20,8 @@ import time
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "bench"))
+from _shared import D, DV, KIMI_SCALE, NH, mla_counts, mla_inputs  # (first: puts the checkout and bench/ on sys.path)
 
-KIMI_SCALE = 0.130861
-NH, D, DV = 64, 576, 512
 # name -> config of triton_kernels.tree_attention.tree_attention_mla ({} = the current default kernel)
 # (the 5180f72 run's tma64 lazy, tma32 and gather64 lost to tma64.eager everywhere: results/tree_attention_tma_h200.log)
 # cut: mla_decode._attend_cut / _cut - the score dots and softmax behind always-taken runtime ifs, so triton's
@@ -46,26 +42,6 @@ CANDIDATES = {
 # (B, prefix, N, page_size)
 SHAPES = [(1, 32768, 16, 64), (8, 8192, 16, 64), (1, 4096, 16, 64), (1, 32768, 1, 64), (32, 32768, 1, 64),
           (1, 32768, 16, 16)]
-
-
-def _inputs(B, P, N, ps, g):
-    from eagle3_ops import tree
-
-    L = P + N
-    pages = -(-L // ps)
-    page_table = torch.randperm(B * pages, generator=g, device="cuda").int().view(B, pages).contiguous()
-    parents = tree.random_parents(B, N, torch.Generator().manual_seed(B * 1000 + N), "bushy")
-    return dict(q=torch.randn(B * N, NH, D, generator=g, device="cuda", dtype=torch.bfloat16),
-                k=torch.randn(B * pages, ps, D, generator=g, device="cuda", dtype=torch.bfloat16),
-                page_table=page_table, prefix_lens=torch.full((B,), P, dtype=torch.int32, device="cuda"),
-                tree_mask=tree.tree_mask(parents).cuda(),
-                out=torch.empty(B * N, NH, DV, device="cuda", dtype=torch.bfloat16),
-                lse=torch.empty(B * N, NH, device="cuda"))
-
-
-def _counts(B, P, N):
-    L = P + N
-    return B * L * D * 2 + B * N * NH * (D + DV) * 2, 2 * B * N * NH * L * (D + DV)
 
 
 def _check(cfg):
@@ -106,8 +82,8 @@ def main():
     print(f"\n{'shape':<22} {'candidate':<12} {'us':>9} {'TFLOP/s':>8} {'%mm':>6} {'%copy':>6}")
     g = torch.Generator(device="cuda").manual_seed(0)
     for B, P, N, ps in SHAPES:
-        nbytes, flops = _counts(B, P, N)
-        sets = [_inputs(B, P, N, ps, g) for _ in range(min(rotation(nbytes), 8))]
+        nbytes, flops = mla_counts(B, P, N)
+        sets = [mla_inputs(B, P, N, ps, g) for _ in range(min(rotation(nbytes), 8))]
         shape = f"N{N} B{B} P{P} ps{ps}"
         for name, cfg in good.items():
             if time.time() - t0 > budget:

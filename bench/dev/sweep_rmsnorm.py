@@ -1,6 +1,6 @@
 """add_rmsnorm_capture launch variants at Kimi width (H = 7168, bf16), timed as bench_capture.py times them.
 
-    python bench/sweep_rmsnorm.py            # about 10 s of GPU time (with the extension built)
+    python bench/dev/sweep_rmsnorm.py            # about 10 s of GPU time (with the extension built)
 
 Each variant is an EAGLE3_ADD_RMSNORM_VARIANT value (csrc/add_rmsnorm_capture.cu, `Variant`): pdl=0|1
 (programmatic dependent launch), shape=wide|lean (rows in flight per SM at T >= 264) and occ=N (at most N
@@ -13,16 +13,14 @@ from __future__ import annotations
 
 import os
 import statistics
-import sys
 
 os.environ["EAGLE3_ADD_RMSNORM_VARIANT"] = ""  # before the first call: the launcher then reads it per call
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(__file__))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout's eagle3_ops
-from bench_capture import EPS, H, SLOT, _copy_sets, _sets  # noqa: E402  (the same inputs as the benchmark)
+import _shared  # noqa: E402,F401  (first: puts the checkout and bench/ on sys.path)
+from bench_capture import EPS, H, SLOT, copy_sets, input_sets  # noqa: E402  (the same inputs as the benchmark)
 from common import Ceilings, graph_time_us  # noqa: E402
 
 TS = [1, 512, 1024, 4096]
@@ -41,7 +39,7 @@ def _op(x, r, w, aux):
 def _check(variant):
     os.environ["EAGLE3_ADD_RMSNORM_VARIANT"] = variant
     for T in (1, 512):
-        (x, r, w, aux), = _sets(T, True)[0][:1]
+        (x, r, w, aux), = input_sets(T, True)[0][:1]
         x0, r0 = x.clone(), r.clone()
         _op(x, r, w, aux)
         new_res = x0 + r0
@@ -60,11 +58,11 @@ def main():
     times = {(v, c): [] for v in VARIANTS + ["copy"] for c in cases}
     for _ in range(ROUNDS):
         for T, cap in cases:
-            sets, _ = _sets(T, cap)
+            sets, _ = input_sets(T, cap)
             for v in VARIANTS:
                 os.environ["EAGLE3_ADD_RMSNORM_VARIANT"] = v  # read when the graph is captured
                 times[(v, (T, cap))].append(graph_time_us([lambda s=s: _op(*s) for s in sets]))
-            copies, _ = _copy_sets(T, cap)
+            copies, _ = copy_sets(T, cap)
             times[("copy", (T, cap))].append(graph_time_us([lambda d=d, s=s: d.copy_(s) for d, s in copies]))
             del sets, copies
     print(f"copy ceiling {ceil.copy_bw / 1e12:.2f} TB/s; us per call (median of {ROUNDS}) and % of the copy-ceiling floor")

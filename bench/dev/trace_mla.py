@@ -4,21 +4,15 @@ tile 0 have landed, when each later tile has landed (up to tile 8), after its la
 epilogue. Printed per shape and variant: how far apart the blocks start, and the median / max over blocks of
 each phase, so the fixed latency of a short split (prologue, epilogue) and the steady time a tile separate.
 
-    python3 bench/trace_mla.py        # on the GPU, from the repo root (built in place)
+    python3 bench/dev/trace_mla.py        # on the GPU, from the repo root (built in place)
 """
 
 from __future__ import annotations
 
-import os
-import sys
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "bench"))
-
-from sweep_mla import KIMI_SCALE, _inputs  # noqa: E402
+from _shared import KIMI_SCALE, mla_inputs  # (first: puts the checkout and bench/ on sys.path)
 
 # (B, prefix, N, page_size) -> configs of the sm90 kernel (the trace tensor is added)
 CASES = {
@@ -40,7 +34,7 @@ def main():
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  (us: median / max over blocks)")
     g = torch.Generator(device="cuda").manual_seed(0)
     for (B, P, N, ps), cfgs in CASES.items():
-        x = _inputs(B, P, N, ps, g)
+        x = mla_inputs(B, P, N, ps, g)
         for cfg in cfgs:
             m_blocks = -(-(N * x["q"].shape[1]) // 64)  # the kernel's 64-row blocks
             max_len = x["page_table"].shape[1] * ps

@@ -1,17 +1,15 @@
 """Sweep fc_proj's weight-streaming configurations at Kimi shape (a tuning aid, not a benchmark):
-python bench/tune_fc.py [T ...]. Prints us per (T, weight dtype, BLOCK_N, BLOCK_K, split, warps, stages)
+python bench/dev/tune_fc.py [T ...]. Prints us per (T, weight dtype, BLOCK_N, BLOCK_K, split, warps, stages)
 and the best per case; the defaults live in triton_kernels/fc_proj.py:stream_config."""
 
 from __future__ import annotations
 
 import itertools
-import os
 import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout's eagle3_ops
+import _shared  # noqa: F401  (first: puts the checkout and bench/ on sys.path)
 from common import Ceilings, graph_time_us  # noqa: E402
 
 import eagle3_ops  # noqa: E402,F401
