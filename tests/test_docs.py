@@ -22,10 +22,14 @@ TOP = ("docs", "bench", "csrc", "tests", "scripts", "eagle3_ops", "triton_kernel
 EXT = r"(?:md|py|sh|cu|cuh|h|cpp|json|log|png|ini|toml|txt|safetensors)"
 # `[../]*top/dir/name.ext`, not inside a longer word, path or URL; a name with {, < or * is generated (an f-string
 # or a pattern) and never matches, since those characters end the match before the extension.
-PATH = re.compile(rf"(?<![\w./\-])((?:\.\./)*(?:{'|'.join(re.escape(t) for t in TOP)})/(?:[\w.\-]+/)*[\w\-.]+\.{EXT})"
-                  rf"(?![\w/])")
-# Bare upper-case notes (DESIGN.md, STYLE.md, ...): must be the name of a tracked file somewhere.
-BARE = re.compile(r"(?<![\w./\-])([A-Z][A-Z0-9_]+\.md)\b")
+CITED = rf"(?:\.\./)*(?:{'|'.join(re.escape(t) for t in TOP)})/(?:[\w.\-]+/)*[\w\-.]+\.{EXT}"
+PATH = re.compile(rf"(?<![\w./\-])({CITED})(?![\w/])")
+# A file taken out of the tree but kept in git history (bench/results/ holds the current results only) is cited
+# as `<commit>:<path>`, what `git show` takes: that commit must hold it.
+HISTORY = re.compile(rf"(?<![\w./\-])([0-9a-f]{{7,40}}):({CITED})(?![\w/])")
+# Bare names that must be a tracked file's somewhere: upper-case notes (DESIGN.md, STYLE.md, ...) and results
+# files named without their folder (mla_sm90_early_h200.log: a device tag, or compile, before the extension).
+BARE = re.compile(r"(?<![\w./\-$])([A-Z][A-Z0-9_]+\.md|[\w\-]+_(?:[a-z]\d{3}|compile|sm\d+a?)\.(?:log|json|png))\b")
 # Cited paths that are not in the repository by design, with the reason.
 ALLOWED: dict[str, str] = {
     "bench/session_run.sh": "kv_accept_h200.json's note (a measured record) names the run's script, never committed",
@@ -49,12 +53,18 @@ def tracked() -> list[str]:
     return files
 
 
-def citations(path: str, text: str):
-    """(line number, cited path as written, path relative to the repository root or None when outside it)."""
-    here = os.path.dirname(path)
+def lines(text: str):
+    """(line number, line), a URL's path segments blanked: they look like ours (github.com/.../docs/x.md)."""
     for n, line in enumerate(text.splitlines(), 1):
-        if "://" in line:  # a URL's path segments look like ours (github.com/.../docs/x.md)
-            line = re.sub(r"\S+://\S+", " ", line)
+        yield n, re.sub(r"\S+://\S+", " ", line) if "://" in line else line
+
+
+def citations(path: str, text: str):
+    """(line number, cited path as written, path relative to the repository root or None when outside it);
+    `<commit>:<path>` citations are history_citations', not these."""
+    here = os.path.dirname(path)
+    for n, line in lines(text):
+        line = HISTORY.sub(" ", line)
         for m in PATH.finditer(line):
             cited = m.group(1)
             base = here if cited.startswith("../") else ""
@@ -64,12 +74,15 @@ def citations(path: str, text: str):
             yield n, m.group(1), m.group(1)
 
 
-def test_every_cited_file_is_in_the_repository():
-    files = tracked()
-    present = set(files)
-    present |= {os.path.dirname(p) for p in files}
-    names = {os.path.basename(p) for p in files}
-    missing = []
+def history_citations(text: str):
+    """(line number, commit, cited path) of each `<commit>:<path>` citation."""
+    for n, line in lines(text):
+        for m in HISTORY.finditer(line):
+            yield n, m.group(1), m.group(2)
+
+
+def scanned(files: list[str]):
+    """(path, text) of each tracked text file that may cite others."""
     for path in files:
         if path == SELF or not (path.endswith(SCANNED) or os.path.basename(path) == "Makefile"
                                 or path.startswith(".ci/")):
@@ -78,7 +91,16 @@ def test_every_cited_file_is_in_the_repository():
         if not os.path.isfile(full):
             continue  # deleted in the working tree, not yet committed
         with open(full, encoding="utf-8", errors="replace") as f:
-            text = f.read()
+            yield path, f.read()
+
+
+def test_every_cited_file_is_in_the_repository():
+    files = tracked()
+    present = set(files)
+    present |= {os.path.dirname(p) for p in files}
+    names = {os.path.basename(p) for p in files}
+    missing = []
+    for path, text in scanned(files):
         for n, cited, resolved in citations(path, text):
             if resolved is None:  # outside the repository (../shared/...): not a citation of ours
                 continue
@@ -91,17 +113,38 @@ def test_every_cited_file_is_in_the_repository():
     assert not missing, "cited but not in the repository (git ls-files):\n" + "\n".join(missing)
 
 
+def in_history(ref: str) -> bool:
+    return subprocess.run(["git", "cat-file", "-e", ref], cwd=ROOT, capture_output=True).returncode == 0
+
+
+def test_every_file_cited_from_history_is_in_that_commit():
+    """A shallow clone that lacks a cited commit cannot tell: that citation is not checked."""
+    files = tracked()
+    shallow = git("rev-parse", "--is-shallow-repository") == ["true\n"]
+    missing = []
+    for path, text in scanned(files):
+        for n, commit, cited in history_citations(text):
+            if shallow and not in_history(commit + "^{commit}"):
+                continue
+            if not in_history(f"{commit}:{cited}"):
+                missing.append(f"{path}:{n}: {commit}:{cited}")
+    assert not missing, "cited from git history but not in that commit (git cat-file -e):\n" + "\n".join(missing)
+
+
 def test_scanner_finds_paths_and_skips_what_is_not_ours():
     text = ("see docs/design.md and `bench/results/capture_aux_h200.json`; DESIGN.md\n"
             "https://github.com/x/y/blob/main/docs/nothing.md ../shared/DESIGN_NOTES.txt\n"
             "f'bench/results/e2e_{name}.json' csrc/<op>.cu tests/test_*.py torch/utils/cpp_extension.py\n"
-            "[chart](../bench/results/e2e.png) (results/fc_sweep_h200.log)\n")
+            "[chart](../bench/results/e2e.png) (results/fc_sweep_h200.log)\n"
+            "(b819f17:bench/results/mla_sweep_cut_h200.log; mla_sm90_early_h200.log) math.log $OUT/e2e_h200.json\n")
     found = [(n, c, r) for n, c, r in citations("docs/x.md", text)]
     assert found == [(1, "docs/design.md", "docs/design.md"),
                      (1, "bench/results/capture_aux_h200.json", "bench/results/capture_aux_h200.json"),
                      (1, "DESIGN.md", "DESIGN.md"),
                      (4, "../bench/results/e2e.png", "bench/results/e2e.png"),
-                     (4, "results/fc_sweep_h200.log", "bench/results/fc_sweep_h200.log")]
+                     (4, "results/fc_sweep_h200.log", "bench/results/fc_sweep_h200.log"),
+                     (5, "mla_sm90_early_h200.log", "mla_sm90_early_h200.log")]
+    assert list(history_citations(text)) == [(5, "b819f17", "bench/results/mla_sweep_cut_h200.log")]
 
 
 def test_results_doc_is_generated():

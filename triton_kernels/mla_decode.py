@@ -296,7 +296,7 @@ def default_config(dtype: torch.dtype) -> dict:
         return dict(BLOCK_M=32, BLOCK_N=16, num_warps=8, num_stages=2, min_chunk=256, rescale_tau=0.0)
     # rescale_tau 0: on the H200 the lazy rescale (tau 8) was 11% slower (329 vs 293 us, N16 B1 P32768).
     # cut + fill: 235 vs 294 us at N16 B1 P32768, 426 vs 536 at N16 B8 P8192, 487 vs 582 at N1 B32 P32768
-    # (bench/results/mla_sweep_cut_h200.log, 140537f); cut alone was 248 / 450 / 493.
+    # (the 140537f run, b819f17:bench/results/mla_sweep_cut_h200.log); cut alone was 248 / 450 / 493.
     return dict(BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=2, min_chunk=256, rescale_tau=0.0, cut=True,
                 fill=True)
 

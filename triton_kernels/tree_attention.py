@@ -418,7 +418,7 @@ def tree_attention_mla(q: Tensor, kv_cache: Tensor, page_table: Tensor, prefix_l
     """tree_attention_mla's CUDA launcher (arguments as the op; eagle3_ops.reference.tree_attention_mla is the
     spec). `config` overrides the kernel, tile sizes and the split count (benchmarks and tests only).
     On a Hopper GPU in bf16 / fp16 at 576 / 512 dims the kernel is csrc/mla_decode_sm90.cu's (wgmma, 1.5x
-    the Triton kernel below: bench/results/tree_attention_sm90_pipelined_h200.log; mla_decode.sm90_supported
+    the Triton kernel below: 4bb3839:bench/results/tree_attention_sm90_pipelined_h200.log; mla_decode.sm90_supported
     says when; {"kernel": "sm90"} insists). Otherwise, for Dv >= 256, triton_kernels/mla_decode.py's (whole
     prefix tiles unmasked, read with TMA where page_size allows; {"kernel": "mla_decode"} or a "tma" key
     selects it, "tma": False forces gathered tiles): 1.7-1.9x this file's kernel at 5180f72

@@ -33,7 +33,7 @@ from _shared import D, DV, KIMI_SCALE, NH, mla_counts, mla_inputs  # (first: put
 #   waves; B8 P8192: 1 split, no merge kernel; N1 B32: 4 not 8).
 CANDIDATES = {
     "default": {},  # csrc/mla_decode_sm90.cu on Hopper (bf16)
-    "triton": dict(kernel="mla_decode"),  # tma64, cut + fill (results/mla_sweep_cut_h200.log)
+    "triton": dict(kernel="mla_decode"),  # tma64, cut + fill (b819f17:bench/results/mla_sweep_cut_h200.log)
     "sm90.mc128": dict(kernel="sm90", min_chunk=128),  # more, shorter splits
     "sm90.mc512": dict(kernel="sm90", min_chunk=512),
 }
