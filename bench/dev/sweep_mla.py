@@ -121,9 +121,9 @@ def compile_report():
     fn = md._mla_kernel
     bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     ptrs = {"Q": "*bf16", "K": "*bf16", "O": "*bf16", "PT": "*i32", "PL": "*i32", "TM": "*i32", "LSE": "*fp32",
-            "PO": "*fp32", "PLSE": "*fp32"}
+            "PO": "*fp32", "PLSE": "*fp32", "ERR": "*i64"}
     pages = -(-(32768 + 16) // 64)
-    ints = dict(N=16, W=1, NUM_PAGES=pages, MAX_PAGES=pages, PAGE_SIZE=64, NUM_SPLITS=9, stride_qt=NH * D,
+    ints = dict(N=16, W=1, NUM_PAGES=pages, CAPACITY=pages * 64, PAGE_SIZE=64, NUM_SPLITS=9, stride_qt=NH * D,
                 stride_qh=D, stride_kp=64 * D, stride_ks=D, stride_pt=pages, stride_ot=NH * DV, stride_oh=DV)
     for name, cfg in CANDIDATES.items():
         if "tma" not in cfg and cfg.get("kernel") != "mla_decode":  # (the CUDA candidates: ptxas -v of the build)
