@@ -253,9 +253,9 @@ def compile_report(variants=None):
 
     fn = ta._tree_attention_kernel
     ptrs = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "O": "*bf16", "PT": "*i32", "PL": "*i32", "TM": "*i32",
-            "LSE": "*fp32", "PO": "*fp32", "PLSE": "*fp32"}
+            "LSE": "*fp32", "PO": "*fp32", "PLSE": "*fp32", "ERR": "*i64"}
     pages = -(-(32768 + 16) // PAGE)
-    ints = dict(N=16, W=1, HKV=1, NUM_PAGES=pages, MAX_PAGES=pages, PAGE_SIZE=PAGE, NUM_SPLITS=9,
+    ints = dict(N=16, W=1, HKV=1, NUM_PAGES=pages, CAPACITY=pages * PAGE, PAGE_SIZE=PAGE, NUM_SPLITS=9,
                 stride_qt=64 * 576, stride_qh=576, stride_kp=PAGE * 576, stride_ks=576, stride_kh=0,
                 stride_vp=PAGE * 576, stride_vs=576, stride_vh=0, stride_pt=pages, stride_ot=64 * 512, stride_oh=512)
     for name, cfg in (variants or {"default": {}, "v_split": dict(v_split=2),
@@ -265,7 +265,7 @@ def compile_report(variants=None):
         full.update(cfg)
         const = dict(G=64, D1=512, D2=64, DV=512, BLOCK_D1=512 // vs, BLOCK_D2=64, BLOCK_DV=512 // vs,
                      SHARED_V=True, BLOCK_M=full["BLOCK_M"], BLOCK_N=full["BLOCK_N"], SPLIT=True, HAS_LSE=True,
-                     V_SPLIT=vs, DOT_PREC="tf32")
+                     V_SPLIT=vs, DOT_PREC="tf32", OP=ta.OP_MLA)
         k, info, _, _ = compile_sm90a(fn, const, dict(ptrs, scale_log2="fp32"), ints, full["num_warps"],
                                       full["num_stages"], "tree_attention_report")
         print(f"{name:<72} shared {k.metadata.shared:>6}  wgmma {k.asm['ptx'].count('wgmma.mma_async'):>3}  {info}")
