@@ -1,5 +1,5 @@
-"""Compare benchmark rows of the checks-on and checks-off builds (bench/device_checks.sh): per case, the best
-median over the rounds of each build, and on / off. Prints the table (worst case last) and writes JSON."""
+"""Compare benchmark rows of the checks-on and checks-off builds (bench/device_checks.sh: <folder>/on<round>.json,
+off<round>.json): per case, the best median over the rounds of each build, and on / off. Prints the table (worst case last) and writes JSON."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import os
 
 def rows(folder: str, variant: str) -> tuple[dict, dict]:
     best, meta = {}, {}
-    for path in sorted(glob.glob(os.path.join(folder, f"{variant}[0-9]*", "bench.json"))):
+    for path in sorted(glob.glob(os.path.join(folder, f"{variant}[0-9]*.json"))):
         with open(path) as f:
             doc = json.load(f)
         meta = {k: doc[k] for k in ("commit", "gpu", "torch", "triton", "cuda", "ceilings")}

@@ -3,7 +3,9 @@
 # builds made in the same call, one with the device error word compiled in (the default, strict mode off)
 # and one with EAGLE3_DEVICE_CHECKS=0, alternating ROUNDS times; bench/compare_checks.py prints each case's
 # best median under both and the ratio, and writes $OUT/device_checks.json.
-#   usage: OUT=... EAGLE3_COMMIT=... [ROUNDS=2] [BENCH_K='eagle3'] bash bench/device_checks.sh [bench files...]
+# The logs (builds, each round's pytest tail) go to $OUT/device_checks.log, each round's rows to
+# $OUT/<on|off><round>.json; a round is bounded by ROUND_TIMEOUT s, so a call cut short keeps the rounds that ended.
+#   usage: OUT=... EAGLE3_COMMIT=... [ROUNDS=2] [ROUND_TIMEOUT=150] [BENCH_K='eagle3'] bash bench/device_checks.sh [bench files...]
 set -o pipefail
 OUT=${OUT:-/tmp/eagle3_checks_out}
 mkdir -p "$OUT"
@@ -15,26 +17,30 @@ BENCHES=("$@")
 [ ${#BENCHES[@]} -eq 0 ] && BENCHES=(bench/bench_build_tree.py bench/bench_capture.py bench/bench_capture_aux.py
   bench/bench_fc.py bench/bench_kv_accept.py bench/bench_tree_attention.py bench/bench_verify.py bench/bench_verify_sampling.py)
 
-rm -rf "$OFF" build && mkdir -p "$OFF"
-tar --exclude=./build --exclude=./.git -cf - . | tar -xf - -C "$OFF"
+rm -rf "$OFF" "$OFF.rows" build && mkdir -p "$OFF"
+tar --exclude=./build --exclude=./.git --exclude='*.so' -cf - . | tar -xf - -C "$OFF"
 [ -e eagle3_ops/triton_kernels ] || ln -s ../triton_kernels eagle3_ops/triton_kernels
 [ -e "$OFF/eagle3_ops/triton_kernels" ] || ln -s ../triton_kernels "$OFF/eagle3_ops/triton_kernels"
 start=$(date +%s)
-(MAX_JOBS=8 python3 setup.py build_ext --inplace > "$OUT/build_on.log" 2>&1) &
-(cd "$OFF" && EAGLE3_DEVICE_CHECKS=0 MAX_JOBS=8 python3 setup.py build_ext --inplace > "$OUT/build_off.log" 2>&1) &
+LOG=$OUT/device_checks.log
+(MAX_JOBS=8 python3 setup.py build_ext --inplace > "$OFF.build_on.log" 2>&1) &
+(cd "$OFF" && EAGLE3_DEVICE_CHECKS=0 MAX_JOBS=8 python3 setup.py build_ext --inplace > "$OFF.build_off.log" 2>&1) &
 wait
-echo "both builds took $(( $(date +%s) - start )) s"
-python3 -c "import eagle3_ops; print('on :', eagle3_ops.build_info())" || exit 1
-(cd "$OFF" && python3 -c "import eagle3_ops; print('off:', eagle3_ops.build_info())") || exit 1
+tail -n 3 "$OFF.build_on.log" "$OFF.build_off.log" >> "$LOG"
+echo "both builds took $(( $(date +%s) - start )) s" | tee -a "$LOG"
+python3 -c "import eagle3_ops; print('on :', eagle3_ops.build_info())" 2>&1 | tee -a "$LOG" || exit 1
+(cd "$OFF" && python3 -c "import eagle3_ops; print('off:', eagle3_ops.build_info())") 2>&1 | tee -a "$LOG" || exit 1
 
 for round in $(seq 1 "${ROUNDS:-2}"); do
   for variant in on off; do
     dir=$ROOT; [ $variant = off ] && dir=$OFF
-    mkdir -p "$OUT/$variant$round"
-    echo "== round $round, checks $variant"
-    (cd "$dir" && EAGLE3_BENCH_OUT="$OUT/$variant$round" python3 -m pytest "${BENCHES[@]}" -q -p no:cacheprovider \
-      -k "${BENCH_K:-eagle3}" > "$OUT/$variant$round/bench.log" 2>&1)
-    tail -n 2 "$OUT/$variant$round/bench.log"
+    mkdir -p "$OFF.rows/$variant$round"
+    echo "== round $round, checks $variant (started $(date +%T))" | tee -a "$LOG"
+    (cd "$dir" && EAGLE3_BENCH_OUT="$OFF.rows/$variant$round" timeout "${ROUND_TIMEOUT:-150}" python3 -m pytest "${BENCHES[@]}" \
+      -q -p no:cacheprovider -k "${BENCH_K:-eagle3}" > "$OFF.rows/$variant$round.log" 2>&1)
+    echo "rc $?" >> "$LOG"
+    tail -n 2 "$OFF.rows/$variant$round.log" | tee -a "$LOG"
+    [ -e "$OFF.rows/$variant$round/bench.json" ] && cp "$OFF.rows/$variant$round/bench.json" "$OUT/$variant$round.json"
   done
 done
-python3 bench/compare_checks.py "$OUT" --json "$OUT/device_checks.json"
+python3 bench/compare_checks.py "$OUT" --json "$OUT/device_checks.json" 2>&1 | tee -a "$LOG"

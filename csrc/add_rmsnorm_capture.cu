@@ -338,7 +338,7 @@ void launch(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& w
 // weight   [H]             any float dtype, contiguous (converted once when neither x's dtype nor fp32)
 // aux      [R, n_aux * H]  residual's dtype, optional, may be a strided view, mutated
 // rows     [R]             int32 | int64, optional (needs aux); without it R == T
-void add_rmsnorm_capture_cuda(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight_in, double eps,
+void add_rmsnorm_capture_cuda(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight, double eps,
                               const std::optional<at::Tensor>& aux, int64_t slot, const std::optional<at::Tensor>& rows) {
   CHECK_CUDA(x);
   CHECK_DIM(x, 2);
@@ -355,7 +355,6 @@ void add_rmsnorm_capture_cuda(const at::Tensor& x, const at::Tensor& residual, c
   CHECK_SAME_DEVICE(residual, x);
   TORCH_CHECK_VALUE(H <= 1 || residual.stride(1) == 1, "residual must be contiguous in its last dimension, got strides ",
                     residual.strides());
-  const at::Tensor& weight = weight_in;
   TORCH_CHECK_TYPE(at::isFloatingType(weight.scalar_type()) && weight.element_size() >= 2,
                    "weight must have dtype bfloat16, float16, float32 or float64, got ", weight.scalar_type());
   CHECK_SHAPE(weight, H);

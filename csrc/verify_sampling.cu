@@ -418,42 +418,42 @@ void check_floats(const at::Tensor& t, const char* name) {
 }
 
 void check_same_device(const at::Tensor& t, const char* name, const at::Tensor& like) {
-  TORCH_CHECK_VALUE(t.device() == like.device(), name, " must be on the same device as target_logits (",
+  TORCH_CHECK_VALUE(t.device() == like.device(), name, " must be on the same device as logits (",
                     like.device(), "), got ", t.device());
 }
 
-// target_logits [B * N, V] (last dim contiguous), draft_probs [B * N, Vd] optional, d2t [Vd] int64 optional,
+// logits [B * N, V] (last dim contiguous), draft_probs [B * N, Vd] optional, d2t [Vd] int64 optional,
 // tokens [B, N] int64, parents [B, N] int32, temperature [B] f32, seed [B] i64, offset [B] i64
 // Host checks mirror eagle3_ops._validate.verify_sampling.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_sampling_cuda(
-    const at::Tensor& target_logits, const std::optional<at::Tensor>& draft_probs, const std::optional<at::Tensor>& d2t,
+    const at::Tensor& logits, const std::optional<at::Tensor>& draft_probs, const std::optional<at::Tensor>& d2t,
     const at::Tensor& tokens, const at::Tensor& parents, const at::Tensor& temperature, const at::Tensor& seed,
     const at::Tensor& offset) {
-  CHECK_CUDA(target_logits);
-  check_floats(target_logits, "target_logits");
-  CHECK_DIM(target_logits, 2);
-  TORCH_CHECK_VALUE(target_logits.size(1) <= 1 || target_logits.stride(1) == 1,
-                    "target_logits must be contiguous in its last dimension, got strides ", target_logits.strides());
+  CHECK_CUDA(logits);
+  check_floats(logits, "logits");
+  CHECK_DIM(logits, 2);
+  TORCH_CHECK_VALUE(logits.size(1) <= 1 || logits.stride(1) == 1,
+                    "logits must be contiguous in its last dimension, got strides ", logits.strides());
   CHECK_DTYPE(tokens, at::kLong);
   CHECK_DIM(tokens, 2);
-  check_same_device(tokens, "tokens", target_logits);
+  check_same_device(tokens, "tokens", logits);
   TORCH_CHECK_VALUE(tokens.is_contiguous(), "tokens must be contiguous");
   const int64_t B = tokens.size(0), N = tokens.size(1);
   TORCH_CHECK_VALUE(N >= 1, "tokens must have N >= 1 nodes (node 0 is the root)");
   CHECK_DTYPE(parents, at::kInt);
   CHECK_SHAPE(parents, B, N);
-  check_same_device(parents, "parents", target_logits);
+  check_same_device(parents, "parents", logits);
   TORCH_CHECK_VALUE(parents.is_contiguous(), "parents must be contiguous");
-  const int64_t V = target_logits.size(1);
-  TORCH_CHECK_VALUE(target_logits.size(0) == B * N, "target_logits must have shape (B * N, V) = (", B * N, ", ", V,
-                    "), got ", target_logits.sizes());
-  TORCH_CHECK_VALUE(V >= 1 && V < (int64_t{1} << 31), "target_logits must have 1 <= V < 2**31, got V = ", V);
+  const int64_t V = logits.size(1);
+  TORCH_CHECK_VALUE(logits.size(0) == B * N, "logits must have shape (B * N, V) = (", B * N, ", ", V,
+                    "), got ", logits.sizes());
+  TORCH_CHECK_VALUE(V >= 1 && V < (int64_t{1} << 31), "logits must have 1 <= V < 2**31, got V = ", V);
   TORCH_CHECK_VALUE(B * N < (int64_t{1} << 31), "B * N must be < 2**31 (a Philox row), got ", B * N);
   int64_t Vd = V;
   if (draft_probs) {
     const at::Tensor& dp = *draft_probs;
     check_floats(dp, "draft_probs");
-    check_same_device(dp, "draft_probs", target_logits);
+    check_same_device(dp, "draft_probs", logits);
     CHECK_DIM(dp, 2);
     Vd = dp.size(1);
     TORCH_CHECK_VALUE(dp.size(0) == B * N, "draft_probs must have shape (B * N, Vd) = (", B * N, ", ", Vd, "), got ",
@@ -467,7 +467,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_sampling_cuda(
     const at::Tensor& map = *d2t;
     CHECK_DTYPE(map, at::kLong);
     TORCH_CHECK_VALUE(map.dim() == 1 && map.size(0) == Vd, "d2t must have shape (Vd) = (", Vd, "), got ", map.sizes());
-    check_same_device(map, "d2t", target_logits);
+    check_same_device(map, "d2t", logits);
     TORCH_CHECK_VALUE(map.is_contiguous(), "d2t must be contiguous");
   } else {
     TORCH_CHECK_VALUE(Vd == V, "draft_probs has Vd = ", Vd, " != V = ", V,
@@ -481,13 +481,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_sampling_cuda(
   CHECK_SHAPE(offset, B);
   for (const auto& [t, name] : {std::pair<const at::Tensor&, const char*>{temperature, "temperature"}, {seed, "seed"},
                                 {offset, "offset"}}) {
-    check_same_device(t, name, target_logits);
+    check_same_device(t, name, logits);
     TORCH_CHECK_VALUE(t.is_contiguous(), name, " must be contiguous");
   }
 
-  const c10::cuda::OptionalCUDAGuard guard(target_logits.device());
+  const c10::cuda::OptionalCUDAGuard guard(logits.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  const int device = target_logits.get_device();
+  const int device = logits.get_device();
   int64_t* err = device_error_word(device);
   const auto i32 = tokens.options().dtype(at::kInt);
   at::Tensor accept_nodes = at::empty({B, N}, i32);
@@ -503,11 +503,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_sampling_cuda(
   float* part_m = reinterpret_cast<float*>(part[0].data_ptr<int32_t>());
   int32_t* part_a = part[1].data_ptr<int32_t>();
   float* part_s = reinterpret_cast<float*>(part[2].data_ptr<int32_t>());
-  const int64_t ld = target_logits.stride(0);
+  const int64_t ld = logits.stride(0);
 
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, target_logits.scalar_type(), "verify_sampling", [&] {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, logits.scalar_type(), "verify_sampling", [&] {
     using logit_t = scalar_t;
-    const logit_t* lg = target_logits.data_ptr<logit_t>();
+    const logit_t* lg = logits.data_ptr<logit_t>();
     row_stats_kernel<logit_t><<<dim3(static_cast<unsigned>(B * N), G), kThreads, 0, stream>>>(
         lg, ld, V, static_cast<int>(N), temperature.data_ptr<float>(), part_m, part_a, part_s);
     C10_CUDA_KERNEL_LAUNCH_CHECK();

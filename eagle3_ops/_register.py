@@ -63,9 +63,9 @@ def _verify_greedy_fake(logits, tokens, parents):
 
 
 @torch.library.register_fake("eagle3::verify_sampling", lib=_lib)
-def _verify_sampling_fake(target_logits, draft_probs, d2t, tokens, parents, temperature, seed, offset):
-    s = _validate.verify_sampling(target_logits, draft_probs, d2t, tokens, parents, temperature, seed, offset)
-    return _walk_outputs_fake(target_logits, s["B"], s["N"])
+def _verify_sampling_fake(logits, draft_probs, d2t, tokens, parents, temperature, seed, offset):
+    s = _validate.verify_sampling(logits, draft_probs, d2t, tokens, parents, temperature, seed, offset)
+    return _walk_outputs_fake(logits, s["B"], s["N"])
 
 
 def _triton_launcher(name: str, target: str):

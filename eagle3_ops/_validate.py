@@ -239,12 +239,12 @@ def verify_greedy(logits, tokens, parents) -> dict:
     return dict(B=B, N=N, V=V)
 
 
-def verify_sampling(target_logits, draft_probs, d2t, tokens, parents, temperature, seed, offset) -> dict:
-    tensor(target_logits, "target_logits", dtypes=FLOATS, dim=2, last_contiguous=True)
-    B, N = _tree(tokens, parents, target_logits, "target_logits")
-    V = target_logits.shape[1]
-    tensor(target_logits, "target_logits", shape=(("B * N", B * N), ("V", V)))
-    like = dict(like=target_logits, like_name="target_logits")
+def verify_sampling(logits, draft_probs, d2t, tokens, parents, temperature, seed, offset) -> dict:
+    tensor(logits, "logits", dtypes=FLOATS, dim=2, last_contiguous=True)
+    B, N = _tree(tokens, parents, logits, "logits")
+    V = logits.shape[1]
+    tensor(logits, "logits", shape=(("B * N", B * N), ("V", V)))
+    like = dict(like=logits, like_name="logits")
     Vd = V
     if draft_probs is not None:
         tensor(draft_probs, "draft_probs", dtypes=FLOATS, dim=2, last_contiguous=True, **like)

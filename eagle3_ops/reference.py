@@ -460,11 +460,11 @@ def verify_greedy(logits: Tensor, tokens: Tensor, parents: Tensor) -> tuple[Tens
     return _walk_outputs(B, N, paths, bonus, tokens)
 
 
-def verify_sampling(target_logits: Tensor, draft_probs: Optional[Tensor], d2t: Optional[Tensor], tokens: Tensor,
+def verify_sampling(logits: Tensor, draft_probs: Optional[Tensor], d2t: Optional[Tensor], tokens: Tensor,
                     parents: Tensor, temperature: Tensor, seed: Tensor, offset: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """Tree rejection sampling that keeps the target distribution exactly.
 
-    At the current node c, p = softmax(target_logits[b * N + c] / temperature[b]). Its children are
+    At the current node c, p = softmax(logits[b * N + c] / temperature[b]). Its children are
     tried in sibling order (score order). Child k with token x is accepted when u_k * q(x) < p(x),
     u_k a uniform draw; q is draft_probs[b * N + c] mapped to target ids (target = draft + d2t[draft]),
     or, without draft_probs, one-hot on x (drafts chosen by top-k, not sampled). On rejection
@@ -492,7 +492,7 @@ def verify_sampling(target_logits: Tensor, draft_probs: Optional[Tensor], d2t: O
 
     Parameters
     ----------
-    target_logits : Tensor [B * N, V] bf16 | fp16 | fp32
+    logits : Tensor [B * N, V] bf16 | fp16 | fp32
         Target logits at every tree node, node-major per request.
     draft_probs : Tensor [B * N, Vd] fp32 | bf16 | fp16, optional
         Draft distribution each node's children were sampled from, over the draft vocabulary.
@@ -519,7 +519,7 @@ def verify_sampling(target_logits: Tensor, draft_probs: Optional[Tensor], d2t: O
         The accept_len accepted draft tokens, then the bonus token, -1 padded.
     """
 
-    s = _validate.verify_sampling(target_logits, draft_probs, d2t, tokens, parents, temperature, seed, offset)
+    s = _validate.verify_sampling(logits, draft_probs, d2t, tokens, parents, temperature, seed, offset)
     B, N, V = s["B"], s["N"], s["V"]
     node = torch.arange(N)  # the root's parent is -1, node j's in [0, j)
     check_range(parents, torch.where(node == 0, -1, 0), node - 1, "verify_sampling", "parents")
@@ -535,12 +535,12 @@ def verify_sampling(target_logits: Tensor, draft_probs: Optional[Tensor], d2t: O
         while True:
             c = path[-1]
             row = b * N + c
-            logits = target_logits[row].to(torch.float64)
+            z = logits[row].to(torch.float64)
             if temp == 0:
                 p = torch.zeros(V, dtype=torch.float64)
-                p[int(logits.argmax())] = 1.0
+                p[int(z.argmax())] = 1.0
             else:
-                p = torch.softmax(logits / temp, dim=-1)
+                p = torch.softmax(z / temp, dim=-1)
             q = None
             if draft_probs is not None:
                 q = torch.zeros(V, dtype=torch.float64)

@@ -205,7 +205,7 @@ CASES = [
     ("verify_greedy", "parents_self_loop", poke(2, (1, 4), 4), ANY, "parents"),  # a node as its own parent
     ("verify_greedy", "parents_root_not_minus_one", poke(2, (1, 0), 0), ANY, "parents"),  # node 0 must be the root
     ("verify_greedy", "parents_second_root", poke(2, (0, 3), -1), ANY, "parents"),  # only node 0 may have parent -1
-    # ---- verify_sampling(target_logits, draft_probs, d2t, tokens, parents, temperature, seed, offset) ----
+    # ---- verify_sampling(logits, draft_probs, d2t, tokens, parents, temperature, seed, offset) ----
     # probabilities must be floating point
     ("verify_sampling", "draft_probs_int", dtype(1, torch.int32), TypeError, "draft_probs"),
     ("verify_sampling", "d2t_int32", dtype(2, torch.int32), TypeError, "d2t"),  # d2t is int64

@@ -1,6 +1,6 @@
 """The documentation's promises: every file the repository cites is in it, the op tables name the schemas'
-arguments, and docs/results.md (with the README's headline table) is what scripts/results_table.py makes of
-bench/results/*.json."""
+arguments (the README's their returns too), and docs/results.md (with the README's headline table) is what
+scripts/results_table.py makes of bench/results/*.json."""
 
 from __future__ import annotations
 
@@ -153,17 +153,23 @@ def test_results_doc_is_generated():
     assert r.returncode == 0, r.stderr
 
 
-def schema_args() -> dict[str, list[str]]:
-    """op -> argument names, from csrc/registration.cpp's m.def strings (public ops only)."""
+def schemas() -> dict[str, tuple[list[str], list[str]]]:
+    """op -> (argument names, return names), from csrc/registration.cpp's m.def strings (public ops only)."""
     with open(os.path.join(ROOT, "csrc", "registration.cpp")) as f:
         src = f.read()
     ops = {}
     for m in re.finditer(r"m\.def\(\s*((?:\"[^\"]*\"\s*)+)\)", src):
         schema = "".join(re.findall(r"\"([^\"]*)\"", m.group(1)))
-        name, args = re.match(r"(\w+)\((.*?)\)\s*->", schema).groups()
+        name, args, returns = re.match(r"(\w+)\((.*?)\)\s*->\s*\(?(.*?)\)?$", schema).groups()
         if not name.startswith("_"):
-            ops[name] = [a.split("=")[0].split()[-1] for a in args.split(",")]
+            ops[name] = ([a.split("=")[0].split()[-1] for a in args.split(",")],
+                         [r.split()[-1] for r in returns.split(",") if r.strip()])
     return ops
+
+
+def schema_args() -> dict[str, list[str]]:
+    """op -> argument names (schemas())."""
+    return {op: args for op, (args, _) in schemas().items()}
 
 
 def documented_args(path: str) -> dict[str, list[str]]:
@@ -178,6 +184,15 @@ def documented_args(path: str) -> dict[str, list[str]]:
 
 @pytest.mark.parametrize("path", ["README.md", "docs/design.md"])
 def test_op_tables_name_the_schemas_arguments(path):
-    schemas = schema_args()
-    assert len(schemas) == 9
-    assert documented_args(path) == schemas, f"{path}'s op table differs from csrc/registration.cpp"
+    expected = schema_args()
+    assert len(expected) == 9
+    assert documented_args(path) == expected, f"{path}'s op table differs from csrc/registration.cpp"
+
+
+def test_readme_op_table_names_the_schemas_returns():
+    """An op that returns tensors shows them in the README's table as `op(...) -> (name, ...)`, the schema's
+    names in order; a mutating op returns () and shows no arrow."""
+    with open(os.path.join(ROOT, "README.md")) as f:
+        rows = dict(re.findall(r"^\| `(\w+)\([^`]*?\)((?: -> [^`]*)?)` \|", f.read(), re.M))
+    shown = {op: [r.strip() for r in arrow.strip(" ->()").split(",")] if arrow else [] for op, arrow in rows.items()}
+    assert shown == {op: returns for op, (_, returns) in schemas().items()}

@@ -50,6 +50,14 @@ def test_tables_match_the_header(enum, prefix, table):
     assert [v for _, v in entries] == list(range(1, len(table) + 1)), f"{enum}: ids must be position + 1"
 
 
+def test_names_are_the_schemas():
+    """Every op and argument the error word can name is the op table's (csrc/registration.cpp): a renamed
+    argument cannot leave a message naming the old one."""
+    assert all(hasattr(torch.ops.eagle3, op) for op in errors.OPS)
+    named = {a.name for op in errors.OPS for a in getattr(torch.ops.eagle3, op).default._schema.arguments}
+    assert [a for a in errors.ARGS if a not in named] == [], "errors.ARGS names an argument no schema has"
+
+
 def test_word_layout_matches_the_header():
     fields = header_enum("ErrorField")
     assert [v for _, v in fields] == list(range(10))

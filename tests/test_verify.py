@@ -580,7 +580,7 @@ def test_philox_uniforms_are_exact_float32_in_open_unit_interval():
 
 def _good_sampling_args(B=2, N=3, V=11):
     g = torch.Generator().manual_seed(0)
-    return dict(target_logits=torch.randn(B * N, V, generator=g), draft_probs=None, d2t=None,
+    return dict(logits=torch.randn(B * N, V, generator=g), draft_probs=None, d2t=None,
                 tokens=torch.randint(0, V, (B, N), generator=g), parents=i32([[-1, 0, 0]] * B),
                 temperature=torch.ones(B), seed=torch.arange(B), offset=torch.zeros(B, dtype=torch.int64))
 
@@ -651,7 +651,7 @@ def _bad_sampling_args(case):
     elif case == "draft_probs_rows":
         args["draft_probs"] = torch.softmax(torch.randn(B * N - 1, V), -1)
     elif case == "logits_rows":
-        args["target_logits"] = args["target_logits"][:-1]
+        args["logits"] = args["logits"][:-1]
     return args
 
 
@@ -1041,7 +1041,7 @@ def test_cuda_sampling_never_materialises_fp32_probabilities():
     ("d2t_without_draft_probs", ValueError, "d2t"),
     ("vd_without_d2t", ValueError, "d2t"),
     ("draft_probs_rows", ValueError, "draft_probs must have shape"),
-    ("logits_rows", ValueError, "target_logits must have shape"),
+    ("logits_rows", ValueError, "logits must have shape"),
 ])
 def test_cuda_sampling_bad_input(case, error, match):
     args = _bad_sampling_args(case)
