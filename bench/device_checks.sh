@@ -14,8 +14,8 @@ export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0a} EAG
 ROOT=$(pwd)
 OFF=/tmp/eagle3_nochecks
 BENCHES=("$@")
-[ ${#BENCHES[@]} -eq 0 ] && BENCHES=(bench/bench_build_tree.py bench/bench_capture.py bench/bench_capture_aux.py
-  bench/bench_fc.py bench/bench_kv_accept.py bench/bench_tree_attention.py bench/bench_verify.py bench/bench_verify_sampling.py)
+# every microbenchmark (bench_e2e.py, the decode loop, has its own script: bench/e2e_gpu.sh)
+[ ${#BENCHES[@]} -eq 0 ] && BENCHES=($(ls bench/bench_*.py | grep -v bench_e2e))
 
 rm -rf "$OFF" "$OFF.rows" build && mkdir -p "$OFF"
 tar --exclude=./build --exclude=./.git --exclude='*.so' -cf - . | tar -xf - -C "$OFF"
