@@ -5,7 +5,8 @@ configured one, the config's ids read in every convention, the seed deployment's
 in the wrong convention and an embedding captured in front, docs/wiring.md), and every reading one layer
 off in each direction or with an embedding captured in front. The wiring
 with the highest acceptance length is the one the drafter was trained on. Exposed as
-`eagle3_ops.wiring.diagnose` and `eagle3 diagnose`.
+`eagle3_ops.diagnose.diagnose` and `eagle3 diagnose`; the candidate list is `wiring.candidate_wirings`
+(torch-free).
 """
 
 from __future__ import annotations
@@ -60,57 +61,6 @@ class Diagnosis:
                 f"{c.acceptance_length:.2f}. Capture {list(b.ids)} (ids as 'output of layer k').")
 
 
-def candidate_wirings(configured: Sequence[int], num_layers: int,
-                      config_ids: Optional[Sequence[int]] = None,
-                      convention: Optional[str] = None) -> list[tuple[str, tuple[int, ...]]]:
-    """(label, ids) for the configured capture and the plausible wirings around it, deduplicated by ids:
-    the config's ids read in every convention; the seed deployment's miswiring (docs/wiring.md): the ids
-    read in a convention other than the config's own, with an embedding captured in front; and each
-    reading (and the configured capture) one layer off either way or with an embedding captured in
-    front. config_ids: the ids as written in the drafter's config.json (default: the configured ones,
-    in our 'output' convention). convention: the one the config declares (default 'output' when
-    config_ids is None; else the first reading that gives the configured capture, if any)."""
-    configured = tuple(configured)
-    raw = list(config_ids) if config_ids is not None else list(configured)
-    if convention is None and config_ids is None:
-        convention = "output"
-    found: dict[tuple[int, ...], str] = {configured: "configured"}
-    also: list[str] = []  # what the configured capture is besides (e.g. the seed miswiring)
-
-    def add(label, ids):
-        try:
-            ids = tuple(wiring.validate_aux_ids(list(ids), num_layers, allow_embedding=True))
-        except (ValueError, TypeError):
-            return
-        if ids == configured:
-            also.append(label)
-        found.setdefault(ids, label)  # the first (most direct) explanation names it
-
-    readings: dict[tuple[int, ...], str] = {}  # ids -> the first convention that reads the config so
-    for conv in wiring.CONVENTIONS:
-        try:
-            ids = tuple(wiring.to_output_ids(raw, conv, num_layers, allow_embedding=True))
-        except (ValueError, TypeError):
-            continue
-        add(f"config ids read as '{conv}'", ids)
-        readings.setdefault(ids, conv)
-    if convention is None:
-        convention = next((conv for ids, conv in readings.items() if ids == configured), None)
-    if convention is not None:
-        declared = tuple(wiring.to_output_ids(raw, convention, num_layers, allow_embedding=True))
-        for ids, conv in readings.items():
-            if ids != declared:
-                add(f"seed miswiring: read as '{conv}' + embedding in front", [-1] + list(ids[:-1]))
-    bases = [(configured, "configured")] + [(r, f"config read as '{c}'") for r, c in readings.items()]
-    for base, name in bases:
-        add(f"{name}, every layer +1", [k + 1 for k in base])
-        add(f"{name}, every layer -1", [k - 1 for k in base])
-        add(f"{name}, embedding captured in front", [-1] + list(base[:-1]))
-    if also:
-        found[configured] = f"configured = {also[0]}"
-    return [(label, ids) for ids, label in found.items()]
-
-
 @torch.no_grad()
 def diagnose(target, drafter, prompts: torch.Tensor, *, configured: Optional[Sequence[int]] = None,
              config_ids: Optional[Sequence[int]] = None, convention: Optional[str] = None, max_new: int = 32,
@@ -121,13 +71,13 @@ def diagnose(target, drafter, prompts: torch.Tensor, *, configured: Optional[Seq
     configured: what the engine captures (ours: output of layer k); default the drafter's configured
     ids. config_ids: the ids as written in the drafter's config.json, read in every convention;
     default the drafter's ids in our convention ('output'). convention: the one config_ids are written
-    in (names the seed miswiring's row; candidate_wirings)."""
+    in (names the seed miswiring's row; wiring.candidate_wirings)."""
     configured = tuple(drafter.cfg.aux_ids if configured is None else configured)
     if config_ids is None:
         raw, convention = list(drafter.cfg.aux_ids), "output"
     else:
         raw = list(config_ids)
-    cands = candidate_wirings(configured, target.cfg.num_layers, raw, convention)
+    cands = wiring.candidate_wirings(configured, target.cfg.num_layers, raw, convention)
     if progress:
         from tqdm import tqdm
 

@@ -331,11 +331,70 @@ def drafter_config_fields(ids, convention: str = "output", num_layers: int | Non
     return {IDS_KEY: from_output_ids(ids, convention, num_layers), CONVENTION_KEY: convention}
 
 
-def __getattr__(name):
-    # `wiring.diagnose` measures acceptance per wiring through the decode loop (eagle3_ops.diagnose);
-    # it is loaded on first use so that this module stays importable without torch.
-    if name in ("diagnose", "candidate_wirings"):
-        from . import diagnose as _diagnose
+def candidate_wirings(configured, num_layers: int, config_ids=None,
+                      convention: str | None = None) -> list[tuple[str, tuple[int, ...]]]:
+    """The configured capture and the plausible wirings around it, as ``(label, ids)``, deduplicated by ids.
 
-        return getattr(_diagnose, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    The candidates: the config's ids read in every convention; the seed deployment's miswiring
+    (docs/wiring.md): the ids read in a convention other than the config's own, with an embedding
+    captured in front; and each reading (and the configured capture) one layer off either way, or with an
+    embedding captured in front. Ids out of range for the target are left out. Torch-free; used by
+    ``eagle3_ops.diagnose``.
+
+    Parameters
+    ----------
+    configured : sequence of int
+        What the engine captures, ours (id k = output of layer k), slot order.
+    num_layers : int
+        Decoder layers of the target.
+    config_ids : sequence of int | None
+        The ids as written in the drafter's config; default the configured ones in convention "output".
+    convention : str | None
+        The one the config declares: default "output" when ``config_ids`` is None, else the first
+        reading that gives the configured capture (None when none does).
+
+    Returns
+    -------
+    candidates : list[tuple[str, tuple[int, ...]]]
+        The configured capture first, labelled "configured" or "configured = <what it also is>" (e.g. the
+        seed miswiring); then the other wirings, the most direct explanation naming each.
+    """
+    configured = tuple(configured)
+    raw = list(config_ids) if config_ids is not None else list(configured)
+    if convention is None and config_ids is None:
+        convention = "output"
+    found: dict[tuple[int, ...], str] = {configured: "configured"}
+    also: list[str] = []  # what the configured capture is besides (e.g. the seed miswiring)
+
+    def add(label, ids):
+        try:
+            ids = tuple(validate_aux_ids(list(ids), num_layers, allow_embedding=True))
+        except (ValueError, TypeError):
+            return
+        if ids == configured:
+            also.append(label)
+        found.setdefault(ids, label)  # the first (most direct) explanation names it
+
+    readings: dict[tuple[int, ...], str] = {}  # ids -> the first convention that reads the config so
+    for conv in CONVENTIONS:
+        try:
+            ids = tuple(to_output_ids(raw, conv, num_layers, allow_embedding=True))
+        except (ValueError, TypeError):
+            continue
+        add(f"config ids read as '{conv}'", ids)
+        readings.setdefault(ids, conv)
+    if convention is None:
+        convention = next((conv for ids, conv in readings.items() if ids == configured), None)
+    if convention is not None:
+        declared = tuple(to_output_ids(raw, convention, num_layers, allow_embedding=True))
+        for ids, conv in readings.items():
+            if ids != declared:
+                add(f"seed miswiring: read as '{conv}' + embedding in front", [-1] + list(ids[:-1]))
+    bases = [(configured, "configured")] + [(r, f"config read as '{c}'") for r, c in readings.items()]
+    for base, name in bases:
+        add(f"{name}, every layer +1", [k + 1 for k in base])
+        add(f"{name}, every layer -1", [k - 1 for k in base])
+        add(f"{name}, embedding captured in front", [-1] + list(base[:-1]))
+    if also:
+        found[configured] = f"configured = {also[0]}"
+    return [(label, ids) for ids, label in found.items()]

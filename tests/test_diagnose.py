@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from eagle3_ops import wiring
+from eagle3_ops import diagnose, wiring
 
 ASSETS = os.path.join(os.path.dirname(__file__), os.pardir, "eagle3_ops", "assets", "byte-small")
 HAVE_PAIR = os.path.exists(os.path.join(ASSETS, "drafter", "model.safetensors"))
@@ -64,7 +64,7 @@ def seed_report(pair):
     still says [1, 5, 6] ('output'): its rows hold every wiring the tests below compare."""
     target, drafter, prompts = pair
     assert tuple(drafter.cfg.aux_ids) == TRAINED
-    return wiring.diagnose(target, drafter, prompts, configured=SEED, max_new=24)
+    return diagnose.diagnose(target, drafter, prompts, configured=SEED, max_new=24)
 
 
 def _acc(report, ids):
@@ -92,7 +92,7 @@ def test_diagnose_names_the_trained_wiring(seed_report):
 
 def test_configured_wiring_is_the_trained_one(pair):
     target, drafter, prompts = pair
-    report = wiring.diagnose(target, drafter, prompts, max_new=24)
+    report = diagnose.diagnose(target, drafter, prompts, max_new=24)
     assert report.configured_is_best, report.table()
     assert report.best.ids == TRAINED
     assert report.verdict().startswith("OK")

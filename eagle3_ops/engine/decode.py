@@ -419,7 +419,7 @@ def generate_speculative(target, drafter, prompts: Tensor, max_new: int, spec: S
                          glue: str = "eagle3", graphs: bool | str = False,
                          prefill_cache: Optional[PrefillCache] = None) -> tuple[Tensor, DecodeStats]:
     """Speculative decoding (chain or tree, greedy or sampled). aux_ids: which target layers feed the
-    drafter (ours, "output of layer k"; default the drafter's configured ids; eagle3_ops.wiring.diagnose
+    drafter (ours, "output of layer k"; default the drafter's configured ids; eagle3_ops.diagnose
     passes miswirings here). glue: "eagle3" (torch.ops.eagle3) or "torch", the same loop with capture, fc,
     build_tree, verify and kv_accept done the plain-PyTorch way engines do them (engine/torch_glue.py; greedy
     only). graphs: True or "round", each round (drafting, build_tree, the verify forward, verify, kv_accept,
