@@ -1,7 +1,7 @@
 """A second Triton kernel for tree_attention_mla (absorbed MLA: every query head over one latent KV head,
 V = the first Dv dims of the key rows), selected with config={"tma": True | False, ...} of
 triton_kernels.tree_attention.tree_attention_mla; same arguments, results and bad-value rules as
-tree_attention's kernel (whose merge kernel and split rule it reuses).
+tree_attention's kernel (with which it shares _attention_common.py's merge kernel and split rule).
 
 What differs from tree_attention's kernel (FlashMLA's shape as far as Triton reaches):
 - The prefix loop runs over *whole* BLOCK_N-key tiles with no masks at all (no tl.where on the score,
@@ -39,8 +39,8 @@ from torch import Tensor
 
 from .. import errors
 from ._device import hopper_kernel
-from .tree_attention import (_LOG2E, _MAX_SPLITS, _NO_POS, OP_MLA, _pow2, _report_request, _request_span, _sm_count,
-                             merge_splits, num_splits_for)
+from ._attention_common import (LOG2E, MAX_SPLITS, NO_POS, OP_MLA, merge_splits, num_splits_for, pow2, report_request,
+                                request_span, sm_count)
 
 _OP_MLA = tl.constexpr(OP_MLA)
 
@@ -151,7 +151,7 @@ def _mla_kernel(
     # PT  [B, MAX_PAGES] int32 strides (stride_pt, 1);  PL [B] int32;  TM [B, N, W] int32 contiguous
     # O   [B * N, NH, DV] strides (stride_ot, stride_oh, 1);  LSE [B * N, NH] fp32 contiguous (HAS_LSE)
     # PO  [NUM_SPLITS, B, N * G, DV] fp32, PLSE [NUM_SPLITS, B, N * G] fp32 (SPLIT): tree_attention's
-    #     partial layout with HKV = 1 (its merge kernel combines them)
+    #     partial layout with HKV = 1 (_attention_common.merge_splits combines them)
     # ERR [12] int64: the device error word
     # Grid (B * row blocks, NUM_SPLITS), request-major. Row r of the block: node r // G, head r % G. Latent dims
     # in two halves [0, BLOCK_H), [BLOCK_H, 2 BLOCK_H).
@@ -176,8 +176,8 @@ def _mla_kernel(
     if DR > 0:
         qr = tl.load(Q + q_row[:, None] + DV + dr[None, :], mask=row_ok[:, None] & (dr[None, :] < DR), other=0.0)
 
-    bad_prefix, prefix_raw, prefix, tree_n, pt_row, start, end = _request_span(PL, PT, b, stride_pt, CAPACITY, N,
-                                                                               NUM_SPLITS, pid_s, BLOCK_N)
+    bad_prefix, prefix_raw, prefix, tree_n, pt_row, start, end = request_span(PL, PT, b, stride_pt, CAPACITY, N,
+                                                                              NUM_SPLITS, pid_s, BLOCK_N)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -185,13 +185,13 @@ def _mla_kernel(
     acc_b = tl.zeros([BLOCK_M, BLOCK_H], tl.float32)
 
     whole_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N
-    first = tl.full([BLOCK_N], _NO_POS, tl.int32)  # per lane, the first position whose page id is out of range
+    first = tl.full([BLOCK_N], NO_POS, tl.int32)  # per lane, the first position whose page id is out of range
     # Whole tiles: every row sees every key, no masks.
     for n0 in range(start, whole_end, BLOCK_N):
         if TMA:  # the tile lies on one page (page_size % BLOCK_N == 0, n0 % BLOCK_N == 0)
             page = tl.load(pt_row + n0 // PAGE_SIZE)
             real = (page >= 0) & (page < NUM_PAGES)
-            first = tl.minimum(first, tl.where(real, _NO_POS, n0))
+            first = tl.minimum(first, tl.where(real, NO_POS, n0))
             row0 = tl.where(real, page, 0) * PAGE_SIZE + n0 % PAGE_SIZE  # an unreal page: read page 0, poison
             ka = KA.load([row0, 0])
             kb = KA.load([row0, BLOCK_H])
@@ -211,7 +211,7 @@ def _mla_kernel(
             pos = n0 + tl.arange(0, BLOCK_N)
             page = tl.load(pt_row + pos // PAGE_SIZE)
             real = (page >= 0) & (page < NUM_PAGES)
-            first = tl.minimum(first, tl.where(real, _NO_POS, pos))
+            first = tl.minimum(first, tl.where(real, NO_POS, pos))
             kv_row = tl.where(real, page, 0).to(tl.int64) * stride_kp + (pos % PAGE_SIZE).to(tl.int64) * stride_ks
             ka = tl.load(K + kv_row[:, None] + dh[None, :], mask=dh[None, :] < DV, other=0.0)
             kb = tl.load(K + kv_row[:, None] + BLOCK_H + dh[None, :], mask=BLOCK_H + dh[None, :] < DV, other=0.0)
@@ -236,7 +236,7 @@ def _mla_kernel(
         in_range = pos < end
         page = tl.load(pt_row + pos // PAGE_SIZE, mask=in_range, other=0)
         real = (page >= 0) & (page < NUM_PAGES)
-        first = tl.minimum(first, tl.where(in_range & ~real, pos, _NO_POS))
+        first = tl.minimum(first, tl.where(in_range & ~real, pos, NO_POS))
         acc_a, acc_b, m_i, l_i = _gathered_tile(
             acc_a, acc_b, m_i, l_i, qa, qb, qr, K, page.to(tl.int64), (pos % PAGE_SIZE).to(tl.int64), stride_kp,
             stride_ks, in_range & real, in_range[None, :], dh, dr, DV, DR, BLOCK_H, TAU, DOT_PREC, scale_log2)
@@ -250,7 +250,7 @@ def _mla_kernel(
             j_ok = j < tree_n  # (prefix + N <= capacity)
             page = tl.load(pt_row + pos // PAGE_SIZE, mask=j_ok, other=0)
             real = (page >= 0) & (page < NUM_PAGES)
-            first = tl.minimum(first, tl.where(j_ok & ~real, pos, _NO_POS))
+            first = tl.minimum(first, tl.where(j_ok & ~real, pos, NO_POS))
             both = row_ok[:, None] & j_ok[None, :]
             # the (at most two, BLOCK_N <= 64) mask words of this tile per row, not a [BLOCK_M, BLOCK_N]
             # gather (whose pipelined buffer would take 16 KB of shared memory at 64 x 64)
@@ -264,9 +264,9 @@ def _mla_kernel(
 
     # NaN for the whole request on bad values (the merge carries it through every split), and the report.
     first_pos = tl.min(first, 0)
-    bad = bad_prefix | (first_pos < _NO_POS)
+    bad = bad_prefix | (first_pos < NO_POS)
     if bad:
-        _report_request(ERR, _OP_MLA, b, bad_prefix, prefix_raw, CAPACITY, N, first_pos, pt_row, PAGE_SIZE, NUM_PAGES)
+        report_request(ERR, _OP_MLA, b, bad_prefix, prefix_raw, CAPACITY, N, first_pos, pt_row, PAGE_SIZE, NUM_PAGES)
     poison = tl.where(bad, float("nan"), 0.0)
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     inv = 1.0 / l_safe
@@ -364,18 +364,18 @@ def tree_attention_mla(q: Tensor, kv_cache: Tensor, page_table: Tensor, prefix_l
     rows = N * G
     cfg = default_config(q.dtype)
     cfg.update(config)
-    BLOCK_M = min(cfg["BLOCK_M"], _pow2(rows))
+    BLOCK_M = min(cfg["BLOCK_M"], pow2(rows))
     BLOCK_N = cfg["BLOCK_N"]
     if BLOCK_N not in (16, 32, 64):
         raise ValueError(f"config BLOCK_N must be 16, 32 or 64 (a tile spans at most two tree-mask words), got {BLOCK_N}")
-    BLOCK_H = _pow2(DV, 32) // 2
-    BLOCK_R = _pow2(max(DR, 1))
+    BLOCK_H = pow2(DV, 32) // 2
+    BLOCK_R = pow2(max(DR, 1))
     m_blocks = -(-rows // BLOCK_M)
     max_len = page_table.shape[1] * page_size
-    slots = _sm_count(q.device) * cfg.get("programs_per_sm", 1)
+    slots = sm_count(q.device) * cfg.get("programs_per_sm", 1)
     splits = cfg.get("splits") or (splits_fill if cfg.get("fill") else num_splits_for)(m_blocks * B, max_len, slots,
                                                                                        cfg["min_chunk"])
-    splits = min(splits, _MAX_SPLITS)
+    splits = min(splits, MAX_SPLITS)
     split = splits > 1
     if split:
         po = torch.empty((splits, B, rows, DV), dtype=torch.float32, device=q.device)
@@ -386,7 +386,7 @@ def tree_attention_mla(q: Tensor, kv_cache: Tensor, page_table: Tensor, prefix_l
     ka, kr = desc if desc is not None else (None, None)
     _mla_kernel[(m_blocks * B, splits)](
         q, kv_cache, ka, kr, page_table, prefix_lens, tree_mask, out, lse if lse is not None else out, po, plse,
-        errors.error_word(q.device), scale * _LOG2E, N, W, P, max_len, max(page_size, 1), splits,
+        errors.error_word(q.device), scale * LOG2E, N, W, P, max_len, max(page_size, 1), splits,
         q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), page_table.stride(0), out.stride(0),
         out.stride(1), G=G, DV=DV, DR=DR, BLOCK_H=BLOCK_H, BLOCK_R=BLOCK_R, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
         SPLIT=split, HAS_LSE=lse is not None, TMA=desc is not None, TAU=float(cfg["rescale_tau"]),
@@ -457,9 +457,9 @@ def tree_attention_mla_sm90(q: Tensor, kv_cache: Tensor, page_table: Tensor, pre
     rows = N * G
     m_blocks = -(-rows // 64)
     max_len = page_table.shape[1] * kv_cache.shape[1]
-    splits = config.get("splits") or sm90_splits(m_blocks * B, max_len, _sm_count(q.device),
+    splits = config.get("splits") or sm90_splits(m_blocks * B, max_len, sm_count(q.device),
                                                  config.get("min_chunk", 256))
-    splits = max(1, min(int(splits), _MAX_SPLITS))  # grid axis 2
+    splits = max(1, min(int(splits), MAX_SPLITS))  # grid axis 2
     if splits > 1:
         po = torch.empty((splits, B, rows, 512), dtype=torch.float32, device=q.device)
         plse = torch.empty((splits, B, rows), dtype=torch.float32, device=q.device)

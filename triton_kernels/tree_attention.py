@@ -1,7 +1,8 @@
 """Tree-verify attention over a paged KV cache, in Triton: `tree_attention_mla` (absorbed MLA, one latent
 KV head shared by every query head) and `tree_attention` (GQA/MHA). One kernel serves both. (On Hopper,
 bf16 / fp16 MLA at 576 / 512 dims goes to the CUDA kernel csrc/mla_decode_sm90.cu instead: see
-tree_attention_mla below; this file's merge kernel combines its splits too.)
+tree_attention_mla below; the split rule and the merge of split partials are _attention_common.py's, shared
+with it and with mla_decode.py's Triton kernel.)
 
 Work decomposition (flash-decoding): a program owns BLOCK_M query rows of one (request, KV head) - the
 rows are (node, query head) pairs flattened node-major, so for MLA 64 heads x N nodes share every KV
@@ -27,13 +28,12 @@ request's bad value in the device error word (eagle3_ops.check_errors): its pref
 of its first position whose page is out of range.
 
 Grids: the (request, KV head, row block) product is axis 0 (CUDA's limit 2^31 - 1; axes 1 and 2 stop at
-65535), the splits axis 1, at most _MAX_SPLITS.
+65535), the splits axis 1, at most MAX_SPLITS.
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
 from typing import Optional
 
 import torch
@@ -42,25 +42,16 @@ import triton.language as tl
 from torch import Tensor
 
 from .. import errors
-from ._errors import NO_INDEX as _NO_INDEX
-from ._errors import arg_id, op_id, report_range
-
-_LN2 = math.log(2.0)
-_LOG2E = 1.0 / _LN2
+from ._attention_common import (LOG2E, MAX_SPLITS, NO_POS, OP_GQA, OP_MLA, merge_splits, num_splits_for, pow2,
+                                report_request, request_span, sm_count)
+from .mla_decode import sm90_supported, tree_attention_mla_sm90
+from .mla_decode import tree_attention_mla as _mla_decode_launch
 
 # Kernel limits (the CPU reference takes any size): the output accumulator is BLOCK_M x V dims in fp32
 # registers, and each part of the key is one power-of-two tile.
 MLA_MAX_DV = 512  # latent dims read as V (Kimi / DeepSeek: 512)
 MLA_MAX_ROPE = 128  # key dims past V (Kimi / DeepSeek: 64)
 GQA_MAX_DIM = 256  # Dh and Dv of tree_attention
-_MAX_SPLITS = 65535  # grid axis 1
-
-# error word ids (eagle3_ops/errors.py: position + 1)
-OP_MLA = op_id("tree_attention_mla")
-OP_GQA = op_id("tree_attention")
-_ARG_PAGE_TABLE = tl.constexpr(arg_id("page_table"))
-_ARG_PREFIX_LENS = tl.constexpr(arg_id("prefix_lens"))
-_NO_POS = tl.constexpr(2**31 - 1)  # "no bad position seen" in the kernels' running minimum
 
 
 def on_device(device: torch.device):
@@ -102,35 +93,6 @@ def _tile(acc, m_i, l_i, q1, qo, q2, K, V, page, slot, stride_kp, stride_ks, str
     # per thread that MLA's 64 x 512 fp32 accumulator takes at 8 warps)
     acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PREC)
     return acc, m_new, l_i
-
-
-@triton.jit
-def _report_request(ERR, OP: tl.constexpr, b, bad_prefix, prefix_raw, CAPACITY, N, first, pt_row, PAGE_SIZE,
-                    NUM_PAGES):
-    """Record request b's bad value (the error path only): its prefix length, else the page id of its first
-    position `first` whose page is out of range (_NO_POS: none)."""
-    if bad_prefix:
-        report_range(ERR, OP, _ARG_PREFIX_LENS, prefix_raw, 0, CAPACITY - N, b, _NO_INDEX, _NO_INDEX)
-    elif first < _NO_POS:
-        slot = first // PAGE_SIZE
-        report_range(ERR, OP, _ARG_PAGE_TABLE, tl.load(pt_row + slot), 0, NUM_PAGES - 1, b, slot, _NO_INDEX)
-
-
-@triton.jit
-def _request_span(PL, PT, b, stride_pt, CAPACITY, N, NUM_SPLITS, pid_s, BLOCK_N: tl.constexpr):
-    """Request b's prefix and this split's share of it: (bad_prefix, prefix_raw, prefix, tree_n, pt_row,
-    start, end). A bad prefix length (negative, or no room for the N tree rows in the page table) skips the
-    request: prefix 0 and tree_n 0 (no tree rows), so nothing is read; the caller poisons its result with
-    NaN. Splits are whole BLOCK_N tiles."""
-    prefix_raw = tl.load(PL + b)
-    bad_prefix = (prefix_raw < 0) | (prefix_raw > CAPACITY - N)
-    prefix = tl.where(bad_prefix, 0, prefix_raw)
-    tree_n = tl.where(bad_prefix, 0, N)
-    pt_row = PT + b.to(tl.int64) * stride_pt
-    chunk = tl.cdiv(tl.cdiv(prefix, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    start = pid_s * chunk
-    end = tl.minimum(start + chunk, prefix)
-    return bad_prefix, prefix_raw, prefix, tree_n, pt_row, start, end
 
 
 @triton.jit
@@ -190,8 +152,8 @@ def _tree_attention_kernel(
         q2 = tl.load(Q + q_row[:, None] + D1 + d2[None, :], mask=row_ok[:, None] & (d2[None, :] < D2), other=0.0)
 
     # A bad prefix length reads nothing; the request's result is poisoned with NaN below.
-    bad_prefix, prefix_raw, prefix, tree_n, pt_row, start, end = _request_span(PL, PT, b, stride_pt, CAPACITY, N,
-                                                                               NUM_SPLITS, pid_s, BLOCK_N)
+    bad_prefix, prefix_raw, prefix, tree_n, pt_row, start, end = request_span(PL, PT, b, stride_pt, CAPACITY, N,
+                                                                              NUM_SPLITS, pid_s, BLOCK_N)
     k_head = kvh.to(tl.int64) * stride_kh
     v_head = kvh.to(tl.int64) * stride_vh
 
@@ -200,13 +162,13 @@ def _tree_attention_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
 
     # This split's share of the prefix [start, end): whole tiles, all rows see every prefix position.
-    first = tl.full([BLOCK_N], _NO_POS, tl.int32)  # per lane, the first position whose page id is out of range
+    first = tl.full([BLOCK_N], NO_POS, tl.int32)  # per lane, the first position whose page id is out of range
     for n0 in range(start, end, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         in_range = pos < end
         page = tl.load(pt_row + pos // PAGE_SIZE, mask=in_range, other=0)
         real = (page >= 0) & (page < NUM_PAGES)
-        first = tl.minimum(first, tl.where(in_range & ~real, pos, _NO_POS))
+        first = tl.minimum(first, tl.where(in_range & ~real, pos, NO_POS))
         # padding rows (row >= N * G) have q = 0: harmless, never stored
         acc, m_i, l_i = _tile(acc, m_i, l_i, q1, qo, q2, K + k_head, V + v_head, page.to(tl.int64),
                               (pos % PAGE_SIZE).to(tl.int64), stride_kp, stride_ks, stride_vp, stride_vs,
@@ -222,7 +184,7 @@ def _tree_attention_kernel(
             j_ok = j < tree_n  # (prefix + N <= capacity)
             page = tl.load(pt_row + pos // PAGE_SIZE, mask=j_ok, other=0)
             real = (page >= 0) & (page < NUM_PAGES)
-            first = tl.minimum(first, tl.where(j_ok & ~real, pos, _NO_POS))
+            first = tl.minimum(first, tl.where(j_ok & ~real, pos, NO_POS))
             both = row_ok[:, None] & j_ok[None, :]
             word = tl.load(TM + token[:, None] * W + (j // 32)[None, :], mask=both, other=0)
             visible = both & (((word >> (j % 32)[None, :]) & 1) != 0)
@@ -233,9 +195,9 @@ def _tree_attention_kernel(
 
     # NaN for the whole request on bad values (the merge carries it through every split), and the report.
     first_pos = tl.min(first, 0)
-    bad = bad_prefix | (first_pos < _NO_POS)
+    bad = bad_prefix | (first_pos < NO_POS)
     if bad:
-        _report_request(ERR, OP, b, bad_prefix, prefix_raw, CAPACITY, N, first_pos, pt_row, PAGE_SIZE, NUM_PAGES)
+        report_request(ERR, OP, b, bad_prefix, prefix_raw, CAPACITY, N, first_pos, pt_row, PAGE_SIZE, NUM_PAGES)
     poison = tl.where(bad, float("nan"), 0.0)
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     o = acc / l_safe[:, None] + poison
@@ -253,92 +215,7 @@ def _tree_attention_kernel(
             tl.store(LSE + token * NH + head, lse2 * 0.6931471805599453, mask=row_ok & (pid_v == 0))
 
 
-@triton.jit
-def _merge_kernel(PO, PLSE, O, LSE, N, HKV, NUM_SPLITS, stride_ot, stride_oh,
-                  G: tl.constexpr, DV: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_V: tl.constexpr,
-                  HAS_LSE: tl.constexpr):
-    # PO [NUM_SPLITS, B * HKV, N * G, DV] fp32, PLSE [NUM_SPLITS, B * HKV, N * G] fp32 (see above);
-    # O [B * N, NH, DV] strides (stride_ot, stride_oh, 1); LSE [B * N, NH] fp32 contiguous.
-    # Grid (B * HKV * N * G, DV blocks): one program, one query row (rows of one (request, KV head) neighbours),
-    # BLOCK_V output dims; splits combined with weights exp2(lse_s - lse), BLOCK_S
-    # splits a step with a running max (one step, lse and partials loaded together, when BLOCK_S >= NUM_SPLITS:
-    # the launcher sizes the tile so; a first pass for the max, then a loop, made this latency-bound).
-    ROWS = N * G
-    row = tl.program_id(0) % ROWS
-    pid_bh = tl.program_id(0) // ROWS
-    pid_v = tl.program_id(1)
-    BH = tl.num_programs(0) // ROWS
-    s = tl.arange(0, BLOCK_S)
-    v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
-    m_run = tl.full([1], float("-inf"), tl.float32)
-    total = tl.zeros([1], tl.float32)
-    acc = tl.zeros([BLOCK_V], tl.float32)
-    for s0 in range(0, NUM_SPLITS, BLOCK_S):
-        ok = s0 + s < NUM_SPLITS
-        prow = ((s0 + s).to(tl.int64) * BH + pid_bh) * ROWS + row
-        lse_s = tl.load(PLSE + prow, mask=ok, other=float("-inf"))
-        part = tl.load(PO + prow[:, None] * DV + v[None, :], mask=ok[:, None] & (v[None, :] < DV), other=0.0)
-        m_new = tl.maximum(m_run, tl.max(lse_s, 0))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.math.exp2(m_run - m_use)  # 0 on the first step (m_run = -inf)
-        w = tl.math.exp2(lse_s - m_use)  # NaN partials (bad values) stay NaN through w and part
-        total = total * alpha + tl.sum(w, 0)
-        acc = acc * alpha + tl.sum(w[:, None] * part, 0)
-        m_run = m_new
-    m_use = tl.where(m_run == float("-inf"), 0.0, m_run)
-    o = acc / total
-    b = pid_bh // HKV
-    token = (b * N + row // G).to(tl.int64)
-    head = (pid_bh % HKV) * G + row % G
-    tl.store(O + token * stride_ot + head * stride_oh + v, o.to(O.dtype.element_ty), mask=v < DV)
-    if HAS_LSE:
-        if pid_v == 0:
-            lse_o = (m_use + tl.math.log2(total)) * 0.6931471805599453
-            tl.store(LSE + token * (HKV * G) + head + tl.arange(0, 1), lse_o)
-
-
-def merge_splits(po: Tensor, plse: Tensor, out: Tensor, lse: Optional[Tensor], N: int, HKV: int, G: int) -> None:
-    """Combine the split programs' partials po [splits, B * HKV, N * G, DV] / plse [splits, B * HKV, N * G] into
-    out (and lse). The tile holds every split up to 128 (one step), BLOCK_V sized to 8192 elements: on the H200
-    the former 16-split x 128-dim steps (after a pass for the max) took 13.2 us for 119 splits of 64 x 512
-    (N 1, B 1, prefix 32768; bench/dev/profile_mla.py), 4096-element tiles 5.1 us, these 4.5 us (L2-hot partials,
-    results/mla_sm90_early_h200.log)."""
-    splits, BH, rows, DV = po.shape
-    block_s = min(128, _pow2(splits, 2))
-    block_v = min(_pow2(DV), max(32, 8192 // block_s))
-    _merge_kernel[(rows * BH, -(-DV // block_v))](
-        po, plse, out, lse if lse is not None else out, N, HKV, splits, out.stride(0), out.stride(1),
-        G=G, DV=DV, BLOCK_S=block_s, BLOCK_V=block_v, HAS_LSE=lse is not None, num_warps=4)
-
-
 # ---- launchers ---------------------------------------------------------------------------------------
-
-_SM_COUNT: dict = {}
-
-
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 8  # the interpreter: a few programs per split are enough to exercise the merge
-    if device.index not in _SM_COUNT:
-        _SM_COUNT[device.index] = torch.cuda.get_device_properties(device).multi_processor_count
-    return _SM_COUNT[device.index]
-
-
-def _pow2(n: int, least: int = 16) -> int:
-    return max(least, triton.next_power_of_2(n))
-
-
-def num_splits_for(programs: int, max_len: int, sms: int, min_chunk: int) -> int:
-    """Splits of the prefix, from shapes only (max_len bounds every prefix): the fewest that fill the
-    SMs in near-whole waves (at one program per SM, >= 90% of the SM-slots of the last wave busy), each
-    split at least min_chunk positions long; when no split count reaches one full wave, the most."""
-    most = max(1, -(-max_len // min_chunk))
-    if programs * most <= sms:
-        return most
-    waves = {s: programs * s / (-(-programs * s // sms) * sms) for s in range(1, most + 1) if programs * s >= sms}
-    good = [s for s, eff in waves.items() if eff >= 0.9]
-    return min(good) if good else max(waves, key=lambda s: (waves[s], -s))
-
 
 def _launch(q, k, v, page_table, prefix_lens, tree_mask, scale, out, lse, *, HKV, D1, D2, DV, shared_v,
             config: Optional[dict]):
@@ -348,16 +225,16 @@ def _launch(q, k, v, page_table, prefix_lens, tree_mask, scale, out, lse, *, HKV
     P, page_size = k.shape[0], k.shape[1]
     rows = N * G
     v_split = (config or {}).get("v_split", 1)
-    if v_split not in (1, 2) or (v_split == 2 and not (shared_v and _pow2(DV) >= 32)):
+    if v_split not in (1, 2) or (v_split == 2 and not (shared_v and pow2(DV) >= 32)):
         raise ValueError(f"config v_split must be 1, or 2 for tree_attention_mla with Dv > 16, got {v_split}")
     cfg = default_config(q.dtype, D1 + D2, DV, rows, shared_v, v_split)
     cfg.update(config or {})
-    BLOCK_M = min(cfg["BLOCK_M"], _pow2(rows))
+    BLOCK_M = min(cfg["BLOCK_M"], pow2(rows))
     m_blocks = -(-rows // BLOCK_M)
     max_len = page_table.shape[1] * page_size
-    slots = _sm_count(q.device) * cfg.get("programs_per_sm", 1)  # programs that run at once
+    slots = sm_count(q.device) * cfg.get("programs_per_sm", 1)  # programs that run at once
     splits = cfg.get("splits") or num_splits_for(m_blocks * v_split * B * HKV, max_len, slots, cfg["min_chunk"])
-    splits = min(splits, _MAX_SPLITS)
+    splits = min(splits, MAX_SPLITS)
     split = splits > 1
     if split:
         po = torch.empty((splits, B * HKV, rows, DV), dtype=torch.float32, device=q.device)
@@ -368,12 +245,12 @@ def _launch(q, k, v, page_table, prefix_lens, tree_mask, scale, out, lse, *, HKV
     # k and v as [num_pages, page_size, HKV, dims]; MLA's [num_pages, page_size, D] is HKV = 1
     kst = (k.stride(0), k.stride(1), k.stride(2) if k.dim() == 4 else 0)
     vst = (v.stride(0), v.stride(1), v.stride(2) if v.dim() == 4 else 0)
-    block_d1 = _pow2(D1) // v_split  # with a V split (MLA: D1 = DV), each half of the latent dims
+    block_d1 = pow2(D1) // v_split  # with a V split (MLA: D1 = DV), each half of the latent dims
     _tree_attention_kernel[(m_blocks * v_split * B * HKV, splits)](
         q, k, v, page_table, prefix_lens, tree_mask, out, lse if lse is not None else out, po, plse,
-        errors.error_word(q.device), scale * _LOG2E, N, W, HKV, P, max_len, max(page_size, 1), splits,
+        errors.error_word(q.device), scale * LOG2E, N, W, HKV, P, max_len, max(page_size, 1), splits,
         q.stride(0), q.stride(1), *kst, *vst, page_table.stride(0), out.stride(0), out.stride(1),
-        G=G, D1=D1, D2=D2, DV=DV, BLOCK_D1=block_d1, BLOCK_D2=_pow2(max(D2, 1)), BLOCK_DV=_pow2(DV) // v_split,
+        G=G, D1=D1, D2=D2, DV=DV, BLOCK_D1=block_d1, BLOCK_D2=pow2(max(D2, 1)), BLOCK_DV=pow2(DV) // v_split,
         SHARED_V=shared_v, BLOCK_M=BLOCK_M, BLOCK_N=cfg["BLOCK_N"], SPLIT=split, HAS_LSE=lse is not None,
         V_SPLIT=v_split, DOT_PREC=dot_prec, OP=OP_MLA if shared_v else OP_GQA, num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"])
@@ -433,8 +310,6 @@ def tree_attention_mla(q: Tensor, kv_cache: Tensor, page_table: Tensor, prefix_l
     config = dict(config or {})
     # mla_decode's kernel by default at DeepSeek / Kimi widths (Dv >= 256: measured and GPU-tested at 512 +
     # 64); below that (the small CPU-trained pair's 32 + 8) the first kernel, whose GPU tests cover them.
-    from .mla_decode import sm90_supported, tree_attention_mla_sm90
-
     if "kernel" in config:
         kernel = config.pop("kernel")
         if kernel == "sm90" and not sm90_supported(q, kv_cache, out, page_table, tree_mask):
@@ -452,8 +327,6 @@ def tree_attention_mla(q: Tensor, kv_cache: Tensor, page_table: Tensor, prefix_l
     v1 = kernel == "v1" or (kernel != "sm90" and config.get("v_split", 1) != 1)
     if v1 and "tma" in config:
         raise ValueError("config tma needs the default kernel, not kernel v1 / v_split")
-    from .mla_decode import tree_attention_mla as launch
-
     with on_device(q.device):  # the sm90 kernel, the Triton kernels and the merge on one device's stream
         if kernel == "sm90":
             tree_attention_mla_sm90(q, kv_cache, page_table, prefix_lens, tree_mask, scale, out, lse, config)
@@ -461,7 +334,7 @@ def tree_attention_mla(q: Tensor, kv_cache: Tensor, page_table: Tensor, prefix_l
             _launch(q, kv_cache, kv_cache, page_table, prefix_lens, tree_mask, scale, out, lse, HKV=1, D1=Dv,
                     D2=D - Dv, DV=Dv, shared_v=True, config=config)
         else:
-            launch(q, kv_cache, page_table, prefix_lens, tree_mask, scale, out, lse, {"tma": True, **config})
+            _mla_decode_launch(q, kv_cache, page_table, prefix_lens, tree_mask, scale, out, lse, {"tma": True, **config})
     errors.after_launch(q.device)
 
 

@@ -81,7 +81,7 @@ def merge_variants():
     import triton
 
     from common import graph_time_us
-    from eagle3_ops.triton_kernels import tree_attention as ta
+    from eagle3_ops.triton_kernels._attention_common import _merge_kernel
 
     splits, rows, DV = 119, 64, 512
     sets = []
@@ -93,7 +93,7 @@ def merge_variants():
     for block_s, block_v, warps in [(128, 32, 4), (128, 64, 4)]:  # 64: merge_splits' tile at 128 splits
         def call(st, block_s=block_s, block_v=block_v, warps=warps):
             po, plse, out, lse = st
-            ta._merge_kernel[(rows, 1, triton.cdiv(DV, block_v))](
+            _merge_kernel[(rows, triton.cdiv(DV, block_v))](  # grid (B * HKV * rows, DV blocks)
                 po, plse, out, lse, 1, 1, splits, out.stride(0), out.stride(1), G=rows, DV=DV, BLOCK_S=block_s,
                 BLOCK_V=block_v, HAS_LSE=True, num_warps=warps)
         hot = graph_time_us([lambda: call(sets[0])], reps=10)

@@ -29,7 +29,7 @@ def _stats(x: torch.Tensor) -> str:
 
 def main():
     from eagle3_ops.triton_kernels import mla_decode
-    from eagle3_ops.triton_kernels.tree_attention import _sm_count
+    from eagle3_ops.triton_kernels._attention_common import sm_count
 
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  (us: median / max over blocks)")
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -38,7 +38,7 @@ def main():
         for cfg in cfgs:
             m_blocks = -(-(N * x["q"].shape[1]) // 64)  # the kernel's 64-row blocks
             max_len = x["page_table"].shape[1] * ps
-            splits = cfg.get("splits") or mla_decode.sm90_splits(m_blocks * B, max_len, _sm_count(x["q"].device))
+            splits = cfg.get("splits") or mla_decode.sm90_splits(m_blocks * B, max_len, sm_count(x["q"].device))
             trace = torch.zeros(m_blocks * B * splits, SLOTS, dtype=torch.int64, device="cuda")
             run = dict(cfg, trace=trace, splits=splits)
             for _ in range(3):  # warm; the last call's stamps are kept
