@@ -3,10 +3,12 @@
 The CUDA sources are compiled whenever torch is a CUDA build and nvcc is found, with or without a GPU
 present (CI has none and must still compile every .cu file). TORCH_CUDA_ARCH_LIST defaults to 9.0a.
 DEBUG=1 gives -O0 -g -lineinfo. EAGLE3_DEVICE_CHECKS=0 compiles out the device error word (benchmarks of
-what validation costs). EAGLE3_CUDA_ONLY=capture_aux,kv_accept compiles just those csrc/*.cu
-(empty: none), to iterate on one kernel quickly. Set CUDA_HOME to the toolkit root; when it is unset and `nvcc` on PATH
-is a wrapper script, the toolkit root is asked of nvcc itself (torch would otherwise guess the wrapper's
-folder and link against a libcudart that is not there).
+what validation costs). EAGLE3_DEV_BUILD=1 adds the development-only ops and kernel builds that bench/dev/
+tools use (never in a production build; build_info()['dev_build'] says which).
+EAGLE3_CUDA_ONLY=capture_aux,kv_accept compiles just those csrc/*.cu (empty: none), to iterate on one kernel
+quickly. Set CUDA_HOME to the toolkit root; when it is unset and `nvcc` on PATH is a wrapper script, the
+toolkit root is asked of nvcc itself (torch would otherwise guess the wrapper's folder and link against a
+libcudart that is not there).
 
 It builds against the torch already installed (`pip install --no-build-isolation .`; with build isolation it
 stops and says so), records that torch in eagle3_ops/_built_with.py for the import-time check, and makes the
@@ -57,6 +59,10 @@ DEBUG = os.environ.get("DEBUG", "0") == "1"
 # EAGLE3_DEVICE_CHECKS=0 compiles out the device error word's recording (csrc/include/eagle3/errors.cuh),
 # for measuring what validation costs; the bounds checks that keep accesses inside the tensors stay.
 DEVICE_CHECKS = os.environ.get("EAGLE3_DEVICE_CHECKS", "1") != "0"
+# EAGLE3_DEV_BUILD=1 defines EAGLE3_DEV_BUILD: the diagnostic kernel builds and their private ops (today
+# _tree_attention_mla_sm90_dev, csrc/mla_decode_sm90.cu: the per-block trace and the no-math skeletons of
+# bench/dev/trace_mla.py and bench/dev/ceiling_mla.py). Off by default; the production op table never has them.
+DEV_BUILD = os.environ.get("EAGLE3_DEV_BUILD", "0") == "1"
 SUPPORT_SOURCES = ("errors.cu",)  # not kernels of an op: built whenever any CUDA source is
 WITH_CUDA = torch.version.cuda is not None and CUDA_HOME is not None
 
@@ -117,6 +123,7 @@ def extension():
         cuda = [f for f in cuda if os.path.splitext(os.path.basename(f))[0] in wanted]
     opt = ["-O0", "-g"] if DEBUG else ["-O3"]
     cxx = opt + [_define("EAGLE3_TORCH_VERSION", torch.__version__)]  # torch picks the C++ standard
+    cxx += ["-DEAGLE3_DEV_BUILD"] if DEV_BUILD else []
     include_dirs = [os.path.join(HERE, "csrc", "include")]
     if not WITH_CUDA:
         why = "torch is a CPU build" if torch.version.cuda is None else "nvcc was not found (set CUDA_HOME)"
@@ -132,9 +139,11 @@ def extension():
         _define("EAGLE3_CUDA_KERNELS", kernels),
     ] + ([] if DEVICE_CHECKS else ["-DEAGLE3_NO_DEVICE_CHECKS"])
     nvcc = opt + ["--expt-relaxed-constexpr"] + (["-lineinfo"] if DEBUG else [])
+    nvcc += ["-DEAGLE3_DEV_BUILD"] if DEV_BUILD else []
     nvcc += ["-Xptxas=-v"] if os.environ.get("PTXAS_VERBOSE") else []
     include_dirs += _pip_cuda_includes()
-    print(f"eagle3_ops: building C++ + CUDA kernels [{kernels}] for {archs} with {CUDA_HOME}", file=sys.stderr)
+    print(f"eagle3_ops: building C++ + CUDA kernels [{kernels}] for {archs} with {CUDA_HOME}"
+          f"{' (development build: EAGLE3_DEV_BUILD=1)' if DEV_BUILD else ''}", file=sys.stderr)
     return CUDAExtension(
         "eagle3_ops._C",
         cpp + support + cuda,

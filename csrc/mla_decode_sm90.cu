@@ -34,6 +34,10 @@
 // A build without sm_90a (TORCH_CUDA_ARCH_LIST=9.0, or other archs only) compiles the kernel's body to a
 // trap: the launcher refuses such a build (sm90a_compiled) before any launch, and the Python launcher then
 // takes the Triton kernel (triton_kernels/mla_decode.py sm90_compiled).
+//
+// Development builds only (setup.py EAGLE3_DEV_BUILD=1, `#ifdef EAGLE3_DEV_BUILD` below): the private op
+// _tree_attention_mla_sm90_dev runs the same kernel built with a per-block trace or as a no-math skeleton
+// (kDev); a production build compiles neither, and its op table has no such arguments.
 
 #include <ATen/core/Tensor.h>
 #include <c10/cuda/CUDAException.h>
@@ -78,7 +82,9 @@ struct Params {
   float* lse;                 // [B * N, G] contiguous, natural log, or nullptr          (one split)
   float* part_out;            // [splits, B, N * G, 512] fp32 contiguous              (splits > 1)
   float* part_lse;            // [splits, B, N * G] fp32, log2 units                  (splits > 1)
-  uint64_t* trace;            // [blocks, kTraceSlots] (kTrace builds only: bench/dev/trace_mla.py)
+#ifdef EAGLE3_DEV_BUILD
+  uint64_t* trace;            // [blocks, kTraceSlots] (kDevTrace builds only)
+#endif
   int64_t* err;               // the device error word (eagle3/errors.h)
   float scale_log2;
   int B, N, W, G, num_pages, max_pages, page_size, num_splits;
@@ -122,14 +128,20 @@ __device__ __forceinline__ void mma_pv(float (&o)[128], uint64_t da, uint64_t db
 
 __device__ __forceinline__ int cdiv(int a, int b) { return (a + b - 1) / b; }
 
-// The diagnostic trace (a trace tensor given): per block, the SM, then %globaltimer (ns) at entry, when Q and tile
-// 0 have landed, when each later tile t (1 .. 8) has landed, after the last wgmma and after the epilogue.
+#ifdef EAGLE3_DEV_BUILD
+// The development builds (kDev, a bit set; production kernels are kDev = 0 and compile none of this):
+//  - kDevTrace (bench/dev/trace_mla.py): per block, the SM, then %globaltimer (ns) at entry, when Q and tile 0
+//    have landed, when each later tile t (1 .. 8) has landed, after the last wgmma and after the epilogue;
+//  - kDevNoMath (bench/dev/ceiling_mla.py): all the math dropped (Q K^T, the softmax, P V: the loads, barriers
+//    and epilogue stay); with kDevNoStores the epilogue's stores too: what is left is this decomposition's floor.
+constexpr int kDevNoMath = 1, kDevNoStores = 2, kDevTrace = 4;
 constexpr int kTraceSlots = 16;
 __device__ __forceinline__ uint64_t global_ns() {
   uint64_t t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
   return t;
 }
+#endif
 
 // 2^x by the MUFU alone: results below 2^-126 flush to 0 (exp2f adds a denormal-range fix-up, 3 more
 // instructions for each of the 32 a thread computes per tile). Arguments are score - row max <= 0, so only
@@ -155,12 +167,13 @@ __device__ __forceinline__ void named_barrier_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
+#ifdef EAGLE3_DEV_BUILD
 #pragma nv_diagnostic push
-#pragma nv_diag_suppress 128  // (the skeleton builds end their loops' bodies early: "loop is not reachable")
-// kEvictFirst: the KV loads carry an L2 evict-first policy (else plain cp.async). kTrace: the diagnostic trace.
-// kSkeleton (a diagnostic, bench/dev/ceiling_mla.py): bit 1 drops all the math (Q K^T, the softmax, P V: the loads,
-// barriers and epilogue stay), bit 2 the epilogue's stores too; what is left is this decomposition's floor.
-template <typename T, bool kEvictFirst, bool kTrace, int kSkeleton = 0>
+#pragma nv_diag_suppress 128  // (the no-math builds end their loops' bodies early: "loop is not reachable")
+#endif
+// kEvictFirst: the KV loads carry an L2 evict-first policy (else plain cp.async). kDev: 0, or a development
+// build (EAGLE3_DEV_BUILD only, above).
+template <typename T, bool kEvictFirst, int kDev = 0>
 __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_constant__ Params p) {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ uint8_t smem_raw[];
@@ -178,8 +191,9 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
   const int tid = threadIdx.x;
   const int wg = tid / 128, warp = (tid % 128) / 32, lane = tid % 32;
   const int m_block = blockIdx.x, b = blockIdx.y, split = blockIdx.z;
+#ifdef EAGLE3_DEV_BUILD
   uint64_t* trace = nullptr;
-  if constexpr (kTrace) {
+  if constexpr ((kDev & kDevTrace) != 0) {
     trace = p.trace + ((static_cast<int64_t>(split) * gridDim.y + b) * gridDim.x + m_block) * kTraceSlots;
     if (tid == 0) {
       uint32_t sm;
@@ -188,6 +202,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
       trace[1] = global_ns();
     }
   }
+#endif
   const int rows_total = p.N * p.G;
   const T* q = static_cast<const T*>(p.q);
   const T* kv = static_cast<const T*>(p.kv);
@@ -370,9 +385,11 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
       wait_tile(t);
       sm90::fence_proxy_async();
       named_barrier_sync(3, kThreads);  // tile t landed for every thread
-      if constexpr (kTrace) {
+#ifdef EAGLE3_DEV_BUILD
+      if constexpr ((kDev & kDevTrace) != 0) {
         if (tid == 0 && t <= 8) trace[2 + t] = global_ns();
       }
+#endif
       const uint32_t stage = s_k + (t & 1) * kTileBytes;
       if (t > 0) {
         // P V of tile t - 1 done before Q K^T is issued: its stage is released a Q K^T earlier than after both
@@ -381,11 +398,13 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
         sm90::fence_operand(o);
         if (refills(t)) named_barrier_arrive(4, kThreads);
       }
-      if constexpr (kSkeleton & 1) {
+#ifdef EAGLE3_DEV_BUILD
+      if constexpr ((kDev & kDevNoMath) != 0) {
         named_barrier_sync(2, kThreads);
         named_barrier_arrive(1, kThreads);
         continue;
       }
+#endif
       float s[32];
 #pragma unroll
       for (int i = 0; i < 32; ++i) s[i] = 0.f;
@@ -489,7 +508,9 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
         if (t + 2 < n_tiles) refill_srcs(t + 2);  // their round trip overlaps this tile's P V
       }
       named_barrier_sync(1, kThreads);
-      if constexpr (kSkeleton & 1) continue;
+#ifdef EAGLE3_DEV_BUILD
+      if constexpr ((kDev & kDevNoMath) != 0) continue;
+#endif
       const float alpha[2] = {s_alpha[r0], s_alpha[r0 + 8]};
       rescale(alpha);
       pv(stage);
@@ -497,9 +518,11 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
   }
   sm90::wgmma_wait<0>();
   sm90::fence_operand(o);
-  if constexpr (kTrace) {
+#ifdef EAGLE3_DEV_BUILD
+  if constexpr ((kDev & kDevTrace) != 0) {
     if (tid == 0) trace[11] = global_ns();
   }
+#endif
 
   // Row sums across each quad; the rows' (m, l) to shared memory for warpgroup 1.
   if (wg == 0) {
@@ -524,7 +547,9 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
     const float l = s_l[r], m = s_m[r];
     const float inv = l > 0.f ? 1.f / l : 1.f;
     const float lse2 = (l > 0.f ? m + log2f(l) : -INFINITY) + poison;
-    if constexpr (kSkeleton & 2) continue;
+#ifdef EAGLE3_DEV_BUILD
+    if constexpr ((kDev & kDevNoStores) != 0) continue;
+#endif
     if (p.num_splits > 1) {
       const int64_t prow = (static_cast<int64_t>(split) * p.B + b) * rows_total + row;
       float* dst = p.part_out + prow * kDv + wg * (kDv / 2) + 2 * quad;
@@ -546,16 +571,20 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
       if (p.lse != nullptr && wg == 0 && quad == 0) p.lse[token * p.G + head] = lse2 * 0.6931471805599453f;
     }
   }
-  if constexpr (kTrace) {
+#ifdef EAGLE3_DEV_BUILD
+  if constexpr ((kDev & kDevTrace) != 0) {
     __syncthreads();
     if (tid == 0) trace[12] = global_ns();
   }
+#endif
 #elif defined(__CUDA_ARCH__)
   __trap();  // built for another architecture (TORCH_CUDA_ARCH_LIST without 9.0a): fail, never return garbage
 #endif
 }
 
+#ifdef EAGLE3_DEV_BUILD
 #pragma nv_diagnostic pop
+#endif
 
 // Compiled from this file into the same module as mla_decode_kernel, so the device runs the same build of both:
 // static shared memory only where the code is sm_90a's (elsewhere mla_decode_kernel's body is the trap), which
@@ -591,17 +620,10 @@ bool sm90a_compiled(int device) {
 // out         [B * N, G, 512]  q's dtype, last dim contiguous;  lse [B * N, G] fp32 contiguous, optional
 // part_out    [num_splits, B, N * G, 512] fp32 contiguous;  part_lse [num_splits, B, N * G] fp32 contiguous
 //             (written when num_splits > 1, then merged by the caller; unused otherwise)
-// evict_first the KV loads marked L2 evict-first (when num_splits > 1: the partials, written last and read
-//             by the merge, then stay in L2)
-// trace       [grid blocks, 16] int64: the diagnostic trace build writes its stamps there (bf16 only;
-//             bench/dev/trace_mla.py)
-// skeleton    0, or a diagnostic build (bf16, evict-first loads, no trace): 1 without the math, 3 without the
-//             math and the epilogue's stores (kSkeleton; bench/dev/ceiling_mla.py)
-void tree_attention_mla_sm90_cuda(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& page_table,
-                                  const at::Tensor& prefix_lens, const at::Tensor& tree_mask, double scale,
-                                  const at::Tensor& out, const std::optional<at::Tensor>& lse,
-                                  const at::Tensor& part_out, const at::Tensor& part_lse, int64_t num_splits,
-                                  bool evict_first, const std::optional<at::Tensor>& trace_opt, int64_t skeleton) {
+void check_args(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& page_table,
+                const at::Tensor& prefix_lens, const at::Tensor& tree_mask, double scale, const at::Tensor& out,
+                const std::optional<at::Tensor>& lse, const at::Tensor& part_out, const at::Tensor& part_lse,
+                int64_t num_splits) {
   TORCH_CHECK_TYPE(q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf,
                    "q must have dtype bfloat16 | float16, got ", q.scalar_type());
   CHECK_CUDA(q);
@@ -661,19 +683,17 @@ void tree_attention_mla_sm90_cuda(const at::Tensor& q, const at::Tensor& kv_cach
   TORCH_CHECK_VALUE(N * G <= (int64_t{1} << 30) && B <= 65535 && kv_cache.size(0) < (int64_t{1} << 31) &&
                         page_table.size(1) * kv_cache.size(1) < (int64_t{1} << 31),
                     "tree_attention_mla sizes out of the kernel's range");
-  const bool traced = trace_opt.has_value();
-  TORCH_CHECK_VALUE(skeleton == 0 || ((skeleton == 1 || skeleton == 3) && q.scalar_type() == at::kBFloat16 &&
-                                      evict_first && !traced),
-                    "skeleton must be 0, or 1 | 3 with bfloat16, evict_first and no trace, got ", skeleton);
-  const int64_t blocks = (N * G + kRows - 1) / kRows * B * num_splits;
-  if (traced) {
-    TORCH_CHECK_TYPE(q.scalar_type() == at::kBFloat16, "the trace variant is built for bfloat16 only");
-    const at::Tensor& trace = *trace_opt;
-    CHECK_DTYPE(trace, at::kLong);
-    CHECK_SHAPE(trace, blocks, kTraceSlots);
-    TORCH_CHECK_VALUE(trace.is_contiguous(), "trace must be contiguous");
-    CHECK_SAME_DEVICE(trace, q);
-  }
+}
+
+using Kernel = void (*)(const Params);
+
+// Launches `kernel` (one of mla_decode_kernel's builds, picked by the caller for q's dtype) on q's device, the
+// arguments checked by check_args. trace: the kDevTrace build's buffer (development builds), else nullptr.
+void launch(Kernel kernel, const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& page_table,
+            const at::Tensor& prefix_lens, const at::Tensor& tree_mask, double scale, const at::Tensor& out,
+            const std::optional<at::Tensor>& lse, const at::Tensor& part_out, const at::Tensor& part_lse,
+            int64_t num_splits, uint64_t* trace) {
+  const int64_t B = tree_mask.size(0), N = tree_mask.size(1), W = tree_mask.size(2), G = q.size(1);
   const c10::cuda::OptionalCUDAGuard guard(q.device());
   const int device = q.get_device();
   TORCH_CHECK_VALUE(sm_major(device) == 9, "the sm_90a kernel needs a Hopper GPU (compute capability 9.x)");
@@ -692,7 +712,11 @@ void tree_attention_mla_sm90_cuda(const at::Tensor& q, const at::Tensor& kv_cach
   p.lse = lse.has_value() ? lse->data_ptr<float>() : nullptr;
   p.part_out = num_splits > 1 ? part_out.data_ptr<float>() : nullptr;
   p.part_lse = num_splits > 1 ? part_lse.data_ptr<float>() : nullptr;
-  p.trace = traced ? reinterpret_cast<uint64_t*>(trace_opt->data_ptr<int64_t>()) : nullptr;
+#ifdef EAGLE3_DEV_BUILD
+  p.trace = trace;
+#else
+  (void)trace;
+#endif
   p.err = device_error_word(device);
   p.scale_log2 = static_cast<float>(scale * 1.4426950408889634);
   p.B = static_cast<int>(B);
@@ -718,28 +742,76 @@ void tree_attention_mla_sm90_cuda(const at::Tensor& q, const at::Tensor& kv_cach
   const dim3 grid(static_cast<unsigned>((N * G + kRows - 1) / kRows), static_cast<unsigned>(B),
                   static_cast<unsigned>(num_splits));
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  auto launch = [&](auto kernel) {
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
-    kernel<<<grid, kThreads, kSmemBytes, stream>>>(p);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  };
-  if (skeleton == 1) {
-    launch(mla_decode_kernel<__nv_bfloat16, true, false, 1>);
-  } else if (skeleton == 3) {
-    launch(mla_decode_kernel<__nv_bfloat16, true, false, 3>);
-  } else if (traced) {
-    evict_first ? launch(mla_decode_kernel<__nv_bfloat16, true, true>)
-                : launch(mla_decode_kernel<__nv_bfloat16, false, true>);
-  } else if (q.scalar_type() == at::kBFloat16) {
-    evict_first ? launch(mla_decode_kernel<__nv_bfloat16, true, false>)
-                : launch(mla_decode_kernel<__nv_bfloat16, false, false>);
-  } else {
-    evict_first ? launch(mla_decode_kernel<__half, true, false>) : launch(mla_decode_kernel<__half, false, false>);
-  }
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
+  kernel<<<grid, kThreads, kSmemBytes, stream>>>(p);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
   after_launch(device, stream);
 }
+
+// The arguments as check_args'. evict_first: the KV loads marked L2 evict-first (when num_splits > 1: the
+// partials, written last and read by the merge, then stay in L2).
+void tree_attention_mla_sm90_cuda(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& page_table,
+                                  const at::Tensor& prefix_lens, const at::Tensor& tree_mask, double scale,
+                                  const at::Tensor& out, const std::optional<at::Tensor>& lse,
+                                  const at::Tensor& part_out, const at::Tensor& part_lse, int64_t num_splits,
+                                  bool evict_first) {
+  check_args(q, kv_cache, page_table, prefix_lens, tree_mask, scale, out, lse, part_out, part_lse, num_splits);
+  Kernel kernel;
+  if (q.scalar_type() == at::kBFloat16) {
+    kernel = evict_first ? mla_decode_kernel<__nv_bfloat16, true> : mla_decode_kernel<__nv_bfloat16, false>;
+  } else {
+    kernel = evict_first ? mla_decode_kernel<__half, true> : mla_decode_kernel<__half, false>;
+  }
+  launch(kernel, q, kv_cache, page_table, prefix_lens, tree_mask, scale, out, lse, part_out, part_lse, num_splits,
+         nullptr);
+}
+
+#ifdef EAGLE3_DEV_BUILD
+// The development op (setup.py EAGLE3_DEV_BUILD=1), bf16 only; the arguments as tree_attention_mla_sm90_cuda's, and
+// trace     [grid blocks, 16] int64 contiguous: the kDevTrace build writes its stamps there (bench/dev/trace_mla.py)
+// skeleton  0, or a no-math build (evict-first loads, no trace): 1 without the math, 3 without the math and the
+//           epilogue's stores (kDevNoMath | kDevNoStores; bench/dev/ceiling_mla.py)
+void tree_attention_mla_sm90_dev_cuda(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& page_table,
+                                      const at::Tensor& prefix_lens, const at::Tensor& tree_mask, double scale,
+                                      const at::Tensor& out, const std::optional<at::Tensor>& lse,
+                                      const at::Tensor& part_out, const at::Tensor& part_lse, int64_t num_splits,
+                                      bool evict_first, const std::optional<at::Tensor>& trace, int64_t skeleton) {
+  check_args(q, kv_cache, page_table, prefix_lens, tree_mask, scale, out, lse, part_out, part_lse, num_splits);
+  TORCH_CHECK_TYPE(q.scalar_type() == at::kBFloat16, "the development builds are built for bfloat16 only, got ",
+                   q.scalar_type());
+  const bool traced = trace.has_value();
+  TORCH_CHECK_VALUE(skeleton == 0 || ((skeleton == 1 || skeleton == 3) && evict_first && !traced),
+                    "skeleton must be 0, or 1 | 3 with evict_first and no trace, got ", skeleton);
+  if (traced) {
+    const int64_t B = tree_mask.size(0), N = tree_mask.size(1), G = q.size(1);
+    const int64_t blocks = (N * G + kRows - 1) / kRows * B * num_splits;
+    CHECK_DTYPE((*trace), at::kLong);
+    CHECK_SHAPE((*trace), blocks, kTraceSlots);
+    TORCH_CHECK_VALUE(trace->is_contiguous(), "trace must be contiguous");
+    CHECK_SAME_DEVICE((*trace), q);
+  }
+  using bf16 = __nv_bfloat16;
+  Kernel kernel;
+  if (skeleton == 1) {
+    kernel = mla_decode_kernel<bf16, true, kDevNoMath>;
+  } else if (skeleton == 3) {
+    kernel = mla_decode_kernel<bf16, true, kDevNoMath | kDevNoStores>;
+  } else if (traced) {
+    kernel = evict_first ? mla_decode_kernel<bf16, true, kDevTrace> : mla_decode_kernel<bf16, false, kDevTrace>;
+  } else {
+    kernel = evict_first ? mla_decode_kernel<bf16, true> : mla_decode_kernel<bf16, false>;
+  }
+  launch(kernel, q, kv_cache, page_table, prefix_lens, tree_mask, scale, out, lse, part_out, part_lse, num_splits,
+         traced ? reinterpret_cast<uint64_t*>(trace->data_ptr<int64_t>()) : nullptr);
+}
+#endif
 
 }  // namespace
 }  // namespace eagle3
 
-TORCH_LIBRARY_IMPL(eagle3, CUDA, m) { m.impl("_tree_attention_mla_sm90", &eagle3::tree_attention_mla_sm90_cuda); }
+TORCH_LIBRARY_IMPL(eagle3, CUDA, m) {
+  m.impl("_tree_attention_mla_sm90", &eagle3::tree_attention_mla_sm90_cuda);
+#ifdef EAGLE3_DEV_BUILD
+  m.impl("_tree_attention_mla_sm90_dev", &eagle3::tree_attention_mla_sm90_dev_cuda);
+#endif
+}

@@ -53,7 +53,15 @@ TORCH_LIBRARY(eagle3, m) {
   m.def(
       "_tree_attention_mla_sm90(Tensor q, Tensor kv_cache, Tensor page_table, Tensor prefix_lens, "
       "Tensor tree_mask, float scale, Tensor(a!) out, Tensor(b!)? lse, Tensor(c!) part_out, "
-      "Tensor(d!) part_lse, int num_splits, bool evict_first=False, Tensor(e!)? trace=None, int skeleton=0) -> ()");
+      "Tensor(d!) part_lse, int num_splits, bool evict_first=False) -> ()");
+#ifdef EAGLE3_DEV_BUILD
+  // development builds only (setup.py EAGLE3_DEV_BUILD=1): the same kernel built with its per-block trace
+  // (bench/dev/trace_mla.py) or as a no-math skeleton (skeleton 1 | 3; bench/dev/ceiling_mla.py)
+  m.def(
+      "_tree_attention_mla_sm90_dev(Tensor q, Tensor kv_cache, Tensor page_table, Tensor prefix_lens, "
+      "Tensor tree_mask, float scale, Tensor(a!) out, Tensor(b!)? lse, Tensor(c!) part_out, "
+      "Tensor(d!) part_lse, int num_splits, bool evict_first, Tensor(e!)? trace, int skeleton) -> ()");
+#endif
   m.def(
       "tree_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor page_table, Tensor prefix_lens, "
       "Tensor tree_mask, float scale, Tensor(a!) out, Tensor(b!)? lse) -> ()");
@@ -121,6 +129,11 @@ PYBIND11_MODULE(_C, m) {
     info["device_checks"] = false;
 #else
     info["device_checks"] = true;
+#endif
+#ifdef EAGLE3_DEV_BUILD
+    info["dev_build"] = true;
+#else
+    info["dev_build"] = false;
 #endif
     return info;
   }, "What this build of _C holds: CUDA kernels compiled or not, for which archs, against which CUDA and torch.");

@@ -30,7 +30,8 @@ __version__ = "0.1.0"
 
 def build_info() -> dict:
     """What this build holds: {'cuda': bool, 'cuda_archs', 'cuda_version', 'torch_version', 'cuda_kernels',
-    'device_checks': bool (False when built with EAGLE3_DEVICE_CHECKS=0)}."""
+    'device_checks': bool (False when built with EAGLE3_DEVICE_CHECKS=0), 'dev_build': bool (True only when built
+    with EAGLE3_DEV_BUILD=1: the development-only ops of bench/dev/ exist)}."""
     info = dict(_C.build_info())
     info["cuda_kernels"] = [k for k in info["cuda_kernels"].split(",") if k]
     return info

@@ -89,13 +89,23 @@ def test_compile_fullgraph_cpu():
 
 def test_build_info():
     info = eagle3_ops.build_info()
-    assert set(info) == {"cuda", "cuda_archs", "cuda_version", "torch_version", "cuda_kernels", "device_checks"}
+    assert set(info) == {"cuda", "cuda_archs", "cuda_version", "torch_version", "cuda_kernels", "device_checks",
+                         "dev_build"}
     assert info["device_checks"] in (True, False)  # False: built with EAGLE3_DEVICE_CHECKS=0
+    assert info["dev_build"] in (True, False)  # True: built with EAGLE3_DEV_BUILD=1
     assert info["torch_version"].split("+")[0] == torch.__version__.split("+")[0]
     if info["cuda"]:
         assert "capture_aux" in info["cuda_kernels"] and info["cuda_archs"]
     else:
         assert info["cuda_kernels"] == []
+
+
+def test_production_op_table_has_no_development_arguments():
+    """The sm90 MLA kernel's diagnostic builds (per-block trace, no-math skeletons) are a development build's own op
+    (setup.py EAGLE3_DEV_BUILD=1), never arguments of the op that tree_attention_mla calls."""
+    schema = str(torch.ops.eagle3._tree_attention_mla_sm90.default._schema)
+    assert "trace" not in schema and "skeleton" not in schema, schema
+    assert hasattr(torch.ops.eagle3, "_tree_attention_mla_sm90_dev") == eagle3_ops.build_info()["dev_build"]
 
 
 def test_triton_kernels_is_ours_and_shadows_nothing(tmp_path):

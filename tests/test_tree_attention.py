@@ -831,36 +831,60 @@ def test_gpu_sm90_internal_op_refuses_bad_input():
         op(c.q, c.k_cache.half(), *common, out, None, po, plse, 2)
     with pytest.raises(ValueError, match="part_lse must be on the same device"):
         op(c.q, c.k_cache, *common, out, None, po, plse.cpu(), 2)
-    with pytest.raises(ValueError, match="trace must have shape"):
-        op(c.q, c.k_cache, *common, out, None, po, plse, 2, trace=torch.zeros(3, 16, dtype=torch.int64, device="cuda"))
-    with pytest.raises(TypeError, match="trace must have dtype"):
-        op(c.q, c.k_cache, *common, out, None, po, plse, 2, trace=torch.zeros(16, 16, dtype=torch.int32, device="cuda"))
-    for bad_skeleton, evict in ((2, True), (1, False), (-1, True)):  # the diagnostic builds (bench/dev/ceiling_mla.py)
-        with pytest.raises(ValueError, match="skeleton must be 0, or 1"):
-            op(c.q, c.k_cache, *common, out, None, po, plse, 2, evict, None, bad_skeleton)
     for bad_scale in (0.0, -c.scale, math.inf):  # the softmax takes the row max of the unscaled scores
         with pytest.raises(ValueError, match="scale must be finite and > 0"):
             op(c.q, c.k_cache, c.page_table, c.prefix_lens, c.tree_mask, bad_scale, out, None, po, plse, 2)
 
 
-@pytest.mark.gpu
-def test_gpu_sm90_trace_build():
-    # bench/dev/trace_mla.py's build: the same results as the untraced kernel, and per block stamps in order
-    # (entry <= tile 0 landed <= tile 1 landed ... <= last wgmma <= epilogue done).
-    from eagle3_ops.triton_kernels import mla_decode
+# The kernel's development builds (per-block trace, no-math skeletons) exist only as the private op of a build
+# made with EAGLE3_DEV_BUILD=1 (setup.py); the production op table never has them (tests/test_registration.py).
+needs_dev_build = pytest.mark.skipif(not eagle3_ops.build_info()["dev_build"],
+                                     reason="a development build's op (setup.py EAGLE3_DEV_BUILD=1)")
 
+
+def _sm90_dev_case():
+    """(case, the shared arguments, out, lse, part_out, part_lse) for the development op at 3 splits: B 2, N 3 at
+    Kimi's 64 heads, so 3 row blocks (192 rows) x B x splits = 18 blocks."""
+    c = GpuCase(7, B=2, prefix=1000, N=3, kind="chain", page_size=16, **KIMI_MLA)
+    out = poison_(torch.empty(c.q.shape[0], c.NH, c.Dv, dtype=c.dtype, device="cuda"))
+    lse = poison_(torch.empty(c.q.shape[0], c.NH, device="cuda"))
+    po, plse = torch.empty(3, 2, 3 * 64, 512, device="cuda"), torch.empty(3, 2, 3 * 64, device="cuda")
+    return c, (c.q, c.k_cache, c.page_table, c.prefix_lens, c.tree_mask, c.scale), out, lse, po, plse
+
+
+@pytest.mark.gpu
+@needs_dev_build
+def test_gpu_sm90_dev_op_refuses_bad_input():
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("not a Hopper GPU")
-    c = GpuCase(7, B=2, prefix=1000, N=3, kind="chain", page_size=16, **KIMI_MLA)
-    base = _kernel(c, config=dict(kernel="sm90", splits=3))
-    out = torch.empty(c.q.shape[0], c.NH, c.Dv, dtype=c.dtype, device="cuda")
-    lse = torch.empty(c.q.shape[0], c.NH, device="cuda")
-    poison_(out)
-    trace = torch.zeros(3 * 2 * 3, 16, dtype=torch.int64, device="cuda")  # 3 row blocks (192 rows) x B x splits
-    mla_decode.tree_attention_mla_sm90(c.q, c.k_cache, c.page_table, c.prefix_lens, c.tree_mask, c.scale, out, lse,
-                                       dict(trace=trace, splits=3))
-    assert_equal(out, base[0], "out traced vs untraced")
-    assert_equal(lse, base[1], "lse traced vs untraced")
+    c, args, out, lse, po, plse = _sm90_dev_case()
+    op = torch.ops.eagle3._tree_attention_mla_sm90_dev
+    with pytest.raises(ValueError, match="trace must have shape"):
+        op(*args, out, lse, po, plse, 3, True, torch.zeros(3, 16, dtype=torch.int64, device="cuda"), 0)
+    with pytest.raises(TypeError, match="trace must have dtype"):
+        op(*args, out, lse, po, plse, 3, True, torch.zeros(18, 16, dtype=torch.int32, device="cuda"), 0)
+    for bad_skeleton, evict in ((2, True), (1, False), (-1, True)):
+        with pytest.raises(ValueError, match="skeleton must be 0, or 1"):
+            op(*args, out, lse, po, plse, 3, evict, None, bad_skeleton)
+    half = (c.q.half(), c.k_cache.half()) + args[2:]
+    with pytest.raises(TypeError, match="built for bfloat16 only"):
+        op(*half, out.half(), lse, po, plse, 3, True, None, 0)
+
+
+@pytest.mark.gpu
+@needs_dev_build
+def test_gpu_sm90_trace_build():
+    # bench/dev/trace_mla.py's build: the same partials, bit for bit, as the production op's kernel, and per block
+    # stamps in order (entry <= tile 0 landed <= tile 1 landed ... <= last wgmma <= epilogue done).
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("not a Hopper GPU")
+    c, args, out, lse, po, plse = _sm90_dev_case()
+    want_po, want_plse = torch.empty_like(po), torch.empty_like(plse)
+    torch.ops.eagle3._tree_attention_mla_sm90(*args, out, lse, want_po, want_plse, 3, True)
+    trace = torch.zeros(18, 16, dtype=torch.int64, device="cuda")
+    torch.ops.eagle3._tree_attention_mla_sm90_dev(*args, out, lse, po, plse, 3, True, trace, 0)
+    assert_equal(po, want_po, "part_out traced vs production")
+    assert_equal(plse, want_plse, "part_lse traced vs production")
     t = trace.cpu()
     for row in t:
         tiles = int((row[2:11] != 0).sum())

@@ -447,9 +447,10 @@ def tree_attention_mla_sm90(q: Tensor, kv_cache: Tensor, page_table: Tensor, pre
     splits), then the kernel, then merge_splits. With more than one
     split the KV loads are marked L2 evict-first (config evict_first: False / True forces plain / marked loads),
     which keeps the partials in L2 for the merge: on the H200, N1 B1 P32768 25.8 vs 27.7 us; unsplit, plain loads
-    are faster (N16 B8 P8192 286 vs 300 us; results/mla_sm90_early_h200.log). config trace=<int64 [blocks, 16]
-    tensor> runs the diagnostic trace build (bench/dev/trace_mla.py). (Ways that lost on the H200 at N1 B1: 129 splits
-    of <= 4 tiles, results/mla_sweep_makespan_h200.log; splits reduced on chip by thread-block clusters,
+    are faster (N16 B8 P8192 286 vs 300 us; results/mla_sm90_early_h200.log). (The kernel's per-block trace and
+    no-math builds are a development build's own op, _tree_attention_mla_sm90_dev: bench/dev/trace_mla.py.)
+    (Ways that lost on the H200 at N1 B1: 129 splits of <= 4 tiles, results/mla_sweep_makespan_h200.log; splits
+    reduced on chip by thread-block clusters,
     results/mla_sm90_cluster_h200.log; 2-byte split partials and bulk-copied partials, mla_sm90_early_h200.log; the
     merge as a CUDA kernel, launched plainly or by PDL, mla_sm90_merge_h200.log.)"""
     B, N, _ = tree_mask.shape
@@ -466,6 +467,6 @@ def tree_attention_mla_sm90(q: Tensor, kv_cache: Tensor, page_table: Tensor, pre
     else:
         po = plse = out.new_empty((0,), dtype=torch.float32)
     torch.ops.eagle3._tree_attention_mla_sm90(q, kv_cache, page_table, prefix_lens, tree_mask, scale, out, lse, po, plse,
-                                              splits, bool(config.get("evict_first", splits > 1)), config.get("trace"))
+                                              splits, bool(config.get("evict_first", splits > 1)))
     if splits > 1:
         merge_splits(po, plse, out, lse, N, 1, G)

@@ -9,8 +9,9 @@ bench/common.py times benchmarks (CUDA-graph replays of back-to-back calls over 
 - launch: a kernel that reads and writes 4 bytes: the per-call floor of one launch in such a graph.
 - op: the op as the benchmark times it; kernel alone (the internal op with the split count the launcher picks)
   and the split merge alone (partials hot in L2, as right after the kernel).
-- skeleton: the op's own grid, loads, barriers and epilogue with the math taken out (the kernel's skeleton
-  builds): loads only, with the fp32 partials, and with the merge after it - the floor of this decomposition,
+- skeleton: the op's own grid, loads, barriers and epilogue with the math taken out (the kernel's no-math
+  builds, the development op _tree_attention_mla_sm90_dev: only in a build made with EAGLE3_DEV_BUILD=1, else
+  skipped): loads only, with the fp32 partials, and with the merge after it - the floor of this decomposition,
   at the launcher's split count and at one split an SM.
 - op, KV in L2: the same call with every page id pointing into 8 pages (590 KB, L2-resident): what the kernel
   costs when its 37.8 MB come from L2 instead of HBM - its compute, latency and merge without the HBM stream.
@@ -48,6 +49,7 @@ def _tiny_kernel(X, OUT):
 def main():
     from common import Ceilings, graph_time_us
 
+    import eagle3_ops
     from eagle3_ops.triton_kernels import tree_attention as ta
     from eagle3_ops.triton_kernels.mla_decode import sm90_splits
 
@@ -123,16 +125,20 @@ def main():
           f"the merge alone (partials in L2) {us_merge:.2f} us", flush=True)
 
     # 4. this decomposition's floor: the same grid and loads with the math taken out (csrc/mla_decode_sm90.cu's
-    # skeleton builds: 1 keeps the epilogue's fp32 partials, 3 stores nothing), alone and followed by the merge
+    # no-math builds: skeleton 1 keeps the epilogue's fp32 partials, 3 stores nothing), alone and followed by the
+    # merge; a development build's op only
     skel = {}
-    for n_splits in sorted({splits, sms}):
+    dev = eagle3_ops.build_info()["dev_build"]
+    if not dev:
+        print("skeleton: skipped (a development build's op: setup.py EAGLE3_DEV_BUILD=1)", flush=True)
+    for n_splits in sorted({splits, sms}) if dev else []:
         pos = torch.empty((n_splits, B, N * 64, 512), device="cuda")
         plses = torch.empty((n_splits, B, N * 64), device="cuda")
 
         def skeleton(x, mode, merge, pos=pos, plses=plses, n_splits=n_splits):
-            torch.ops.eagle3._tree_attention_mla_sm90(x["q"], x["k"], x["page_table"], x["prefix_lens"],
-                                                      x["tree_mask"], KIMI_SCALE, x["out"], x["lse"], pos, plses,
-                                                      n_splits, True, None, mode)
+            torch.ops.eagle3._tree_attention_mla_sm90_dev(x["q"], x["k"], x["page_table"], x["prefix_lens"],
+                                                          x["tree_mask"], KIMI_SCALE, x["out"], x["lse"], pos, plses,
+                                                          n_splits, True, None, mode)
             if merge:
                 ta.merge_splits(pos, plses, x["out"], x["lse"], N, 1, 64)
 
@@ -150,10 +156,11 @@ def main():
     us_kernel_l2 = graph_time_us([lambda x=x: kernel(x) for x in sets], reps=10)
     print(f"op with its KV in L2 (every page id in 8 pages): {us_l2:.2f} us, its attention kernel alone "
           f"{us_kernel_l2:.2f} us", flush=True)
+    no_math = (f"; no math ({splits} splits): loads {skel[(splits, 3, False)]:.2f} us, + partials "
+               f"{skel[(splits, 1, False)]:.2f} us, + merge {skel[(splits, 1, True)]:.2f} us" if dev else "")
     print(f"summary: target {target_us:.2f} us; best pure read of the KV {best[0]:.2f} us; op {us_op:.2f} us "
           f"(kernel {us_kernel:.2f} + merge {us_merge:.2f}); op with KV in L2 {us_l2:.2f} us; "
-          f"one launch {us_tiny:.2f} us; no math ({splits} splits): loads {skel[(splits, 3, False)]:.2f} us, "
-          f"+ partials {skel[(splits, 1, False)]:.2f} us, + merge {skel[(splits, 1, True)]:.2f} us", flush=True)
+          f"one launch {us_tiny:.2f} us{no_math}", flush=True)
 
 
 if __name__ == "__main__":
