@@ -300,18 +300,17 @@ def test_cuda_second_device(gen):
 # ---- the Triton kernels under the interpreter (CPU tensors, fp16 / fp32) -------------------------------------
 
 
-def _interpreted(monkeypatch, config=None, stream_max_rows=None):
-    """The Triton launcher with CONFIG_OVERRIDE / STREAM_MAX_ROWS set for one test, checked as the op checks."""
+def _interpreted(config=None, stream_max_rows=None):
+    """The Triton launcher with _fc_proj's config / stream_max_rows (None: the op's defaults), checked as the op
+    checks."""
     from eagle3_ops._validate import fc_proj as check
     from eagle3_ops.triton_kernels import fc_proj as kernels
 
-    monkeypatch.setattr(kernels, "CONFIG_OVERRIDE", config)
-    if stream_max_rows is not None:
-        monkeypatch.setattr(kernels, "STREAM_MAX_ROWS", stream_max_rows)
+    smr = kernels.STREAM_MAX_ROWS if stream_max_rows is None else stream_max_rows
 
     def launch(*args):
         check(*args)
-        kernels.fc_proj(*args)
+        kernels._fc_proj(*args, config=config, stream_max_rows=smr)
     return launch
 
 
@@ -324,13 +323,13 @@ INTERP_PATHS = {"default": (None, None), "stream-k-tma": ("32,32,0,4,2,3,1", Non
 
 @needs_interpreter
 @pytest.mark.skipif(FP8 is None, reason="this torch has no float8_e4m3fn")
-def test_interpreted_h200_case_in_fp16(gen, monkeypatch):
+def test_interpreted_h200_case_in_fp16(gen):
     # The H200's misaligned case with fp16 rows (no bf16 in the interpreter), default tiles: before the fix the
     # interpreter stopped it as "block offset start must be 16-byte aligned" (the fp8 chunk at 24 columns).
     aux = _view(gen, 13, 48, torch.float16, "cpu", 1, 4, 5)
     w, scale = _weight(gen, 24, 48, FP8, "cpu")
     nw = _norm_weight(gen, "fc_norm", 2, 24, torch.float16, "cpu")
-    _run(aux, w, scale, nw, "fc_norm", None, torch.float16, _interpreted(monkeypatch))
+    _run(aux, w, scale, nw, "fc_norm", None, torch.float16, _interpreted())
 
 
 @needs_interpreter
@@ -339,7 +338,7 @@ def test_interpreted_h200_case_in_fp16(gen, monkeypatch):
 @pytest.mark.parametrize("mode", ["none", "fc_norm"])
 @pytest.mark.parametrize("wdt", ["fp8", "fp16", "fp32"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
-def test_interpreted_misaligned_views(gen, monkeypatch, path, layout, mode, wdt, dtype):
+def test_interpreted_misaligned_views(gen, path, layout, mode, wdt, dtype):
     # n_aux 2, H 12: a 24-byte fp16 (12-byte fp8) chunk start, with a weight row stride that TMA takes
     if wdt == "fp8" and FP8 is None:
         pytest.skip("this torch has no float8_e4m3fn")
@@ -348,7 +347,7 @@ def test_interpreted_misaligned_views(gen, monkeypatch, path, layout, mode, wdt,
     w, scale = _weight(gen, 9, 24, dict(fp8=FP8, fp16=torch.float16, fp32=torch.float32)[wdt], "cpu")
     nw = _norm_weight(gen, mode, 2, 12, dtype, "cpu")
     rows = torch.tensor([4, 0, 4, 2])
-    launch = _interpreted(monkeypatch, config, smr)
+    launch = _interpreted(config, smr)
     _run(aux, w, scale, nw, mode, None, dtype, launch)
     _run(aux, w, scale, nw, mode, rows, dtype, launch)
 
@@ -356,16 +355,16 @@ def test_interpreted_misaligned_views(gen, monkeypatch, path, layout, mode, wdt,
 @needs_interpreter
 @pytest.mark.parametrize("offset", [1, 8])  # an odd base; 8 elements = 16 bytes of fp16
 @pytest.mark.parametrize("path", ["default", "stream-k-tma"])
-def test_interpreted_weight_misaligned_base(gen, monkeypatch, offset, path):
+def test_interpreted_weight_misaligned_base(gen, offset, path):
     aux = _view(gen, 3, 64, torch.float16, "cpu", 0, 0, 0)
     w, _ = _weight(gen, 20, 64, torch.float16, "cpu", offset)
-    _run(aux, w, None, None, "none", None, torch.float16, _interpreted(monkeypatch, INTERP_PATHS[path][0]))
+    _run(aux, w, None, None, "none", None, torch.float16, _interpreted(INTERP_PATHS[path][0]))
 
 
 @needs_interpreter
 @pytest.mark.parametrize("path", [*INTERP_PATHS, "persistent", "prefill-rows", "K = 0", "Hd = 0"])
 @pytest.mark.parametrize("bad", BAD)
-def test_interpreted_rows_out_of_range_reports(gen, monkeypatch, path, bad):
+def test_interpreted_rows_out_of_range_reports(gen, path, bad):
     """The Triton kernels record the bad index in the host error word (check_errors() raises the CPU's message),
     write NaN in its row and the reference's values in the others, nothing outside out."""
     config, smr = dict(INTERP_PATHS, persistent=("16,16,0,4,2,2", None), **{"prefill-rows": (None, 0)}).get(
@@ -380,7 +379,7 @@ def test_interpreted_rows_out_of_range_reports(gen, monkeypatch, path, bad):
     rows[bad[0]] = bad[1]
     buf, out = _guarded_out(8, Hd, dtype, "cpu")
     eagle3_ops.check_errors()
-    _interpreted(monkeypatch, config, smr)(aux, w, None, nw, EPS, "fc_norm" if H else "none", rows, out)
+    _interpreted(config, smr)(aux, w, None, nw, EPS, "fc_norm" if H else "none", rows, out)
     with pytest.raises(Eagle3InputError, match="^" + re.escape(_message(*bad)) + "$"):
         eagle3_ops.check_errors()
     eagle3_ops.check_errors()  # cleared

@@ -5,10 +5,12 @@ bf16) is read once, in tiles of BLOCK_N output channels x BLOCK_K, split along K
 programs per SM keep many 16-byte loads in flight; the R rows of aux (gathered through `rows` by
 pointer, never copied) are the small operand of a tensor-core dot computed as W_tile @ aux_tile^T
 (swap-AB: the weight tile fills the MMA's M side). Each split's fp32 partial is written once and a second
-small kernel sums the splits, applies the per-channel scale and rounds once to out's dtype. A persistent
-stream-K variant (selected through CONFIG_OVERRIDE while it is measured) gives every program the same number
+small kernel sums the splits, applies the per-channel scale and rounds once to out's dtype. bf16 / fp16 and fp8
+weights take the persistent stream-K kernel instead (stream_config), which gives every program the same number
 of BLOCK_K steps over the (n-block, chunk, step) space, so no partial last wave of programs is left on a
 few SMs; its partial sums per (program, n-block) are added in a fixed order (deterministic, no atomics).
+An fp8 weight with bf16 rows dots in fp16: e4m3 -> fp16 is one native conversion a pair, and the rows go to fp16
+scaled by 2^-8 (exact; undone after the loop).
 
 The norms cost no pass over the weight: the per-row (norm_before_fc) or per-row-and-chunk (fc_norm)
 rsqrt is computed first by a small kernel over aux [R, K]; a K split never straddles a chunk, so each
@@ -19,9 +21,12 @@ Large R (prefill) uses cuBLAS through torch.mm on aux (normalised rows written o
 is on); an fp8 weight there is first dequantised to aux's dtype (cuBLAS has no bf16 x fp8 product); fp32
 or mixed dtypes use the Triton kernel as a tiled GEMM.
 
+Tuning runs (bench/dev/sweep_fc.py, tune_fc.py) and tests pick other tiles, or move the streaming / prefill
+boundary, through _fc_proj's explicit arguments; the op itself always takes the defaults.
+
 Any view the reference takes runs: aux and out are read and written through plain pointer loads and stores,
 which Triton vectorises only where it sees the base address and the row stride 16-byte aligned (a column slice
-of a wider buffer gets scalar accesses). Only the weight tiles (and the prepared rows) go through TMA, and only
+of a wider buffer gets scalar accesses). Only the weight tiles go through TMA, and only
 where Hopper allows it: base address, row stride and the first column of every box (chunk starts included)
 16-byte aligned, else an "illegal instruction" kills the context (_tma_ok); otherwise plain loads. The default
 tiles are cut down (stages, then BLOCK_K, then BLOCK_N) until an upper bound of their shared memory fits the
@@ -36,7 +41,6 @@ for the CPU reference only: refused on CUDA.
 from __future__ import annotations
 
 import contextlib
-import os
 from typing import Optional
 
 import torch
@@ -49,21 +53,8 @@ from .. import errors
 from ._errors import NO_INDEX as _NO_INDEX
 from ._errors import arg_id, op_id, report_range
 
-# "BN,BK,SPLIT,warps,stages[,PER_SM[,TMA]]" replaces stream_config's choice (tuning runs: bench/dev/sweep_fc.py
-# sets it). PER_SM > 0 selects the persistent stream-K kernel with PER_SM programs per SM (SPLIT is then
-# unused); TMA=1 loads its weight tiles through a host-side tensor descriptor.
-CONFIG_OVERRIDE = os.environ.get("EAGLE3_FC_CONFIG")
-STREAM_MAX_ROWS = int(os.environ.get("EAGLE3_FC_STREAM_MAX_ROWS", "64"))
-# fp8 weights with bf16 activations: dot in fp16 (native e4m3 -> fp16 conversion) instead of bf16
-FP8_VIA_F16 = os.environ.get("EAGLE3_FC_FP8_F16", "1") == "1"
-# fp8 weights (fp16 dot) from this many rows on: the rows are gathered, normalised and converted to fp16 x 2^-8
-# once, in a pass before the stream-K kernel, which then feeds them to the dot as loaded. Inside the loop that
-# conversion is redone for every output-channel block (56 times at Kimi shape): at R = 64 the loop body was 897
-# sm_90a instructions a step against 393 at R = 1 (FMUL / F2FP.PACK / HMUL2 / STS of the activation tile), and
-# fp8 ran at 65 us against 42 us at R = 1 (bench/results/fc_sweep_fp8_h200.log).
-# Off (0): measured on the H200 at 6501455 it lost at every R (45.6 vs 42.8 us at R = 1, 98.5 vs 65.1 at R = 64;
-# bench/results/fc_sweep_prep_h200.log). Kept for sweeps through the environment variable.
-FP8_PREP_ROWS = int(os.environ.get("EAGLE3_FC_FP8_PREP_ROWS", "0")) or 1 << 62
+# R up to this many rows: weight streaming; above: cuBLAS (or the tiled GEMM)
+STREAM_MAX_ROWS = 64
 _NORM_CODE = {"none": 0, "norm_before_fc": 1, "fc_norm": 2}
 # the error word's ids (eagle3_ops/errors.py)
 _OP_FC_PROJ = tl.constexpr(op_id("fc_proj"))
@@ -204,16 +195,14 @@ def _store_row(acc, r, offs, ok, rows, T, scale, out, stride_o, err, HAS_ROWS: t
 
 
 @triton.jit
-def _fc_persistent_kernel(aux, a_desc, stride_a, rows, T, R, w, w_desc, K, Hd, rstd, n_chunks, CHUNK, IPC, ITERS, nw,
-                          part,
+def _fc_persistent_kernel(aux, stride_a, rows, T, R, w, w_desc, K, Hd, rstd, n_chunks, CHUNK, IPC, ITERS, nw, part,
                           HAS_ROWS: tl.constexpr, NORM: tl.constexpr, HAS_NW: tl.constexpr, F16: tl.constexpr,
                           TMA: tl.constexpr, COMPUTE: tl.constexpr, IEEE: tl.constexpr, BLOCK_N: tl.constexpr,
-                          BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, S_MAX: tl.constexpr, A16: tl.constexpr = False):
+                          BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, S_MAX: tl.constexpr):
     """Stream-K: program p owns steps [p * ITERS, (p + 1) * ITERS) of the (n-block, chunk, BLOCK_K step) space
     (n-block-major), so every program streams the same number of weight bytes whatever the SM count.
 
-    aux [T, K] (row stride stride_a; A16: the prepared fp16 rows [R, K], a_desc over them in [BLOCK_T, BLOCK_K]
-    boxes when TMA); rows [R]; w [Hd, K] (w_desc: the same, [BLOCK_N, BLOCK_K] boxes);
+    aux [T, K] (row stride stride_a); rows [R]; w [Hd, K] (w_desc: the same, [BLOCK_N, BLOCK_K] boxes);
     rstd [R, n_chunks] fp32; nw [K]; part [programs, S_MAX, R, BLOCK_N] fp32: program p's sum over the
     n-block nb is written to part[p, nb - first n-block of p] (deterministic; _fc_fixup_kernel adds them).
     """
@@ -244,15 +233,10 @@ def _fc_persistent_kernel(aux, a_desc, stride_a, rows, T, R, w, w_desc, K, Hd, r
             n_ok = nb * BLOCK_N + tl.arange(0, BLOCK_N) < Hd
             wt = tl.load(w + ((nb * BLOCK_N).to(tl.int64) * K + k0) + w_tile, mask=n_ok[:, None] & k_ok[None, :],
                          other=0.0, eviction_policy="evict_first")
-        if A16 and TMA:  # [BLOCK_T, BLOCK_K] box of the prepared rows (zeros past R and K), used transposed
-            at = tl.trans(a_desc.load([pid_t * BLOCK_T, k0]))
-        else:
-            at = tl.load(aux + k0 + a_tile, mask=k_ok[:, None] & valid[None, :], other=0.0)
+        at = tl.load(aux + k0 + a_tile, mask=k_ok[:, None] & valid[None, :], other=0.0)
         if HAS_NW:
             at = at.to(tl.float32) * tl.load(nw + offs_k, mask=k_ok, other=0.0).to(tl.float32)[:, None]
-        if A16:  # (F16 too) aux is the prepared fp16 x 2^-8 rows: into the dot as loaded
-            acc_c = tl.dot(wt.to(tl.float16), at, acc_c)
-        elif F16:  # as in _fc_stream_kernel: activations scaled by 2^-8 into fp16, undone at the flush
+        if F16:  # as in _fc_stream_kernel: activations scaled by 2^-8 into fp16, undone at the flush
             acc_c = tl.dot(wt.to(tl.float16), (at.to(tl.float32) * 0.00390625).to(tl.float16), acc_c)
         elif IEEE:
             acc_c = tl.dot(wt.to(COMPUTE), at.to(COMPUTE), acc_c, input_precision="ieee")
@@ -293,10 +277,9 @@ def _fc_fixup_kernel(part, rows, T, R, Hd, ipn, ITERS, scale, out, stride_o, err
 
 @triton.jit
 def _normalise_rows_kernel(aux, stride_a, rows, T, K, CHUNK, n_chunks, rstd, nw, dst, err,
-                           HAS_ROWS: tl.constexpr, NORM: tl.constexpr, HAS_NW: tl.constexpr, BLOCK: tl.constexpr,
-                           SCALE: tl.constexpr = 1.0):
-    """dst[r] = SCALE * norm(aux[rows[r]]) in dst's dtype (the prefill path's one pass before cuBLAS: aux's dtype,
-    SCALE 1; the fp8 stream path's: fp16, SCALE 2^-8); NaN rows for indices outside [0, T), reported to err."""
+                           HAS_ROWS: tl.constexpr, NORM: tl.constexpr, HAS_NW: tl.constexpr, BLOCK: tl.constexpr):
+    """dst[r] = norm(aux[rows[r]]) in dst's dtype (the prefill path's one pass before cuBLAS); NaN rows for indices
+    outside [0, T), reported to err."""
     r = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < K
@@ -313,8 +296,6 @@ def _normalise_rows_kernel(aux, stride_a, rows, T, K, CHUNK, n_chunks, rstd, nw,
         a *= tl.load(rstd + r * n_chunks + offs // CHUNK, mask=ok, other=0.0)
     if HAS_NW:
         a *= tl.load(nw + offs, mask=ok, other=0.0).to(tl.float32)
-    if SCALE != 1.0:
-        a *= SCALE
     a = tl.where(valid, a, float("nan"))
     tl.store(dst + r.to(tl.int64) * K + offs, a.to(dst.dtype.element_ty), mask=ok)
 
@@ -326,15 +307,19 @@ def _compute_dtype(aux: Tensor, weight: Tensor) -> torch.dtype:
 
 
 def _via_f16(aux: Tensor, weight: Tensor) -> bool:
-    """An fp8 weight with bf16 rows: the dot runs in fp16 (see FP8_VIA_F16)."""
-    return weight.element_size() == 1 and _compute_dtype(aux, weight) == torch.bfloat16 and FP8_VIA_F16
+    """An fp8 weight with bf16 rows: the dot runs in fp16 (the module docstring). A bf16 dot of the converted
+    weight was the alternative: 65.9 vs 48.4 us at T = 1 with the split-K tiles of the time, the best of each
+    (bench/results/fc_sweep_h200.log), so it was removed."""
+    return weight.element_size() == 1 and _compute_dtype(aux, weight) == torch.bfloat16
 
 
 _TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
 def parse_override(config: str) -> tuple:
-    """CONFIG_OVERRIDE's "BN,BK,SPLIT,warps,stages[,PER_SM[,TMA]]" as 7 ints (PER_SM, TMA default to 0)."""
+    """A tile config "BN,BK,SPLIT,warps,stages[,PER_SM[,TMA]]" (_fc_proj's `config`) as 7 ints (PER_SM, TMA default
+    to 0). PER_SM > 0 selects the persistent stream-K kernel with PER_SM programs per SM (SPLIT is then unused);
+    TMA=1 loads its weight tiles through a host-side tensor descriptor."""
     v = [int(x) for x in config.split(",")]
     if not 5 <= len(v) <= 7:
         raise ValueError(f"fc_proj config {config!r}: expected 5 to 7 comma-separated ints "
@@ -342,12 +327,12 @@ def parse_override(config: str) -> tuple:
     return tuple(v + [0] * (7 - len(v)))
 
 
-def stream_config(R: int, Hd: int, K: int, n_chunks: int, weight: Tensor) -> dict:
-    """Tile sizes and the K split for the weight-streaming kernel (CONFIG_OVERRIDE replaces them), sized for bf16
-    activations; _fit_shared cuts them down where the dtypes need more shared memory."""
+def stream_config(R: int, Hd: int, K: int, n_chunks: int, weight: Tensor, override: Optional[str] = None) -> dict:
+    """Tile sizes and the K split for the weight-streaming kernel (an override config replaces them: parse_override),
+    sized for bf16 activations; _fit_shared cuts them down where the dtypes need more shared memory."""
     per_sm, tma = 0, 0
-    if CONFIG_OVERRIDE:
-        bn, bk, split, warps, stages, per_sm, tma = parse_override(CONFIG_OVERRIDE)
+    if override:
+        bn, bk, split, warps, stages, per_sm, tma = parse_override(override)
     elif weight.element_size() == 1:
         # stream-K, TMA weight tiles, 2 programs per SM; measured on the H200 at 5180f72
         # (bench/results/fc_sweep_streamk_h200.log): 42.1 / 44.8 / 65.1 us at T = 1 / 16 / 64
@@ -456,10 +441,8 @@ def _limits(device: torch.device) -> tuple:
     return _LIMITS[device.index]
 
 
-def _persistent(aux, weight, weight_scale, nw, rstd, norm, n_chunks, rows, out, T, R, K, Hd, block_t, cfg, err,
-                a16=False):
-    """Stream-K over (n-block, chunk, BLOCK_K step): cfg["per_sm"] programs per SM, equal step counts. a16: aux
-    is the prepared [R, K] fp16 x 2^-8 rows of an fp8 weight's product (rows, norms and nw already applied)."""
+def _persistent(aux, weight, weight_scale, nw, rstd, norm, n_chunks, rows, out, T, R, K, Hd, block_t, cfg, err):
+    """Stream-K over (n-block, chunk, BLOCK_K step): cfg["per_sm"] programs per SM, equal step counts."""
     bn, bk = cfg["BLOCK_N"], cfg["BLOCK_K"]
     chunk = K // n_chunks
     ipc = triton.cdiv(chunk, bk)
@@ -470,30 +453,29 @@ def _persistent(aux, weight, weight_scale, nw, rstd, norm, n_chunks, rows, out, 
     s_max = triton.cdiv(iters, ipn) + 1  # n-blocks one program's steps can touch
     part = torch.empty(programs, s_max, R, bn, dtype=torch.float32, device=aux.device)
     compute = _compute_dtype(aux, weight)
-    # weight boxes start at chunk * CHUNK + step * BLOCK_K columns; the prepared rows' at step * BLOCK_K
-    tma = bool(cfg["tma"]) and _tma_ok(weight, chunk, bk) and (not a16 or _tma_ok(aux, bk))
+    # weight boxes start at chunk * CHUNK + step * BLOCK_K columns
+    tma = bool(cfg["tma"]) and _tma_ok(weight, chunk, bk)
     desc = TensorDescriptor.from_tensor(weight, [bn, bk]) if tma else weight
-    a_desc = TensorDescriptor.from_tensor(aux, [block_t, bk]) if tma and a16 else aux
     _fc_persistent_kernel[(programs, triton.cdiv(R, block_t))](
-        aux, a_desc, aux.stride(0), rows if rows is not None else aux, T, R, weight, desc, K, Hd,
+        aux, aux.stride(0), rows if rows is not None else aux, T, R, weight, desc, K, Hd,
         rstd if rstd is not None else aux, n_chunks, chunk, ipc, iters, nw if nw is not None else aux, part,
-        HAS_ROWS=rows is not None, NORM=norm, HAS_NW=nw is not None, F16=a16 or _via_f16(aux, weight), TMA=tma,
+        HAS_ROWS=rows is not None, NORM=norm, HAS_NW=nw is not None, F16=_via_f16(aux, weight), TMA=tma,
         COMPUTE=_TL[compute], IEEE=compute == torch.float32, BLOCK_N=bn, BLOCK_K=bk, BLOCK_T=block_t, S_MAX=s_max,
-        A16=a16, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     _fc_fixup_kernel[(R, triton.cdiv(Hd, bn))](
         part, rows if rows is not None else aux, T, R, Hd, ipn, iters,
         weight_scale if weight_scale is not None else aux, out, out.stride(0), err, HAS_ROWS=rows is not None,
         HAS_SCALE=weight_scale is not None, BLOCK_N=bn, S_MAX=s_max)
 
 
-def _prepared_rows(aux, rows, T, R, K, n_chunks, norm, rstd, nw, dtype, scale, err) -> Tensor:
-    """[R, K] of dtype: scale * norm(aux[rows]) with nw applied, written once (NaN rows for bad indices, reported)."""
-    a = torch.empty(R, K, dtype=dtype, device=aux.device)
+def _prepared_rows(aux, rows, T, R, K, n_chunks, norm, rstd, nw, err) -> Tensor:
+    """[R, K] of aux's dtype: norm(aux[rows]) with nw applied, written once (NaN rows for bad indices, reported)."""
+    a = torch.empty(R, K, dtype=aux.dtype, device=aux.device)
     block = 1024
     _normalise_rows_kernel[(R, triton.cdiv(K, block))](
         aux, aux.stride(0), rows if rows is not None else aux, T, K, K // n_chunks, n_chunks,
         rstd if rstd is not None else aux, nw if nw is not None else aux, a, err,
-        HAS_ROWS=rows is not None, NORM=norm, HAS_NW=nw is not None, BLOCK=block, SCALE=scale)
+        HAS_ROWS=rows is not None, NORM=norm, HAS_NW=nw is not None, BLOCK=block)
     return a
 
 
@@ -501,6 +483,20 @@ def fc_proj(aux: Tensor, weight: Tensor, weight_scale: Optional[Tensor], norm_we
             norm_mode: str, rows: Optional[Tensor], out: Tensor) -> None:
     """The CUDA launcher (arguments already checked by eagle3_ops._validate.fc_proj), on aux's device. A rows
     index outside [0, T) is recorded in the device error word and its out row is NaN (the module docstring)."""
+    _fc_proj(aux, weight, weight_scale, norm_weight, eps, norm_mode, rows, out)
+
+
+def _fc_proj(aux: Tensor, weight: Tensor, weight_scale: Optional[Tensor], norm_weight: Optional[Tensor], eps: float,
+             norm_mode: str, rows: Optional[Tensor], out: Tensor, *, config: Optional[str] = None,
+             stream_max_rows: int = STREAM_MAX_ROWS) -> None:
+    """fc_proj's launcher with its choices made explicit, for tuning runs and tests (the op passes the defaults).
+
+    config : str, optional
+        "BN,BK,SPLIT,warps,stages[,PER_SM[,TMA]]" (parse_override), taken as given for the weight-streaming
+        kernels instead of stream_config's tiles (not cut to fit shared memory: a tuning run wants its own error).
+    stream_max_rows : int
+        R up to this many rows streams the weight; above, cuBLAS or the tiled GEMM (0: always the latter).
+    """
     for name, t in (("aux", aux), ("weight", weight), ("norm_weight", norm_weight), ("out", out)):
         if t is not None and t.dtype == torch.float64:
             raise TypeError(f"{name} must have dtype bfloat16 | float16 | float32 on CUDA (float64 runs on the CPU "
@@ -520,31 +516,27 @@ def fc_proj(aux: Tensor, weight: Tensor, weight_scale: Optional[Tensor], norm_we
         if K == 0 or Hd == 0:  # nothing to multiply: zeros (the empty sum), still checking rows
             _reduced(out, rows, T, R, Hd, None, out, 0, err)
         else:
-            _launch(aux, weight, weight_scale, nw, eps, norm, n_chunks, rows, out, T, R, K, Hd, err)
+            _launch(aux, weight, weight_scale, nw, eps, norm, n_chunks, rows, out, T, R, K, Hd, err, config,
+                    stream_max_rows)
     errors.after_launch(aux.device)
 
 
-def _launch(aux, weight, weight_scale, nw, eps, norm, n_chunks, rows, out, T, R, K, Hd, err):
+def _launch(aux, weight, weight_scale, nw, eps, norm, n_chunks, rows, out, T, R, K, Hd, err, config, stream_max_rows):
     rstd = _norm_rstd(aux, rows, T, R, K, n_chunks, eps) if norm else None
-    if R <= STREAM_MAX_ROWS:
+    if R <= stream_max_rows:
         block_t = max(16, triton.next_power_of_2(R))
-        cfg = stream_config(R, Hd, K, n_chunks, weight)
-        if not CONFIG_OVERRIDE:  # a tuning run's tiles are taken as given (it wants its own error)
+        cfg = stream_config(R, Hd, K, n_chunks, weight, config)
+        if not config:
             cfg = _fit_shared(cfg, block_t, aux, weight, nw is not None)
-        if cfg["per_sm"] > 0 and R >= FP8_PREP_ROWS and _via_f16(aux, weight):
-            a16 = _prepared_rows(aux, rows, T, R, K, n_chunks, norm, rstd, nw, torch.float16, 0.00390625, err)
-            _persistent(a16, weight, weight_scale, None, None, 0, 1, None, out, R, R, K, Hd, block_t, cfg, err,
-                        a16=True)
-        else:
-            launch = _persistent if cfg["per_sm"] > 0 else _streamed
-            launch(aux, weight, weight_scale, nw, rstd, norm, n_chunks, rows, out, T, R, K, Hd, block_t, cfg, err)
+        launch = _persistent if cfg["per_sm"] > 0 else _streamed
+        launch(aux, weight, weight_scale, nw, rstd, norm, n_chunks, rows, out, T, R, K, Hd, block_t, cfg, err)
     elif aux.dtype in (torch.bfloat16, torch.float16) and out.dtype == aux.dtype and (
             weight.dtype == aux.dtype or weight.element_size() == 1):
         # prefill: cuBLAS on aux itself, or on the normalised / gathered rows written once; an fp8 (or
         # scaled) weight is dequantised to aux's dtype first (cuBLAS has no bf16 x fp8 product)
         w_mm = weight if weight_scale is None else _dequantised(weight, weight_scale, aux.dtype)
         if norm or rows is not None or nw is not None:
-            a = _prepared_rows(aux, rows, T, R, K, n_chunks, norm, rstd, nw, aux.dtype, 1.0, err)
+            a = _prepared_rows(aux, rows, T, R, K, n_chunks, norm, rstd, nw, err)
         else:
             a = aux
         torch.mm(a, w_mm.t(), out=out)

@@ -9,8 +9,9 @@ Candidates compile first in parallel worker processes (the Triton cache is share
 only loads them. `python bench/dev/sweep_fc.py --compile` needs no GPU: it compiles every candidate for
 sm_90a and prints ptxas's registers and spills and the shared memory (triton's bundled ptxas).
 
-Configs read "BN,BK,SPLIT,warps,stages[,PER_SM[,TMA]]" (triton_kernels/fc_proj.py:CONFIG_OVERRIDE):
-PER_SM > 0 is the persistent stream-K kernel (PER_SM programs per SM, equal weight bytes each).
+Configs read "BN,BK,SPLIT,warps,stages[,PER_SM[,TMA]]" (triton_kernels/fc_proj.py:parse_override), passed to
+the launcher explicitly (fc_proj._fc_proj's config): PER_SM > 0 is the persistent stream-K kernel (PER_SM
+programs per SM, equal weight bytes each).
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ TS = (1, 4, 16, 32, 64)  # issue 4's T <= 64 grid
 # (5180f72's candidates and results: results/fc_sweep_streamk_h200.log; their winners are the defaults.)
 # Now: the fp8 neighbourhood of its default 128,128,0,4,4,2,1 (42.1 / 44.8 / 65.1 us at T = 1 / 16 / 64, where
 # 1.9x bf16 F.linear needs ~40.5 us): deeper pipelines, 8 warps (half the converted tile per thread), wider K.
-# 6501455's run (results/fc_sweep_prep_h200.log): "+prep" lost at every T and no tile config beat the defaults.
+# 6501455's run (results/fc_sweep_prep_h200.log): "+prep" (fp8 rows gathered, normalised and converted to fp16 once,
+# before the stream-K kernel) lost at every T, so that path was removed; no tile config beat the defaults.
 # The CUDA kernel fc_stream_sm90.cu, removed (the weight as wgmma's register operand, straight from global memory)
 # was run at a7c24b9 (results/fc_sweep_sm90_h200.log): correct, but 0.47-0.73x F.linear at every T, so it is
 # gone. Left: the best fp8 tiles of 6501455's run.
@@ -44,15 +46,6 @@ CANDIDATES = {
     "bf16": [],
     "fp8": ["256,128,0,8,4,1,1"],
 }
-
-
-def _apply(kernels, c):
-    """Select candidate c: its config string (None: the default), and with a "+prep" suffix the fp8
-    prepared-rows path (fc_proj.FP8_PREP_ROWS: rows gathered / normalised / converted to fp16 once, before the
-    stream-K kernel)."""
-    prep = c is not None and c.endswith("+prep")
-    kernels.CONFIG_OVERRIDE = (c[:-len("+prep")] or None) if prep else c
-    kernels.FP8_PREP_ROWS = 1 if prep else 1 << 62
 
 
 def _cfg(c):
@@ -79,8 +72,8 @@ def _kernels_module():
         src = f.read()
     blob = hashlib.sha1(b"blob %d\0" % len(src) + src).hexdigest()[:10]  # = git hash-object / rev-parse HEAD:path
     print(f"kernels {os.path.realpath(kernels.__file__)} (blob {blob})", flush=True)
-    if not hasattr(kernels, "parse_override") or not hasattr(kernels, "_persistent"):
-        sys.exit(f"{kernels.__file__} has no stream-K path (PER_SM/TMA fields): stale copy of fc_proj.py")
+    if not hasattr(kernels, "_fc_proj") or not hasattr(kernels, "_persistent"):
+        sys.exit(f"{kernels.__file__} has no stream-K path or no _fc_proj(config=...): stale copy of fc_proj.py")
     return kernels
 
 
@@ -101,22 +94,24 @@ def _weights():
     return _STATE
 
 
-def _call(name, aux, out):
+def _call(name, aux, out, config):
+    """One fc_proj call through its launcher with candidate `config` (None: the default tiles)."""
+    from eagle3_ops.triton_kernels import fc_proj as kernels
+
     w, s = _weights()[name]
-    return lambda: torch.ops.eagle3.fc_proj(aux, w, s, None, 1e-6, "none", None, out)
+    return lambda: kernels._fc_proj(aux, w, s, None, 1e-6, "none", None, out, config=config)
 
 
 def _precompile(task):
     """In a worker process: one call per T compiles (or loads) the candidate's kernels into the shared cache."""
-    from eagle3_ops.triton_kernels import fc_proj as kernels  # (importing eagle3_ops registers its ops)
+    import eagle3_ops  # noqa: F401  (registers the ops)
 
     name, config, ts = task
-    _apply(kernels, config)
     t0 = time.time()
     try:
         for T in ts:
             aux = torch.randn(T, K, device="cuda", dtype=torch.bfloat16)
-            _call(name, aux, torch.empty(T, HD, device="cuda", dtype=torch.bfloat16))()
+            _call(name, aux, torch.empty(T, HD, device="cuda", dtype=torch.bfloat16), config)()
         torch.cuda.synchronize()
         return f"{time.time() - t0:.1f} s"
     except Exception as e:  # out of shared memory etc.: reported again by the timed loop
@@ -137,7 +132,7 @@ def _scaled_mm_call(aux, w8, scale):
 
 def main(ts):
     t_start = time.time()
-    kernels = _kernels_module()
+    _kernels_module()
     tasks = [(name, c, ts) for name, cs in CANDIDATES.items() for c in [None] + cs]
     workers = min(len(tasks), max(1, (os.cpu_count() or 2) - 2), 14)
     with cf.ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as pool:
@@ -168,12 +163,11 @@ def main(ts):
                   f"{nbytes / (base * 1e-6) / bw * 100:5.1f}% of copy")
             rows = []
             for c in [None] + CANDIDATES[name]:
-                _apply(kernels, c)
                 try:
                     out.fill_(float("nan"))
-                    _call(name, aux, out)()
+                    _call(name, aux, out, c)()
                     err = float((out.float() - truth).norm() / truth.norm())
-                    us = graph_time_us([_call(name, aux, out)], reps=10)
+                    us = graph_time_us([_call(name, aux, out, c)], reps=10)
                 except Exception as e:
                     print(f"T={T:<3} {name:<4} {c or 'default':<20} {_where(e)[:120]}")
                     continue
@@ -188,7 +182,6 @@ def main(ts):
                 summary.append(f"best T={T:<3} {name:<4} {c:<20} {us:8.2f} us  {nbytes / (us * 1e-6) / bw * 100:5.1f}% "
                                f"of copy  {lin / us:5.2f}x F.linear ({lin:.2f})  {smm / us:5.2f}x _scaled_mm "
                                f"({smm:.2f})")
-    _apply(kernels, None)
     print("\n".join(summary))
     print(f"wall {time.time() - t_start:.0f} s")
 
@@ -207,15 +200,13 @@ def compile_report():
     for name, cs in CANDIDATES.items():
         wty = "*bf16" if name == "bf16" else "*fp8e4nv"
         for c in cs:
-            prep = c.endswith("+prep")
-            cfg = _cfg(c[:-len("+prep")] or ("128,128,0,4,4,2,1" if name == "fp8" else "128,128,0,8,4,1,1")
-                       if prep else c)
+            cfg = _cfg(c)
             bn, bk = cfg["BLOCK_N"], cfg["BLOCK_K"]
             for T in (1, 16, 64):
                 bt = max(16, triton.next_power_of_2(T))
                 common = dict(HAS_ROWS=False, NORM=0, HAS_NW=False, COMPUTE=triton.language.bfloat16, IEEE=False,
                               F16=name == "fp8", BLOCK_N=bn, BLOCK_K=bk, BLOCK_T=bt)
-                ptrs = dict(aux="*fp16" if prep else "*bf16", rows="*bf16", w=wty, rstd="*bf16", nw="*bf16",
+                ptrs = dict(aux="*bf16", rows="*bf16", w=wty, rstd="*bf16", nw="*bf16",
                             part="*fp32", scale="*fp32", out="*bf16", err="*i64")
                 if cfg["per_sm"]:
                     fn = kernels._fc_persistent_kernel
@@ -223,9 +214,8 @@ def compile_report():
                     iters = triton.cdiv(HD // bn * ipn, cfg["per_sm"] * 132)
                     s_max = triton.cdiv(iters, ipn) + 1
                     ints = dict(stride_a=K, T=T, R=T, K=K, Hd=HD, n_chunks=1, CHUNK=K, IPC=ipn, ITERS=iters)
-                    const = dict(common, TMA=bool(cfg["tma"]), S_MAX=s_max, A16=prep)
+                    const = dict(common, TMA=bool(cfg["tma"]), S_MAX=s_max)
                     ptrs["w_desc"] = f"tensordesc<{wty[1:]}[{bn}, {bk}]>" if cfg["tma"] else wty  # else the weight
-                    ptrs["a_desc"] = f"tensordesc<fp16[{bt}, {bk}]>" if prep and cfg["tma"] else "*bf16"
                 else:
                     fn = kernels._fc_stream_kernel
                     kps = triton.cdiv(triton.cdiv(K, cfg["split"]), bk) * bk

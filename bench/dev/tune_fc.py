@@ -1,6 +1,7 @@
 """Sweep fc_proj's weight-streaming configurations at Kimi shape (a tuning aid, not a benchmark):
 python bench/dev/tune_fc.py [T ...]. Prints us per (T, weight dtype, BLOCK_N, BLOCK_K, split, warps, stages)
-and the best per case; the defaults live in triton_kernels/fc_proj.py:stream_config."""
+and the best per case; the defaults live in triton_kernels/fc_proj.py:stream_config. Each candidate runs through
+fc_proj's launcher with its tiles given explicitly (fc_proj._fc_proj's config)."""
 
 from __future__ import annotations
 
@@ -25,7 +26,6 @@ def main(ts):
     weights = {"bf16": (w.bfloat16(), None)}
     w8, s8, _ = prepare_fc_weight(w, fp8=True)
     weights["fp8"] = (w8, s8)
-    weights["fp8-bf16dot"] = (w8, s8)
     del w
     bw = Ceilings.measure().copy_bw
     print(f"copy {bw / 1e12:.2f} TB/s")
@@ -35,14 +35,12 @@ def main(ts):
         for name, (wt, sc) in weights.items():
             results = []
             space = {"bf16": [(64, 128), (128, 256), (4, 8, 12), (4, 8), (4,)],
-                     "fp8": [(64, 128), (128, 256, 512), (4, 8), (4, 8), (3,)],
-                     "fp8-bf16dot": [(64, 128), (256,), (4, 8), (4,), (3,)]}[name]
+                     "fp8": [(64, 128), (128, 256, 512), (4, 8), (4, 8), (3,)]}[name]
             for bn, bk, split, warps, stages in itertools.product(*space):
-                kernels.CONFIG_OVERRIDE = f"{bn},{bk},{split},{warps},{stages}"
-                kernels.FP8_VIA_F16 = name != "fp8-bf16dot"
+                config = f"{bn},{bk},{split},{warps},{stages}"
                 try:
-                    us = graph_time_us([lambda: torch.ops.eagle3.fc_proj(aux, wt, sc, None, 1e-6, "none", None, out)],
-                                       reps=10)
+                    us = graph_time_us([lambda c=config: kernels._fc_proj(aux, wt, sc, None, 1e-6, "none", None,
+                                                                          out, config=c)], reps=10)
                 except Exception as e:  # out of shared memory etc.
                     print(f"T={T} {name} {bn},{bk},{split},{warps},{stages}: {type(e).__name__}")
                     continue
@@ -51,7 +49,6 @@ def main(ts):
             nbytes = wt.numel() * wt.element_size()
             for us, *cfg in results[:5]:
                 print(f"T={T:<3} {name:<5} cfg={cfg} {us:8.2f} us  {nbytes / (us * 1e-6) / bw * 100:5.1f}% of copy")
-    kernels.CONFIG_OVERRIDE = None
 
 
 if __name__ == "__main__":
