@@ -44,8 +44,6 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
-#include <cstdio>
-#include <cstdlib>
 #include <vector>
 
 #include "eagle3/checks.h"
@@ -176,7 +174,6 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) kv_accept_kernel(
   const int rank = blockIdx.x % C;
 
   // Three independent loads (one round trip), then the page table (a second one).
-  wait_previous_grid();  // PDL: the previous kernel's writes (caches, prefix_lens, ...) are visible
   const int64_t P = prefix_lens[b];
   const int a = accept_len[b];
   const int node0 = threadIdx.x < width ? accept_nodes[b * width + threadIdx.x] : 0;
@@ -187,7 +184,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) kv_accept_kernel(
   }
   __syncthreads();   // also: every thread of this block has read prefix_lens[b]
   cluster_arrive();  // release: this block is done reading prefix_lens[b]
-  allow_next_grid();  // PDL: the next grid launches once every block has passed here (it still waits)
+  allow_next_grid();  // a next kernel launched with PDL may launch now (it waits for this grid before reading)
 
   if (!bad0) {
     collect_moving_rows<kThreads>(err, b, page_table + b * pt_stride, accept_nodes + b * width, node0, a, P, cap,
@@ -241,28 +238,13 @@ constexpr int64_t kMaxStageBytes = 96 * 1024;  // staging per block, at most
 // that a block's second half of columns loads while the first half stores: 14.92 us against 15.50 with one
 // slot (bench/results/kv_accept_sweep_h200.log). 48 KB left 2 of the 64 clusters for a second wave (ncu: 62
 // active clusters), and 4 slots at 48 KB cost more in barriers than they overlapped (20.4 vs 18.6 us).
-// Programmatic dependent launch (EAGLE3_KV_ACCEPT_PDL=1) stays off: the next call's blocks wait on SMs
-// whose staging the running grid needs (16.33 vs 15.50 us at B 64; it helped B 1 only, 5.86 vs 6.39).
-
-// Benchmark-only tuning, read per call: EAGLE3_KV_ACCEPT_TUNE="staging_kb,stages,max_cluster" (bench sweeps).
-struct BulkTuning {
-  int64_t stage_bytes = 0;  // 0: sized by the grid (launch_bulk)
-  int64_t stages = 2;
-  int64_t max_cluster = 8;
-};
-
-BulkTuning bulk_tuning() {
-  BulkTuning t;
-  if (const char* env = std::getenv("EAGLE3_KV_ACCEPT_TUNE"); env != nullptr && env[0] != '\0') {
-    long kb = 0, stages = 0, cluster = 0;
-    if (std::sscanf(env, "%ld,%ld,%ld", &kb, &stages, &cluster) == 3 && kb > 0 && stages > 0 && cluster > 0) {
-      t.stage_bytes = std::min<int64_t>(kb, 160) * 1024;  // (the default sizes it by the grid)
-      t.stages = stages;
-      t.max_cluster = std::min<long>(cluster, 8);
-    }
-  }
-  return t;
-}
+// The sweep again at 799b9e5 (kv_accept_sweep_h200.log, its second run) kept these: at B 64, 36 KB in 1 / 3 / 4
+// slots took 15.11 / 15.34 / 14.87 us against the grid-sized default's 14.72, 42 KB 14.67 (but 6.70 vs 6.42 at
+// B 1), clusters of at most 4 blocks 16.64.
+constexpr int64_t kBulkStages = 2;
+// Kernels are launched without programmatic dependent launch: with it the next call's blocks waited on SMs
+// whose staging the running grid needed (16.33 vs 15.50 us at B 64; it helped B 1 only, 5.86 vs 6.39;
+// kv_accept_sweep_h200.log), so the option was removed.
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -292,7 +274,6 @@ __global__ void __launch_bounds__(kBulkThreads) kv_accept_bulk_kernel(
   const int64_t b = blockIdx.x / C;
   const int rank = blockIdx.x % C;
 
-  wait_previous_grid();  // PDL: the previous kernel's writes (caches, prefix_lens, ...) are visible
   const int64_t P = prefix_lens[b];
   const int a = accept_len[b];
   const int node0 = threadIdx.x < width ? accept_nodes[b * width + threadIdx.x] : 0;
@@ -307,7 +288,7 @@ __global__ void __launch_bounds__(kBulkThreads) kv_accept_bulk_kernel(
   }
   __syncthreads();   // also: every thread of this block has read prefix_lens[b]
   cluster_arrive();  // release: this block is done reading prefix_lens[b]
-  allow_next_grid();  // PDL: the next grid launches once every block has passed here (it still waits)
+  allow_next_grid();  // a next kernel launched with PDL may launch now (it waits for this grid before reading)
 
   if (!bad0) {
     collect_moving_rows<kBulkThreads>(err, b, page_table + b * pt_stride, accept_nodes + b * width, node0, a, P,
@@ -381,7 +362,7 @@ __global__ void __launch_bounds__(kBulkThreads) kv_accept_bulk_kernel(
 }
 
 // The code the runtime picked for this file's kernels on the current device, as 10 * major + minor (one
-// fatbinary: one kernel's answer holds for all). Cluster launches, PDL and the bulk path need sm_90 code,
+// fatbinary: one kernel's answer holds for all). Cluster launches and the bulk path need sm_90 code,
 // not only an sm_90 device: a build for 8.0 alone has no cluster barrier and an empty bulk kernel.
 int binary_version(int device) {
   static std::atomic<int> cached[64] = {};
@@ -396,20 +377,6 @@ int binary_version(int device) {
 }
 
 bool hopper(int device) { return sm_major(device) >= 9 && binary_version(device) >= 90; }
-
-// Programmatic dependent launch with the cluster launch: off by default, measured slower at B 64 (above;
-// EAGLE3_KV_ACCEPT_PDL=1 turns it on for sweeps, sm_90 code only; bench/dev/sweep_kv_accept.py compares both).
-bool pdl_enabled(int device) {
-  const char* env = std::getenv("EAGLE3_KV_ACCEPT_PDL");
-  return env != nullptr && env[0] == '1' && hopper(device);
-}
-
-// cp.async.bulk and mbarrier transaction counts need sm_90 code (hopper()).
-// EAGLE3_KV_ACCEPT_BULK=0 forces the register path (tests use it to cover that path on an H200).
-bool bulk_path_available(int device) {
-  if (const char* env = std::getenv("EAGLE3_KV_ACCEPT_BULK"); env != nullptr && env[0] == '0') return false;
-  return hopper(device);
-}
 
 struct Group {
   int width;      // bytes per unit: 16, 8, 4, 2 or 1
@@ -441,10 +408,10 @@ LayerBases layer_bases(const Group& g, size_t first, size_t count) {
 
 // cluster: the cluster size of the launch, 0 for none (then C = 1).
 template <typename unit_t>
-void launch(const Group& g, size_t first, size_t count, int C, int cluster, bool pdl, const Requests& r,
-            bool advance, cudaStream_t stream) {
+void launch(const Group& g, size_t first, size_t count, int C, int cluster, const Requests& r, bool advance,
+            cudaStream_t stream) {
   launch_ex(kv_accept_kernel<unit_t>, dim3(static_cast<unsigned>(r.B * C)), dim3(kThreads),
-            2 * static_cast<size_t>(r.max_rows) * sizeof(int64_t), stream, cluster, pdl, layer_bases(g, first, count),
+            2 * static_cast<size_t>(r.max_rows) * sizeof(int64_t), stream, cluster, false, layer_bases(g, first, count),
             static_cast<int>(count), static_cast<uint32_t>(g.vpr), 1.0f / static_cast<float>(g.vpr), C, r.page_table,
             r.pt_stride, r.cap, r.prefix_lens, r.accept_nodes, r.accept_len, r.width, r.max_rows, r.page_size,
             r.num_pages, advance, r.err);
@@ -453,19 +420,17 @@ void launch(const Group& g, size_t first, size_t count, int C, int cluster, bool
 // The bulk path for a group of 16-byte rows: W (bytes per column chunk) so that a column's max_rows rows
 // fit the staging buffer, the buffer sized to a block's share of the columns and to the blocks an SM must
 // hold.
-void launch_bulk(const Group& g, size_t first, size_t count, int C, bool pdl, const BulkTuning& tune,
-                 const Requests& r, int device, bool advance, cudaStream_t stream) {
+void launch_bulk(const Group& g, size_t first, size_t count, int C, const Requests& r, int device, bool advance,
+                 cudaStream_t stream) {
   const int64_t row_bytes = g.vpr * 16;
   const int64_t rows = r.max_rows;
-  // Up to `stages` slots, each holding one column's chunks of all max_rows rows (the most that can move).
-  int64_t budget = tune.stage_bytes;
-  if (budget == 0) {  // the grid's blocks per SM, with room for cluster placement (x 1.5)
-    const int64_t sms = num_sms(device);
-    const int64_t per_sm = std::max<int64_t>(1, (3 * r.B * C + 2 * sms - 1) / (2 * sms));
-    budget = std::min<int64_t>(kMaxStageBytes, (smem_per_sm(device) / per_sm - 2048) / 1024 * 1024);
-  }
-  budget = std::max<int64_t>(budget, 16 * rows);
-  const int64_t stages = std::max<int64_t>(1, std::min<int64_t>(tune.stages, budget / (16 * rows)));
+  // Up to kBulkStages slots, each holding one column's chunks of all max_rows rows (the most that can move), in a
+  // budget sized by the grid's blocks per SM, with room for cluster placement (x 1.5).
+  const int64_t sms = num_sms(device);
+  const int64_t per_sm = std::max<int64_t>(1, (3 * r.B * C + 2 * sms - 1) / (2 * sms));
+  const int64_t budget = std::max<int64_t>(
+      16 * rows, std::min<int64_t>(kMaxStageBytes, (smem_per_sm(device) / per_sm - 2048) / 1024 * 1024));
+  const int64_t stages = std::max<int64_t>(1, std::min<int64_t>(kBulkStages, budget / (16 * rows)));
   const int64_t W = std::min<int64_t>(row_bytes, budget / stages / (16 * rows) * 16);  // >= 16
   const int64_t q = (row_bytes + W - 1) / W;
   const int64_t cols = (static_cast<int64_t>(count) * q + C - 1) / C;  // a block's columns, at most
@@ -476,7 +441,7 @@ void launch_bulk(const Group& g, size_t first, size_t count, int C, bool pdl, co
     C10_CUDA_CHECK(cudaFuncSetAttribute(kv_accept_bulk_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                         static_cast<int>(smem)));
   }
-  launch_ex(kv_accept_bulk_kernel, dim3(static_cast<unsigned>(r.B * C)), dim3(kBulkThreads), smem, stream, C, pdl,
+  launch_ex(kv_accept_bulk_kernel, dim3(static_cast<unsigned>(r.B * C)), dim3(kBulkThreads), smem, stream, C, false,
             layer_bases(g, first, count), static_cast<int>(count), static_cast<uint32_t>(row_bytes),
             static_cast<uint32_t>(W), static_cast<uint32_t>(q), C, r.page_table, r.pt_stride, r.cap, r.prefix_lens,
             r.accept_nodes, r.accept_len, r.width, r.max_rows, r.page_size, r.num_pages, advance, r.err,
@@ -566,14 +531,10 @@ void kv_accept_cuda(const at::TensorList caches, const at::Tensor& page_table, c
                    accept_nodes.data_ptr<int32_t>(), accept_len.data_ptr<int32_t>(), W,
                    static_cast<int>(std::min<int64_t>(W, kMaxRows)), page_size, num_pages,
                    device_error_word(device)};
-  // Launch options, read once per call (the environment switches exist for tests and benchmark sweeps).
-  const bool clusters = hopper(device);
-  const bool bulk = bulk_path_available(device);
-  const bool pdl = pdl_enabled(device);
-  const BulkTuning tune = bulk ? bulk_tuning() : BulkTuning{};
+  // Clusters, and the bulk path (cp.async.bulk, mbarrier transaction counts), need sm_90 code (hopper()).
+  const bool hopper_code = hopper(device);
   const int64_t want = (4 * num_sms(device) + B - 1) / B;
-  const int64_t max_cluster = !clusters ? 1 : bulk ? tune.max_cluster : kMaxCluster;
-  const int C = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(max_cluster, want)));
+  const int C = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(hopper_code ? kMaxCluster : 1, want)));
   size_t launches = 0;
   for (const Group& g : groups) launches += std::max<size_t>(1, (g.bases.size() + kMaxLayers - 1) / kMaxLayers);
   size_t done = 0;
@@ -581,12 +542,12 @@ void kv_accept_cuda(const at::TensorList caches, const at::Tensor& page_table, c
     for (size_t firstl = 0; firstl < std::max<size_t>(1, g.bases.size()); firstl += kMaxLayers) {
       const size_t count = std::min<size_t>(kMaxLayers, g.bases.size() - std::min(firstl, g.bases.size()));
       const bool advance = ++done == launches;  // the last launch advances prefix_lens (stream order)
-      if (g.width == 16 && bulk) {
-        launch_bulk(g, firstl, count, C, pdl, tune, r, device, advance, stream);
+      if (g.width == 16 && hopper_code) {
+        launch_bulk(g, firstl, count, C, r, device, advance, stream);
         continue;
       }
       auto go = [&](auto unit_tag) {
-        launch<decltype(unit_tag)>(g, firstl, count, C, clusters ? C : 0, pdl, r, advance, stream);
+        launch<decltype(unit_tag)>(g, firstl, count, C, hopper_code ? C : 0, r, advance, stream);
       };
       switch (g.width) {
         case 16: go(uint4{}); break;

@@ -15,15 +15,9 @@ from eagle3_ops import tree
 from eagle3_ops.compat.sglang import verify_tree_greedy
 from tests.conftest import assert_equal
 from tests.contract import expect_cpu, expect_cuda, expect_cuda_graph
-from tests.test_kv_accept import (assert_same_bits, check_against_dense, check_cuda_against_reference, gpu_caches,
-                                  i32, kv_accept, make_caches, paged_layout, random_paths)
-
-PATHS = ["bulk", "registers"]  # 16-byte rows take the bulk-copy path on sm_90; EAGLE3_KV_ACCEPT_BULK=0 forces registers
-
-
-def use_path(path, monkeypatch):
-    if path == "registers":
-        monkeypatch.setenv("EAGLE3_KV_ACCEPT_BULK", "0")
+from tests.test_kv_accept import (PATHS, assert_same_bits, cache_to_cuda, check_against_dense,
+                                  check_cuda_against_reference, gpu_caches, i32, kv_accept, make_caches, paged_layout,
+                                  random_paths)
 
 
 # ---- accept_nodes of any width ------------------------------------------------------------------------
@@ -68,17 +62,16 @@ def test_width_one_root_only():
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("width", list(WIDTHS))
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_cuda_any_width_matches_reference(width, page_size, path, monkeypatch):
-    use_path(path, monkeypatch)
-    check_cuda_against_reference(*width_case(width, gpu=True, page_size=page_size))
+def test_cuda_any_width_matches_reference(width, page_size, path):
+    check_cuda_against_reference(*width_case(width, gpu=True, page_size=page_size), path=path)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("path", PATHS)
-def test_cuda_width_one_root_only(path, monkeypatch):
-    use_path(path, monkeypatch)
+def test_cuda_width_one_root_only(path):
     caches, page_table, prefix, nodes, lens = width_case("tree", gpu=True)
-    check_cuda_against_reference(caches, page_table, prefix, nodes[:, :1].contiguous(), torch.zeros_like(lens))
+    check_cuda_against_reference(caches, page_table, prefix, nodes[:, :1].contiguous(), torch.zeros_like(lens),
+                                 path=path)
 
 
 def sglang_case(gpu=False):
@@ -120,10 +113,9 @@ def test_sglang_accept_index_shape():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("path", PATHS)
-def test_cuda_sglang_accept_index_shape(path, monkeypatch):
-    use_path(path, monkeypatch)
+def test_cuda_sglang_accept_index_shape(path):
     caches, page_table, prefix, nodes, num, _, _ = sglang_case(gpu=True)
-    check_cuda_against_reference(caches, page_table, prefix, nodes, num)
+    check_cuda_against_reference(caches, page_table, prefix, nodes, num, path=path)
 
 
 # ---- bad values: one violation in request 1 of three ------------------------------------------------------
@@ -154,9 +146,9 @@ CASES = {
 }
 
 
-def bad_args(case, device, mutate=None):
+def bad_args(case, device, mutate=None, path="bulk"):
     """Three valid requests (W = 4, or 2049 for the 2048-row case), then `case` (or `mutate`) applied to
-    request 1 on the host, then moved to `device`."""
+    request 1 on the host, then moved to `device` (CUDA caches placed for `path`: cache_to_cuda)."""
     g = torch.Generator().manual_seed(21)
     W = 2049 if case == "accept_len_past_2048" else 4
     table = torch.randperm(NUM_PAGES, generator=g).view(3, 6).int()
@@ -165,12 +157,15 @@ def bad_args(case, device, mutate=None):
     nodes[0, :3], nodes[1, :3], nodes[2, :2] = i32([0, 1, 3]), i32([0, 9, 10]), i32([0, 2])
     a = dict(caches=caches, table=table, prefix=i32([0, 7, 13]), nodes=nodes, lens=i32([2, 2, 1]))
     (CASES[case][0] if case is not None else mutate or (lambda _: None))(a)
-    return {k: [c.to(device) for c in v] if k == "caches" else v.to(device) for k, v in a.items()}
+
+    def move(c):
+        return cache_to_cuda(c, path) if device == "cuda" else c.to(device)
+    return {k: [move(c) for c in v] if k == "caches" else v.to(device) for k, v in a.items()}
 
 
-def maker(case):
+def maker(case, path="bulk"):
     def make(device):
-        a = bad_args(case, device)
+        a = bad_args(case, device, path=path)
         return (lambda: kv_accept(a["caches"], a["table"], a["prefix"], a["nodes"], a["lens"]),
                 lambda: a["caches"] + [a["prefix"]])
     return make
@@ -203,9 +198,8 @@ def test_bad_value_raises_and_writes_nothing(case):
 @pytest.mark.gpu
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("case", list(CASES))
-def test_cuda_bad_value_skips_the_request_and_reports(case, path, monkeypatch):
-    use_path(path, monkeypatch)
-    expect_cuda(maker(case), "kv_accept: " + CASES[case][1], skipped_request_1(case))
+def test_cuda_bad_value_skips_the_request_and_reports(case, path):
+    expect_cuda(maker(case, path), "kv_accept: " + CASES[case][1], skipped_request_1(case))
 
 
 @pytest.mark.gpu
@@ -221,10 +215,10 @@ def _at_the_bounds(a):
     a["table"][1, 0], a["table"][1, 2] = -1, NUM_PAGES  # request 1 uses slot 5 only
 
 
-def edge_args(device):
+def edge_args(device, path="bulk"):
     """Valid at every bound: request 1's last destination at cap - 1 (P = 21, a = 2, stays in place),
     request 2's source at cap - 1 - P, and slots no row uses holding anything."""
-    return bad_args(None, device, _at_the_bounds)
+    return bad_args(None, device, _at_the_bounds, path)
 
 
 def test_bounds_are_inclusive_and_unused_slots_are_not_read():
@@ -242,12 +236,11 @@ def test_bounds_are_inclusive_and_unused_slots_are_not_read():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("path", PATHS)
-def test_cuda_bounds_are_inclusive_and_unused_slots_are_not_read(path, monkeypatch):
+def test_cuda_bounds_are_inclusive_and_unused_slots_are_not_read(path):
     import eagle3_ops
 
-    use_path(path, monkeypatch)
     eagle3_ops.check_errors()
-    a = edge_args("cuda")
+    a = edge_args("cuda", path)
     want = [c.cpu() for c in a["caches"]]
     want_prefix = a["prefix"].cpu()
     kv_accept(want, a["table"].cpu(), want_prefix, a["nodes"].cpu(), a["lens"].cpu())  # the reference

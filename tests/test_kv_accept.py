@@ -325,11 +325,29 @@ def gpu_caches(g, num_pages, page_size, mla_layers=1):
     return caches
 
 
-def check_cuda_against_reference(caches, page_table, prefix_lens, accept_nodes, accept_len):
-    """The CUDA op on copies of the inputs, compared bit for bit with the CPU reference on the originals."""
+# The two copy paths of the CUDA kernel: 16-byte rows take the bulk-copy (TMA) path on sm_90, others (and every
+# row below sm_90) the register path; PATHS names them for tests that run both on one H200.
+PATHS = ["bulk", "registers"]
+
+
+def cache_to_cuda(cache, path="bulk"):
+    """cache on the GPU. path "registers": its data pointer 8 bytes past a 16-byte boundary, so that no row has
+    16-byte units and every layer takes the register path, on sm_90 too (the bulk path needs 16-byte aligned rows;
+    the register kernel is the same code for every unit width)."""
+    if path == "bulk":
+        return cache.cuda()
+    nbytes = cache.numel() * cache.element_size()
+    dev = torch.empty(nbytes + 8, dtype=torch.uint8, device="cuda")[8:].view(cache.dtype).view(cache.shape)
+    assert dev.data_ptr() % 16 == 8
+    return dev.copy_(cache)
+
+
+def check_cuda_against_reference(caches, page_table, prefix_lens, accept_nodes, accept_len, path="bulk"):
+    """The CUDA op on copies of the inputs (caches placed for `path`: cache_to_cuda), compared bit for bit with the
+    CPU reference on the originals."""
     want = [c.clone() for c in caches]
     want_prefix = prefix_lens.clone()
-    dev = [c.cuda() for c in caches]
+    dev = [cache_to_cuda(c, path) for c in caches]
     got_prefix = prefix_lens.cuda()
     kv_accept(dev, page_table.cuda(), got_prefix, accept_nodes.cuda(), accept_len.cuda())
     kv_accept(want, page_table, want_prefix, accept_nodes, accept_len)  # the reference (CPU dispatch)
@@ -398,14 +416,12 @@ def test_cuda_large_tree_moves_every_row():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("path", ["bulk", "registers"])
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("N", [8, 64, 512])  # whole rows staged; rows cut into chunks (N x 1152 > 48 KB)
-def test_cuda_both_copy_paths(path, N, monkeypatch):
-    # 16-byte rows take the bulk-copy (TMA) path on sm_90; EAGLE3_KV_ACCEPT_BULK=0 sends them through the
-    # register path instead, so both are checked on the same H200. Large N makes the bulk path split each
-    # row into column chunks (a column's N rows must fit the 48 KB staging buffer).
-    if path == "registers":
-        monkeypatch.setenv("EAGLE3_KV_ACCEPT_BULK", "0")
+def test_cuda_both_copy_paths(path, N):
+    # 16-byte rows take the bulk-copy (TMA) path on sm_90; caches 8 bytes off a 16-byte boundary send the same
+    # rows through the register path instead (cache_to_cuda), so both are checked on the same H200. Large N makes
+    # the bulk path split each row into column chunks (a column's N rows must fit the 48 KB staging buffer).
     g = torch.Generator().manual_seed(N)
     B, ps = 5, 16
     prefix = [0, 1, 17, 33, 250]
@@ -418,15 +434,13 @@ def test_cuda_both_copy_paths(path, N, monkeypatch):
         path_b = [0] + sorted(keep.tolist())
         accept_nodes[b, :len(path_b)] = i32(path_b)
         accept_len[b] = len(path_b) - 1
-    check_cuda_against_reference(caches, page_table, i32(prefix), accept_nodes, accept_len)
+    check_cuda_against_reference(caches, page_table, i32(prefix), accept_nodes, accept_len, path)
 
 
 @pytest.mark.gpu
-def test_cuda_programmatic_dependent_launch(monkeypatch):
-    # EAGLE3_KV_ACCEPT_PDL=1: the launch carries the PDL attribute next to the cluster size and the kernel
-    # waits on the previous grid before its first read. Two calls back to back in one graph (the second
-    # reads the first's prefix_lens and rows) must equal two reference calls.
-    monkeypatch.setenv("EAGLE3_KV_ACCEPT_PDL", "1")
+def test_cuda_two_calls_back_to_back_in_one_graph():
+    # The second call reads the first's prefix_lens and rows: two calls captured in one graph must equal two
+    # reference calls.
     g = torch.Generator().manual_seed(77)
     B, N, ps = 6, 8, 16
     prefix = [0, 9, 31, 2, 16, 40]
