@@ -28,9 +28,7 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
-#include <cstdlib>
 #include <limits>
-#include <string>
 #include <type_traits>
 
 #include "eagle3/checks.h"
@@ -236,51 +234,10 @@ __global__ void fill_unmatched_kernel(r_t* __restrict__ aux, int64_t as, Rows ro
 template <typename T>
 constexpr bool kIsDouble = std::is_same_v<T, double>;
 
-// Launch options, for benchmarking only: EAGLE3_ADD_RMSNORM_VARIANT="pdl=0|1,shape=lean|wide[,occ=N]".
-// Unset at the first call: never read again (the defaults, no per-call cost). Set at the first call: read
-// at every call, so a sweep (bench/dev/sweep_rmsnorm.py) can capture one graph per variant in one process.
-struct Variant {
-  int pdl = -1;      // -1: on for sm_90+ (the launch attribute and griddepcontrol need Hopper)
-  char shape = 'a';  // T >= 264 with bf16 x and residual: 'l'ean <8, 4, 224, 4> (4 rows per SM; rows
-                     // up to 7168 bf16), 'w'ide <8, 4, 256, 1> (no minimum: 80 registers, 3 rows), or
-                     // 'a'uto: lean below T = 2048, wide from there
-  int occ = 0;       // > 0: at most occ blocks an SM (unused dynamic shared memory caps residency), so that
-                     // T = 512 runs as two waves whose reads and writes overlap rather than one wave that
-                     // reads everything, then writes everything (bench/dev/sweep_rmsnorm.py; it lost at every T
-                     // at 6501455: results/add_rmsnorm_occ_h200.log)
-};
-
-Variant variant() {
-  static const bool sweeping = std::getenv("EAGLE3_ADD_RMSNORM_VARIANT") != nullptr;
-  Variant out;
-  if (!sweeping) return out;
-  const char* env = std::getenv("EAGLE3_ADD_RMSNORM_VARIANT");
-  const std::string s = env ? env : "";
-  size_t pos = 0;
-  while (pos < s.size()) {
-    size_t end = s.find(',', pos);
-    if (end == std::string::npos) end = s.size();
-    const std::string kv = s.substr(pos, end - pos);
-    pos = end + 1;
-    if (kv.empty()) continue;
-    if (kv == "pdl=0" || kv == "pdl=1") {
-      out.pdl = kv.back() - '0';
-    } else if (kv == "shape=lean" || kv == "shape=wide") {
-      out.shape = kv[6];
-    } else if (kv.size() == 5 && kv.compare(0, 4, "occ=") == 0 && kv[4] >= '1' && kv[4] <= '8') {
-      out.occ = kv[4] - '0';
-    } else {
-      TORCH_CHECK_VALUE(false, "EAGLE3_ADD_RMSNORM_VARIANT: expected pdl=0|1,shape=lean|wide[,occ=1..8], got '", kv,
-                        "'");
-    }
-  }
-  return out;
-}
-
 template <typename x_t, typename r_t, typename w_t>
 void launch(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight,
-            const std::optional<at::Tensor>& aux_slice, Rows rows, double eps, bool pdl, char shape, int occ,
-            int64_t* err, cudaStream_t stream) {
+            const std::optional<at::Tensor>& aux_slice, Rows rows, double eps, bool pdl, int64_t* err,
+            cudaStream_t stream) {
   using acc_t = std::conditional_t<kIsDouble<x_t> || kIsDouble<r_t> || kIsDouble<w_t>, double, float>;
   const int64_t T = x.size(0), H = x.size(1);
   constexpr int V = kVec16<x_t>;
@@ -297,17 +254,8 @@ void launch(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& w
     const int64_t nvec = H / S::VEC;
     int64_t threads = (nvec + S::MAXV - 1) / S::MAXV;
     threads = std::min<int64_t>(S::THREADS, std::max<int64_t>(32, (threads + 31) / 32 * 32));
-    const auto kernel = add_rmsnorm_capture_kernel<x_t, r_t, w_t, acc_t, S>;
-    size_t smem = 0;
-    if (occ > 0) {  // residency cap (Variant::occ): shared memory the kernel does not use
-      const auto* prop = at::cuda::getDeviceProperties(x.get_device());
-      const int dyn = static_cast<int>(prop->sharedMemPerMultiprocessor / occ) - 3072;
-      if (dyn > 0) {
-        C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, dyn));
-        smem = static_cast<size_t>(dyn);
-      }
-    }
-    launch_ex(kernel, dim3(static_cast<unsigned>(T)), dim3(static_cast<unsigned>(threads)), smem, stream, 0, pdl,
+    launch_ex(add_rmsnorm_capture_kernel<x_t, r_t, w_t, acc_t, S>, dim3(static_cast<unsigned>(T)),
+              dim3(static_cast<unsigned>(threads)), 0, stream, 0, pdl,
               x.data_ptr<x_t>(), x.stride(0), residual.data_ptr<r_t>(), residual.stride(0), weight.data_ptr<w_t>(),
               aux_ptr, as, rows, T, H, static_cast<acc_t>(eps), err);
   };
@@ -318,11 +266,13 @@ void launch(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& w
     go(Shape<V, 2, 1024, 1>{});
   } else if constexpr (std::is_same_v<x_t, at::BFloat16> && std::is_same_v<r_t, at::BFloat16>) {
     // Many rows: as many rows per SM as the registers allow (see Shape). fp16 spilled under 72 registers.
-    // Measured on the H200 (bench/results/add_rmsnorm_sweep_h200.log, capture off, PDL on): lean 9.1 vs
-    // wide 11.7 us at T = 512, 17.2 vs 18.3 at T = 1024; wide 59.6 vs lean 61.9 at T = 4096 (one wave of
-    // 4 rows per SM matters while T is a few waves; beyond that the wider loads win).
-    const bool wide = shape == 'w' || (shape == 'a' && T >= 2048);
-    if (wide || H / V > 224 * 4) {
+    // Lean <V, 4, 224, 4> (4 rows per SM; rows up to 7168 bf16) below T = 2048, wide <V, 4, 256, 1> (no
+    // minimum: 80 registers, 3 rows per SM) from there. Measured on the H200 (bench/results/
+    // add_rmsnorm_sweep_h200.log, capture off, PDL on): lean 9.1 vs wide 11.7 us at T = 512, 17.2 vs 18.3 at
+    // T = 1024; wide 59.6 vs lean 61.9 at T = 4096 (one wave of 4 rows per SM matters while T is a few waves;
+    // beyond that the wider loads win). Capping the blocks an SM (2 or 3, so that T = 512 runs as waves whose
+    // reads and writes overlap) lost at every T (13.3-15.5 vs 9.1 us at T = 512; add_rmsnorm_occ_h200.log).
+    if (T >= 2048 || H / V > 224 * 4) {
       go(Shape<V, 4, 256, 1>{});
     } else {
       go(Shape<V, 4, 224, 4>{});
@@ -397,17 +347,18 @@ void add_rmsnorm_capture_cuda(const at::Tensor& x, const at::Tensor& residual, c
   at::Tensor w = weight;
   if (weight.scalar_type() != xt && weight.scalar_type() != at::kFloat) w = weight.to(xt == at::kDouble ? at::kDouble : at::kFloat);
   const bool w_is_x = w.scalar_type() == xt;
-  const Variant opt = variant();
-  const bool pdl = opt.pdl < 0 ? at::cuda::getDeviceProperties(x.get_device())->major >= 9 : opt.pdl == 1;
+  // Programmatic dependent launch on sm_90+ (the launch attribute and griddepcontrol need Hopper): without it
+  // 2.76 vs 2.33 us at T = 1 and 12.33 vs 11.69 at T = 512 (add_rmsnorm_sweep_h200.log).
+  const bool pdl = at::cuda::getDeviceProperties(x.get_device())->major >= 9;
 
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, xt, "add_rmsnorm_capture", [&] {
     using x_t = scalar_t;
     auto with_w = [&](auto r_tag) {
       using r_t = decltype(r_tag);
       if (w_is_x) {
-        launch<x_t, r_t, x_t>(x, residual, w, aux_slice, rws, eps, pdl, opt.shape, opt.occ, err, stream);
+        launch<x_t, r_t, x_t>(x, residual, w, aux_slice, rws, eps, pdl, err, stream);
       } else {
-        launch<x_t, r_t, float>(x, residual, w, aux_slice, rws, eps, pdl, opt.shape, opt.occ, err, stream);
+        launch<x_t, r_t, float>(x, residual, w, aux_slice, rws, eps, pdl, err, stream);
       }
     };
     if (rt == xt) {
