@@ -15,7 +15,8 @@ torch.ops.eagle3 (docs/models.md, "One speculative round"):
 Shapes are static within a round (N verify tokens, (steps - 1) * topk draft-block rows, N catch-up
 rows); finished requests are frozen rather than removed. The host syncs are the loop's stopping test
 between rounds (none before the first round any request could finish in), one after the prefill (its
-time, DecodeStats.prefill_seconds), and the optional timer's.
+time, DecodeStats.prefill_seconds), and the optional timer's; the optional wiring check adds none
+(engine/wiring_check.py).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from torch import Tensor
 from .. import ops, tree
 from . import fused
 from .graphs import RoundGraph, StepGraph, new_pool
+from .wiring_check import CheckRun, WiringCheck, WiringReport
 
 
 @dataclass(frozen=True)
@@ -76,6 +78,7 @@ class DecodeStats:
     # graphs="round" with an events Timer: the rounds' summed span on the device (replays only, the host's
     # waits between them out); 0 otherwise
     round_seconds: float = 0.0
+    wiring: Optional[WiringReport] = None  # the serve-time wiring check's (wiring_check=...), else None
 
     @property
     def tokens_per_s(self) -> float:
@@ -417,7 +420,8 @@ def generate_speculative(target, drafter, prompts: Tensor, max_new: int, spec: S
                          aux_ids: Optional[Sequence[int]] = None, page_size: int = 16,
                          timer: Optional[Timer] = None, progress: bool = False,
                          glue: str = "eagle3", graphs: bool | str = False,
-                         prefill_cache: Optional[PrefillCache] = None) -> tuple[Tensor, DecodeStats]:
+                         prefill_cache: Optional[PrefillCache] = None,
+                         wiring_check: Optional[WiringCheck] = None) -> tuple[Tensor, DecodeStats]:
     """Speculative decoding (chain or tree, greedy or sampled). aux_ids: which target layers feed the
     drafter (ours, "output of layer k"; default the drafter's configured ids; eagle3_ops.diagnose
     passes miswirings here). glue: "eagle3" (torch.ops.eagle3) or "torch", the same loop with capture, fc,
@@ -427,7 +431,9 @@ def generate_speculative(target, drafter, prompts: Tensor, max_new: int, spec: S
     (engine/graphs.RoundGraph); "steps", only the verify forward, each draft step and the catch-up's fc and
     forward replayed from graphs, the rest eager between them, as engines commonly run it (a fenced Timer
     needs this mode or eager). prefill_cache: a PrefillCache to fill (first run) or start from (later runs).
-    Returns (tokens [B, max_new] int64, stats)."""
+    wiring_check: the serve-time wiring check (engine/wiring_check.py: accumulated on the device inside each
+    round, read without a host sync; a WiringWarning, or MiswiringError in strict mode, on a likely
+    miswiring; stats.wiring holds its numbers). Returns (tokens [B, max_new] int64, stats)."""
     graphs = _graph_mode(graphs)
     _check_graphs(target, graphs)
     g_ops = _glue(glue)
@@ -435,11 +441,11 @@ def generate_speculative(target, drafter, prompts: Tensor, max_new: int, spec: S
         raise ValueError("glue='torch' has greedy verification only (temperature 0)")
     with _plain_capture(target, glue == "torch"):
         return _generate_speculative(target, drafter, prompts, max_new, spec, aux_ids, page_size, timer, progress,
-                                     g_ops, graphs, prefill_cache, glue)
+                                     g_ops, graphs, prefill_cache, glue, wiring_check)
 
 
 def _generate_speculative(target, drafter, prompts, max_new, spec, aux_ids, page_size, timer, progress, g_ops,
-                          graphs, prefill_cache=None, glue="eagle3"):
+                          graphs, prefill_cache=None, glue="eagle3", wiring_check=None):
     B, T0 = prompts.shape
     N, dev = spec.num_tokens, prompts.device
     aux_ids = list(drafter.cfg.aux_ids if aux_ids is None else aux_ids)
@@ -524,6 +530,8 @@ def _generate_speculative(target, drafter, prompts, max_new, spec, aux_ids, page
     cu_step = torch.zeros(B, dtype=torch.int32, device=dev)
     chainN = _chain_mask(B, N, dev)
     drafting = _Drafting(B, spec, g.shape[-1], g.dtype, dev)
+    check = None if wiring_check is None else CheckRun(wiring_check, aux_ids, drafter.cfg.aux_ids,
+                                                        target.cfg.num_layers, spec, dev)
 
     def verify_fwd(tokens, positions, mask):
         return target.forward(tokens, positions, tkv, mask, aux, aux_ids)
@@ -570,6 +578,9 @@ def _generate_speculative(target, drafter, prompts, max_new, spec, aux_ids, page
                 accept_nodes, accept_len, emitted = ops.verify_sampling(logits, None, None, tokens, parents,
                                                                         temperature, seed, offset)
                 offset.add_(1)
+        if check is not None:  # before accept_update: count still says which requests this round served
+            with timer("check"):
+                check.observe(cand[1], accept_len, count < max_new)
         # 5. accept: compact the target's KV, emit, freeze finished requests (fused.accept_update says how)
         with timer("kv_accept"):
             g_ops.kv_accept(tkv.caches, tkv.page_table, tkv.prefix_lens, accept_nodes, accept_len)
@@ -589,7 +600,8 @@ def _generate_speculative(target, drafter, prompts, max_new, spec, aux_ids, page
         if timer.enabled and timer.mode == "fence" and dev.type == "cuda":
             raise ValueError("a fenced Timer cannot time inside a round graph: use graphs='steps'")
         run_round = RoundGraph(one_round, [out, count, hist, root, last_logits, g, offset, tkv.prefix_lens,
-                                           dkv.prefix_lens] + drafter_state, new_pool(dev),
+                                           dkv.prefix_lens] + drafter_state + (check.state() if check else []),
+                               new_pool(dev),
                                on_warmup=lambda on: timers.__setitem__(0, Timer(enabled=False) if on else timer))
     # The stop test syncs the host, which then waits for the round to finish before it launches the next one
     # (and the device idles while it does). No request can be done before `first_test` rounds (a round emits at
@@ -603,6 +615,8 @@ def _generate_speculative(target, drafter, prompts, max_new, spec, aux_ids, page
         if bar is not None:
             bar.update(int(count.clamp(max=max_new).min()) - bar.n)
         run_round()
+        if check is not None:  # host side; reads its snapshot only once the device has copied it (no sync)
+            check.after_round(rounds)
         if graphs == "round" and timer.enabled and timer.mode == "events" and dev.type == "cuda":
             round_events[1].synchronize()  # (a sync a round: only in this timed mode)
             timer.after_replay()
@@ -618,5 +632,6 @@ def _generate_speculative(target, drafter, prompts, max_new, spec, aux_ids, page
         setup = run_round.setup_seconds if graphs == "round" else 0.0
     stats = DecodeStats(tokens=B * max_new, seconds=seconds, rounds=rounds, accept_hist=hist.tolist(),
                         times=dict(timer.times), prefill_seconds=prefill_seconds,
-                        prefill_times=prefill_times, batch=B, setup_seconds=setup, round_seconds=round_seconds)
+                        prefill_times=prefill_times, batch=B, setup_seconds=setup, round_seconds=round_seconds,
+                        wiring=check.finish(rounds) if check is not None else None)
     return out[:, :max_new], stats
