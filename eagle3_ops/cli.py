@@ -3,7 +3,8 @@
     eagle3 demo       continue held-out prompts with the shipped small pair: plain vs speculative
                       decoding, tokens/s, acceptance length and histogram, time per component
     eagle3 diagnose   which target layers the drafter was trained on, and whether the configured
-                      capture is it (acceptance per plausible wiring)
+                      capture is it (acceptance per plausible wiring); with --engine-config PATH, whether
+                      an SGLang or vLLM launch configuration captures them (read statically, no model run)
     eagle3 selfcheck  build info, then every op once on small inputs, as a table
 
 Every flag is checked before any model loads, and before torch loads (the package defers it while the
@@ -125,6 +126,9 @@ def check_args(args) -> None:
         if args.batch_invariant:
             raise UsageError("--graphs and --batch-invariant exclude each other (the batch-invariant MoE syncs the host)")
     ids = getattr(args, "aux_ids", None)
+    if getattr(args, "engine_config", None) is not None and ids is not None:
+        raise UsageError("--engine-config and --aux-ids exclude each other (the launch configuration names the "
+                         "capture)")
     if ids is not None:
         layers, n_aux = cfg.num_layers, DrafterConfig.for_target(cfg).n_aux
         if len(ids) != n_aux:
@@ -405,6 +409,18 @@ def diagnose_cmd(args) -> int:
     return 0 if report.configured_is_best else 3
 
 
+def engine_config_cmd(args) -> int:
+    """diagnose --engine-config: the launch's implied capture against the drafter's training wiring (torch-free)."""
+    from .engine_config import EngineConfigError, check_launch
+
+    try:
+        found = check_launch(args.engine_config)
+    except EngineConfigError as e:
+        raise UsageError(f"--engine-config {e}") from None
+    print(found.report())
+    return 0 if found.matches else 3
+
+
 def _add_decode_args(p):
     at_least_1 = _int_at_least(1)
     p.add_argument("--device", type=_device, default="cpu", help="cpu, cuda or cuda:N")
@@ -451,6 +467,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--aux-ids", type=int, nargs="+", default=None, metavar="K",
                    help="the capture to check, one id per drafter slot (ours: output of layer k, -1 the "
                         "embedding); default the drafter's config")
+    p.add_argument("--engine-config", default=None, metavar="PATH",
+                   help="an SGLang or vLLM launch configuration (a command line, or its flags as JSON / YAML): "
+                        "does the capture it implies match the drafter's training wiring? (no model is run)")
     p = sub.add_parser("selfcheck", help="build info, then every op once on small inputs (a table)", **kw)
     p.add_argument("--device", choices=["cpu", "cuda"], default=None,
                    help="cuda also runs each CUDA/Triton kernel and compares it with the CPU reference "
@@ -464,6 +483,8 @@ def main(argv: list[str] | None = None) -> int:
     prog = f"eagle3 {args.command}"
     try:
         check_args(args)
+        if args.command == "diagnose" and args.engine_config is not None:
+            return engine_config_cmd(args)  # plain Python: torch stays unloaded
         _startup.finish_import()  # torch and the native extension, deferred while the arguments were checked
         if args.command == "selfcheck":
             import torch
