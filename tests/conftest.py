@@ -20,6 +20,18 @@ torch.set_num_threads(1)
 TOLERANCES = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2, torch.float64: 1e-12}
 
 
+def skip_unless_sm90_kernel() -> None:
+    """Skip a GPU test that insists on csrc/mla_decode_sm90.cu's kernel where this build or GPU has none: not a
+    Hopper GPU, or a build without sm_90a code (TORCH_CUDA_ARCH_LIST=9.0 compiles the kernel's body to a trap,
+    and the Triton kernel serves every call; tests/test_contract_attention.py checks that fallback)."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the sm90 kernel needs a Hopper GPU")
+    from eagle3_ops.triton_kernels.mla_decode import sm90_compiled
+
+    if not sm90_compiled(torch.device("cuda", torch.cuda.current_device())):
+        pytest.skip("this build has no sm_90a code for the sm90 kernel (TORCH_CUDA_ARCH_LIST without 9.0a)")
+
+
 def pytest_collection_modifyitems(config, items):
     if HAS_CUDA:
         return

@@ -19,7 +19,7 @@ import torch
 import eagle3_ops
 from eagle3_ops import tree
 from eagle3_ops.errors import Eagle3InputError
-from tests.conftest import TOLERANCES, poison_, rel_err
+from tests.conftest import TOLERANCES, poison_, rel_err, skip_unless_sm90_kernel
 from tests.contract import expect_cpu, expect_cuda, expect_cuda_graph
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -239,8 +239,8 @@ GPU_KERNELS = {"gqa": ("gqa", None),  # the registered launcher
 
 
 def _needs(kernel):
-    if kernel.startswith("sm90") and torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("the sm90 kernel needs a Hopper GPU")
+    if kernel.startswith("sm90"):
+        skip_unless_sm90_kernel()
 
 
 @pytest.mark.gpu
@@ -332,8 +332,7 @@ def test_cuda_mla_past_65535_requests(config):
 
 @pytest.mark.gpu
 def test_cuda_sm90_at_65535_requests():
-    if torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("the sm90 kernel needs a Hopper GPU")
+    skip_unless_sm90_kernel()
     t = {k: v.cuda() for k, v in inputs("kimi2", torch.bfloat16, B=65535, prefixes=(3,), n=1, page_size=4,
                                         slots=1).items()}
     _check_uniform("kimi2", t, dict(kernel="sm90", splits=2))

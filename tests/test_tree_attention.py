@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 import eagle3_ops
 from eagle3_ops import tree
 from eagle3_ops.errors import Eagle3InputError
-from tests.conftest import TOLERANCES, assert_equal, capture_graph, poison_, rel_err
+from tests.conftest import TOLERANCES, assert_equal, capture_graph, poison_, rel_err, skip_unless_sm90_kernel
 
 KIMI_SCALE = 0.130861  # docs/models.md: 192 ** -0.5 * m * m for Kimi-K2, never 576 ** -0.5
 
@@ -690,6 +690,8 @@ def test_gpu_graph_replay_matches_eager(shape, config):
     # With a "tma" config (page size 64: TMA tiles) the descriptors are kernel parameters captured by value.
     from eagle3_ops.triton_kernels import tree_attention as ta
 
+    if config == "sm90":
+        skip_unless_sm90_kernel()
     c = GpuCase(11, B=4, prefix=5000, N=16, kind="bushy", page_size=64 if config else 16, **SHAPES[shape])
     out = torch.empty(c.q.shape[0], c.NH, c.Dv, dtype=c.dtype, device="cuda")
     lse = torch.empty(c.q.shape[0], c.NH, device="cuda")
@@ -745,6 +747,8 @@ def test_gpu_tma_against_float64(case, dtype, config):
                 dtype=dtype, **KIMI_MLA)
     if config.startswith("sm90") and dtype == torch.float32:
         pytest.skip("the sm90 kernel is bf16 / fp16 only (fp32 takes the Triton kernel)")
+    if config.startswith("sm90"):
+        skip_unless_sm90_kernel()
     cfg = {k: v for k, v in GPU_TMA[config].items() if dtype != torch.float32 or k != "BLOCK_N"}  # fp32: its tiles
     out, lse = _kernel(c, config=cfg)
     _check_against(c, out, lse, *c.truth())
@@ -755,6 +759,8 @@ def test_gpu_tma_against_float64(case, dtype, config):
 @pytest.mark.gpu
 @pytest.mark.parametrize("config", list(GPU_TMA))
 def test_gpu_tma_bad_values_poison_only_their_request(config):
+    if config.startswith("sm90"):
+        skip_unless_sm90_kernel()
     c = GpuCase(21, B=3, prefix=300, N=7, kind="bushy", page_size=64, **KIMI_MLA)
     ref_out, ref_lse = c.truth()
     good, bad_page, bad_prefix = _bad_values(c)
@@ -788,6 +794,7 @@ SM90_CASES = [  # (N, prefix, B, page_size, kind, NH, splits, dtype)
                          f"-splits{c[6]}-{str(c[7])[6:]}")
 def test_gpu_sm90_against_float64(case, evict_first):
     N, prefix, B, page_size, kind, NH, splits, dtype = case
+    skip_unless_sm90_kernel()
     c = GpuCase(zlib.crc32(repr(case).encode()), B=B, prefix=prefix, N=N, kind=kind, page_size=page_size,
                 dtype=dtype, mla=True, NH=NH, D=576, Dv=512)
     cfg = dict(kernel="sm90", evict_first=evict_first, **({"splits": splits} if splits else {}))
@@ -802,8 +809,7 @@ def test_gpu_sm90_is_the_hopper_default():
     # bf16 at Kimi's widths on a Hopper GPU must not fall back to the Triton kernel silently.
     from eagle3_ops.triton_kernels.mla_decode import sm90_supported
 
-    if torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("not a Hopper GPU")
+    skip_unless_sm90_kernel()
     c = GpuCase(3, B=1, prefix=64, N=1, kind="chain", page_size=64, **KIMI_MLA)
     out = torch.empty(c.q.shape[0], c.NH, c.Dv, dtype=c.dtype, device="cuda")
     assert sm90_supported(c.q, c.k_cache, out, c.page_table, c.tree_mask)
@@ -814,8 +820,7 @@ def test_gpu_sm90_is_the_hopper_default():
 @pytest.mark.gpu
 def test_gpu_sm90_internal_op_refuses_bad_input():
     # The internal op checks what its kernel relies on, whatever its (only) caller already checked.
-    if torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("not a Hopper GPU")
+    skip_unless_sm90_kernel()
     c = GpuCase(5, B=2, prefix=100, N=4, kind="chain", page_size=16, **KIMI_MLA)
     out = torch.empty(c.q.shape[0], 64, 512, dtype=c.dtype, device="cuda")
     po, plse = torch.empty(2, 2, 4 * 64, 512, device="cuda"), torch.empty(2, 2, 4 * 64, device="cuda")
