@@ -860,8 +860,7 @@ def _sm90_dev_case():
 @pytest.mark.gpu
 @needs_dev_build
 def test_gpu_sm90_dev_op_refuses_bad_input():
-    if torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("not a Hopper GPU")
+    skip_unless_sm90_kernel()
     c, args, out, lse, po, plse = _sm90_dev_case()
     op = torch.ops.eagle3._tree_attention_mla_sm90_dev
     with pytest.raises(ValueError, match="trace must have shape"):
@@ -881,8 +880,7 @@ def test_gpu_sm90_dev_op_refuses_bad_input():
 def test_gpu_sm90_trace_build():
     # bench/dev/trace_mla.py's build: the same partials, bit for bit, as the production op's kernel, and per block
     # stamps in order (entry <= tile 0 landed <= tile 1 landed ... <= last wgmma <= epilogue done).
-    if torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("not a Hopper GPU")
+    skip_unless_sm90_kernel()
     c, args, out, lse, po, plse = _sm90_dev_case()
     want_po, want_plse = torch.empty_like(po), torch.empty_like(plse)
     torch.ops.eagle3._tree_attention_mla_sm90(*args, out, lse, want_po, want_plse, 3, True)
