@@ -146,7 +146,9 @@ def fc_proj(aux: Tensor, weight: Tensor, weight_scale: Optional[Tensor], norm_we
     if rows is not None:
         check_range(rows, 0, s["T"] - 1, "fc_proj", "rows")
     acc = _acc(aux, out)
-    a = (aux if rows is None else aux[rows.long()]).to(acc)
+    # contiguous: CPU BLAS rounds a strided fp32 operand differently (1 ulp), and the result must not depend on
+    # aux's strides (tests/test_fc_proj.py test_strided_aux)
+    a = (aux if rows is None else aux[rows.long()]).to(acc).contiguous()
     if norm_mode != "none":
         n = 1 if norm_mode == "norm_before_fc" else s["n_aux"]
         chunks = a.view(a.shape[0], n, s["K"] // n)
