@@ -136,8 +136,9 @@ class Recorder:
             "rows": [asdict(r) for r in self.rows],
         }
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        with open(path, "w") as f:
+        with open(path + ".part", "w") as f:  # (then renamed: a run killed mid-write leaves the last whole file)
             json.dump(doc, f, indent=1)
+        os.replace(path + ".part", path)
 
 
 def bench_out(name: str) -> Optional[str]:

@@ -1,5 +1,5 @@
 """pytest-benchmark harness: one case per (op, shape, provider); ceilings measured once per run; the
-table printed last and the rows written to $EAGLE3_BENCH_OUT/<file>.json."""
+table printed last and the rows written to $EAGLE3_BENCH_OUT/bench.json (after every case, and at the end)."""
 
 from __future__ import annotations
 
@@ -28,6 +28,13 @@ def recorder():
     if not _recorder:
         _recorder.append(Recorder(Ceilings.measure()))
     return _recorder[0]
+
+
+def pytest_runtest_logfinish(nodeid, location):
+    # the rows so far after every case, so that a run stopped at its time limit keeps what it measured
+    path = bench_out("bench")
+    if _recorder and path:
+        _recorder[0].write(path)
 
 
 def pytest_sessionfinish(session, exitstatus):
