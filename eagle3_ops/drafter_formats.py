@@ -83,7 +83,8 @@ class Reading:
 
     def __str__(self) -> str:
         got = "out of range" if self.ids is None else f"aux ids {list(self.ids)}"
-        return f"{self.format}: {self.field} = {list(self.config_ids)} read as {self.convention!r} -> {got} ({self.why})"
+        return (f"{self.format}: {self.field} = {list(self.config_ids)} read as {self.convention!r} -> {got} "
+                f"({self.why})")
 
 
 @dataclass(frozen=True)
@@ -119,7 +120,8 @@ def _source(config) -> tuple[dict, str, str | None]:
             raise TypeError(f"{file}: a drafter config must be a JSON object, got {type(cfg).__name__}")
         return cfg, file, os.path.dirname(os.path.abspath(file))
     if not isinstance(config, dict):
-        raise TypeError(f"config must be a dict, a config.json path or a folder holding one, not {type(config).__name__}")
+        raise TypeError(f"config must be a dict, a config.json path or a folder holding one, "
+                        f"not {type(config).__name__}")
     return config, "config", None
 
 

@@ -121,7 +121,8 @@ def test_disagreeing_fields_and_markers_are_refused():
     # a ModelOpt export (nested ids) with a top-level field that vLLM reads one layer early
     modelopt = {"next_layer_regular": True, F.TOP: [2, 30, 58]}
     both = {F.TOP: [2, 30, 58], "eagle_config": dict(modelopt)}
-    with pytest.raises(ValueError, match=r"modelopt: eagle_config.*-> aux ids \[2, 30, 58\].*vllm: .*-> aux ids \[1, 29, 57\]"):
+    pattern = r"modelopt: eagle_config.*-> aux ids \[2, 30, 58\].*vllm: .*-> aux ids \[1, 29, 57\]"
+    with pytest.raises(ValueError, match=pattern):
         F.read_drafter_format(both, KIMI)
     agree = {F.TOP: [2, 30, 58], "eagle_config": dict(modelopt, **{F.TOP: [1, 29, 57]})}
     assert F.read_drafter_format(agree, KIMI).ids == (1, 29, 57)

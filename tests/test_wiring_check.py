@@ -147,3 +147,37 @@ def test_strict_mode_and_the_check_changes_no_token(pair):
     plain, stats = generate_speculative(target, drafter, prompts, MAX_NEW, SpecConfig())
     checked, _ = _run(pair, prompts, TRAINED)
     assert stats.wiring is None and torch.equal(plain, checked)
+
+
+def test_round_graph_warmup_leaves_the_sums_alone(pair):
+    """graphs="round": RoundGraph's warm-up rounds (on the CPU run eagerly, then undone) must not count; the
+    check's sums are in the state it restores."""
+    target, drafter, prompts = pair
+    batch = next(_batches(prompts, 4))
+    check = WiringCheck.for_drafter(os.path.join(ASSETS, "drafter"))
+    eager, se = generate_speculative(target, drafter, batch, MAX_NEW, SpecConfig(), wiring_check=check)
+    graphed, sg = generate_speculative(target, drafter, batch, MAX_NEW, SpecConfig(), wiring_check=check,
+                                       graphs=True)
+    assert torch.equal(eager, graphed)
+    assert (sg.wiring.request_rounds, sg.wiring.accepted, sg.wiring.expected) == \
+        (se.wiring.request_rounds, se.wiring.accepted, se.wiring.expected)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAVE_PAIR, reason="the shipped pair is not built yet")
+def test_gpu_round_graph_check():
+    """On CUDA, inside a captured round graph (bf16): the check reads its 16 rounds through the pinned copy and
+    event, flags the seed's miswiring, and changes no token."""
+    from eagle3_ops import data
+    from eagle3_ops.cli import _load_pair
+
+    target, drafter, _ = _load_pair("byte-small", "cuda", torch.bfloat16)
+    batch = next(_batches([data.encode(p) for p in data.load_heldout_prompts()[:PROMPTS]], 4)).cuda()
+    check = WiringCheck.for_drafter(os.path.join(ASSETS, "drafter"))
+    off, _ = generate_speculative(target, drafter, batch, MAX_NEW, SpecConfig(), graphs=True)
+    on, st = generate_speculative(target, drafter, batch, MAX_NEW, SpecConfig(), graphs=True, wiring_check=check)
+    assert torch.equal(off, on) and st.wiring.rounds == 16 and not st.wiring.flagged, st.wiring
+    with pytest.warns(WiringWarning, match="likely miswiring"):
+        _, st = generate_speculative(target, drafter, batch, MAX_NEW, SpecConfig(), graphs=True, aux_ids=SEED,
+                                     wiring_check=check)
+    assert st.wiring.flagged and st.wiring.rounds == 16

@@ -230,9 +230,9 @@ class CheckRun:
                        f"drafter's own probabilities predict (< {c.ratio:g}x)")
         if rec is not None and r.acceptance_length < c.recorded_ratio * rec.acceptance_length and \
                 r.accepted < c.explained * calib * r.expected:
-            why.append(f"acceptance length {r.acceptance_length:.2f} against the {rec.acceptance_length:.2f} its config "
-                       f"records for these settings (< {c.recorded_ratio:g}x), with the drafter confident enough to "
-                       f"expect {calib * r.expected:.2f} accepted")
+            why.append(f"acceptance length {r.acceptance_length:.2f} against the {rec.acceptance_length:.2f} its "
+                       f"config records for these settings (< {c.recorded_ratio:g}x), with the drafter confident "
+                       f"enough to expect {calib * r.expected:.2f} accepted")
         if not why:
             return
         config_ids = self.drafter_ids if c.config_ids is None else list(c.config_ids)
