@@ -3,8 +3,9 @@
     python scripts/results_table.py            # rewrites docs/results.md and the README block between the markers
     python scripts/results_table.py --check    # exit 1 if either differs from what the JSON gives (tests/test_docs.py)
 
-Two JSON shapes exist: microbenchmarks (bench/common.py: rows of bench, shape, provider, us, fraction of the
-roofline floor) and end-to-end runs (bench/bench_e2e.py: rows of batch, prefix, spec, p, glue, tok/s).
+Three JSON shapes exist: microbenchmarks (bench/common.py: rows of bench, shape, provider, us, fraction of the
+roofline floor), end-to-end runs (bench/bench_e2e.py: rows of batch, prefix, spec, p, glue, tok/s) and the
+device-validation cost (bench/compare_checks.py: rows of bench, shape, provider, on_us, off_us, ratio).
 """
 
 from __future__ import annotations
@@ -82,6 +83,14 @@ def e2e_table(rows: list) -> list:
                   "step ms", "glue share"], lines)
 
 
+def checks_table(rows: list, limit: float) -> list:
+    """The checks-on and checks-off builds' best medians per case, worst ratio first; cases above the limit marked."""
+    lines = [[r["bench"], r["shape"], r["provider"], fmt(r["on_us"], 2), fmt(r["off_us"], 2),
+              f"{r['ratio']:.3f}" + (" (above)" if r["ratio"] > limit else "")]
+             for r in sorted(rows, key=lambda r: -r["ratio"])]
+    return table(["bench", "shape", "provider", "checks on us", "checks off us", "on / off"], lines)
+
+
 def provenance(d: dict) -> str:
     gpu = d.get("gpu") or d.get("device_name", "?")
     parts = [gpu, f"commit {d['commit'][:7]}", f"torch {d.get('torch', '?')}"]
@@ -105,7 +114,13 @@ def section(name: str, d: dict) -> list:
         if i:
             out += [f"Later run: {provenance(run)}.", ""]
         rows = run.get("rows", [])
-        out += (e2e_table(rows) if rows and "batch" in rows[0] else micro_table(rows)) + [""]
+        if rows and "batch" in rows[0]:
+            out += e2e_table(rows) + [""]
+        elif rows and "on_us" in rows[0]:
+            out += [f"Worst on / off {run['worst']:.3f}; limit {run['limit']}.", ""]
+            out += checks_table(rows, run["limit"]) + [""]
+        else:
+            out += micro_table(rows) + [""]
     return out
 
 
