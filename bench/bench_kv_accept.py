@@ -11,7 +11,8 @@ Patterns (N = 8): "all_move" accepts nodes [0, 2, 4, 6, 7] of a bushy tree (4 dr
 (the bytes to move, and the floor, are zero: the time is what the launch costs).
 
 Two figures per provider: bench "kv_accept", device time of CUDA-graph replays of back-to-back calls
-(graph_time_us); bench "kv_accept/eager", wall time per call of back-to-back eager calls, what an engine
+(graph_time_us); bench "kv_accept/eager", wall time per call of back-to-back eager calls (the median of 5
+batches: common.eager_time_us), what an engine
 that calls the op outside its graphs pays (host launch cost included). Every call advances prefix_lens,
 so each rotated input set is a prefix_lens tensor whose requests sit in their own region of the cache
 (consecutive calls touch rows far apart, several sets exceed L2); requests never run out of pages
@@ -20,12 +21,11 @@ so each rotated input set is a prefix_lens tensor whose requests sit in their ow
 
 from __future__ import annotations
 
-import time
 
 import pytest
 import torch
 
-from common import graph_time_us, rotation
+from common import eager_time_us, graph_time_us, rotation
 
 import eagle3_ops  # noqa: F401
 from eagle3_ops.engine import torch_glue
@@ -82,12 +82,7 @@ def test_kv_accept(recorder, provider, B, pattern):
     prefixes = [s.clone() for s in starts]
     calls = [lambda p=p: fn(caches, page_table, p, nodes, lens) for p in prefixes]
     us = graph_time_us(calls, reps=GRAPH_REPLAYS - 5)
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for k in range(EAGER_CALLS):
-        calls[k % len(calls)]()
-    torch.cuda.synchronize()
-    eager_us = (time.perf_counter() - t0) / EAGER_CALLS * 1e6
+    eager_us = eager_time_us(calls, EAGER_CALLS)
     for s, p in zip(starts, prefixes):  # every request advanced every call: none ran out of pages
         assert int(p.min()) == int(p.max()) > int(s[0]), (provider, p.min(), p.max())
         assert int(p.max()) + N <= int(s[0]) + region, "a rotated set overran its region"

@@ -11,19 +11,18 @@ B 64 x N 8; bf16 and fp32 logits.
 
 Two figures per provider: bench "verify", device time of CUDA-graph replays of back-to-back calls over
 logits sets rotated past L2 (graph_time_us); bench "verify/eager", wall time per call of back-to-back
-eager calls (host launch cost included), what an engine calling it outside its graphs pays.
+eager calls (host launch cost included; the median of 5 batches: common.eager_time_us), what an engine calling it
+outside its graphs pays.
 Bytes: the logits, read once (+ the small tree tensors and outputs). The target is
 us <= 1.25 * bytes / copy_bw + 5 (issue 6); `target_us` in each eagle3 row.
 """
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 
-from common import graph_time_us, rotation
+from common import eager_time_us, graph_time_us, rotation
 
 import eagle3_ops  # noqa: F401
 from eagle3_ops.engine import torch_glue
@@ -71,12 +70,7 @@ def test_verify(recorder, provider, B, N, kind, dtype):
     for w, o, name in zip(want, got, ("accept_nodes", "accept_len", "emitted")):
         assert torch.equal(w, o), f"{provider} {name} differs from eagle3"
     us = graph_time_us([lambda s=s: fn(*s) for s in sets])
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for k in range(EAGER_CALLS):
-        fn(*sets[k % len(sets)])
-    torch.cuda.synchronize()
-    eager_us = (time.perf_counter() - t0) / EAGER_CALLS * 1e6
+    eager_us = eager_time_us([lambda s=s: fn(*s) for s in sets], EAGER_CALLS)
     floor_us = nbytes / recorder.ceilings.copy_bw * 1e6
     shape = f"B={B} N={N} V={V} {str(dtype).replace('torch.', '')}"
     extra = {"target_us": 1.25 * floor_us + 5, "mean_accept_len": float(want[1].float().mean())}

@@ -13,6 +13,7 @@ import json
 import os
 import statistics
 import subprocess
+import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Optional
 
@@ -57,6 +58,22 @@ class Ceilings:
 def rotation(bytes_per_call: int) -> int:
     """How many input sets to rotate so that one pass over them exceeds L2 three times."""
     return max(1, min(64, -(-3 * L2_BYTES // max(bytes_per_call, 1))))
+
+
+def eager_time_us(calls: list[Callable[[], None]], total: int, batches: int = 5) -> float:
+    """Per-call wall time of back-to-back eager calls (host launch cost included, the device drained at each
+    batch's end): `total` calls cycling through `calls`, in `batches` timed batches; the median batch. One timed
+    run of 40 calls swung 20 to 33 us between two processes of one build (device_checks_h200.log)."""
+    torch.cuda.synchronize()
+    per_batch, k, times = -(-total // batches), 0, []
+    for _ in range(batches):
+        t0 = time.perf_counter()
+        for _ in range(per_batch):
+            calls[k % len(calls)]()
+            k += 1
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) / per_batch * 1e6)
+    return statistics.median(times)
 
 
 def graph_time_us(calls: list[Callable[[], None]], reps: int = 30) -> float:
