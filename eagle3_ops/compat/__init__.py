@@ -1,5 +1,6 @@
-"""Drop-in entry points with other engines' signatures and semantics (eagle3_ops.compat.sglang)."""
+"""Drop-in entry points with other engines' signatures and semantics (eagle3_ops.compat.sglang,
+eagle3_ops.compat.vllm)."""
 
-from . import sglang
+from . import sglang, vllm
 
-__all__ = ["sglang"]
+__all__ = ["sglang", "vllm"]

@@ -1,0 +1,333 @@
+"""vLLM-compatible entry point: vLLM v1's ``RejectionSampler`` (vllm/v1/sample/rejection_sampler.py) with the
+same call, the same inputs and the same output, on our verify kernels, so a vLLM model runner can build it
+instead (``from eagle3_ops.compat.vllm import RejectionSampler``).
+
+``RejectionSampler(sampler).forward(metadata, draft_probs, logits, sampling_metadata)`` takes what vLLM's
+GPU model runner passes:
+
+* ``metadata``, a ``SpecDecodeMetadata`` (or any object with its fields): ``draft_token_ids [num_tokens]``
+  int32 (the drafts of all requests back to back), ``num_draft_tokens`` (a host list, one count per
+  request, 0 allowed), ``cu_num_draft_tokens [batch_size]`` (inclusive cumulative sum, on the device),
+  ``max_spec_len``, ``target_logits_indices [num_tokens]`` and ``bonus_logits_indices [batch_size]``.
+* ``draft_probs [num_tokens, vocab_size]`` (the distribution each draft was sampled from) or None (ngram,
+  or EAGLE proposing by argmax): a draft is then treated as proposed with probability 1.
+* ``logits [num_tokens + batch_size, vocab_size]``: the target's logits at every sampled position, in the
+  order ``_calc_spec_decode_metadata`` lays them out (per request its draft rows, then its bonus row).
+* ``sampling_metadata``, a ``SamplingMetadata``: ``all_greedy``, ``all_random``, ``temperature [batch_size]``
+  fp32 (0 = greedy, vLLM's GREEDY_TEMPERATURE), ``top_k`` / ``top_p`` (None or ``[batch_size]``),
+  ``allowed_token_ids_mask`` (None or ``[batch_size, vocab_size]`` bool, True = not allowed) and
+  ``generators`` (request index -> torch.Generator for seeded requests).
+
+It returns a ``SamplerOutput`` whose ``sampled_token_ids [batch_size, max_spec_len + 1]`` int32 holds, per
+request, the accepted drafts, then one more token (the recovered token sampled from the residual at the first
+rejection, or the bonus token when every draft was accepted), then PLACEHOLDER_TOKEN_ID (-1).
+
+How it maps onto our ops. A vLLM draft is a chain: node 0 is the last verified token, node i + 1 the i-th
+draft (parent i), and the logits row of node c predicts node c + 1, so the rows of one request (its draft rows
+then its bonus row) are our nodes 0..n in order. With every request at max_spec_len drafts (EAGLE's case)
+vLLM's ``logits`` *is* our ``[B * N, V]`` layout, N = max_spec_len + 1, and goes to the op uncopied. With
+ragged drafts (ngram, chunked prefill, a request at 0 drafts) the rows are gathered once into the padded
+layout (one row copy per padded node, through ``target_logits_indices`` / ``bonus_logits_indices``); a
+padded node carries token -1 below the request's last draft, so it is never accepted and leaves the residual
+as it is. All index work runs on the device from ``cu_num_draft_tokens``: no host sync, fixed shapes for
+fixed ``num_draft_tokens``; the all-greedy path and the unseeded random path can be captured in a CUDA graph.
+
+All-greedy batches run ``verify_greedy``; any random request runs ``verify_sampling`` for the whole batch
+(temperature 0 rows are greedy there). The bonus token: with a vLLM ``Sampler`` given to the constructor it is
+the sampler's token for the bonus rows, called as vLLM calls it (so its logits processors apply to it); with
+``sampler=None`` it is our op's own draw from the bonus row (temperature, top-k, top-p and the allowed-token
+mask applied), one pass fewer.
+
+Randomness: what is equal and what is bit-identical.
+
+* Greedy requests: bit-identical to vLLM (accepted while the draft equals the argmax; at the first mismatch
+  the argmax, else the bonus). vLLM takes the argmax of fp32 probabilities and we take it of the logits, which
+  can differ only for two fp32 logits within a rounding of exp of each other.
+* Random requests: equal in distribution, not bit-identical. vLLM draws one uniform per draft from torch's
+  generator and one exponential vector per request for the recovered token; we use our counter-based Philox
+  draws (eagle3_ops._philox) keyed by a 63-bit seed drawn per call from the request's generator (seeded
+  requests, so they are reproducible and advance their generator as vLLM's draws do) or from the device's
+  default generator, offset 0. The accept rule is the same (vLLM accepts when p / q >= u, we when u * q < p;
+  they differ only on a null set), the recovered token is a draw from normalize(max(p - q, 0)) (without
+  draft_probs, from p with the draft's probability removed) on both sides, and the bonus from p.
+* One documented difference: a draft whose own draft probability is 0 (impossible when it was drawn from
+  draft_probs) is always rejected by vLLM and accepted with probability min(1, p / q) = 1 here.
+* Draft ids outside [0, vocab_size) are never accepted (vLLM would read past the row).
+
+Not supported (refused with NotImplementedError naming the field, before anything runs): penalties
+(``no_penalties`` False), ``bad_words_token_ids``, logprobs (``max_num_logprobs`` not None) and the
+non-argmax-invariant logits processors that vLLM's forward applies through them; use vLLM's own sampler
+for those requests. Shapes, dtypes and devices are checked first (ValueError / TypeError naming vLLM's field);
+on CPU tensors the values that only the data shows (cu_num_draft_tokens against num_draft_tokens, the logits
+indices, negative temperatures) are checked too, raising eagle3_ops.Eagle3InputError; on CUDA they are
+trusted (reading them is a host sync). Nothing the caller passed is written.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from .. import _validate
+from ..errors import Eagle3InputError, check_float, check_range, input_error
+
+__all__ = ["PLACEHOLDER_TOKEN_ID", "GREEDY_TEMPERATURE", "MAX_SPEC_LEN", "RejectionSampler", "SamplerOutput"]
+
+PLACEHOLDER_TOKEN_ID = -1  # vLLM's id for the slots after a request's last emitted token
+GREEDY_TEMPERATURE = 0  # vLLM's temperature of a greedy request inside a mixed batch
+MAX_SPEC_LEN = 128  # vLLM's bound on drafts per request per step
+_OP = "RejectionSampler"
+_INDEX = (torch.int32, torch.int64)
+
+
+@dataclass
+class SamplerOutput:
+    """vLLM's SamplerOutput fields: sampled_token_ids [batch_size, max_spec_len + 1] int32, -1 padded."""
+
+    sampled_token_ids: Tensor
+    logprobs_tensors: Optional[Any] = None
+
+
+@dataclass
+class _Batch:
+    B: int
+    K: int  # max_spec_len
+    T: int  # num_tokens (drafts in all)
+    V: int
+    uniform: bool  # every request at K drafts
+    canonical: bool  # logits has the T + B rows of _calc_spec_decode_metadata, taken as they are
+
+
+def _unsupported(sm) -> None:
+    if getattr(sm, "no_penalties", True) is False:
+        raise NotImplementedError("sampling_metadata.no_penalties is False: penalties are not supported by "
+                                  "eagle3_ops.compat.vllm (use vLLM's RejectionSampler for such batches)")
+    if getattr(sm, "bad_words_token_ids", None):
+        raise NotImplementedError("sampling_metadata.bad_words_token_ids is not empty: bad words are not supported "
+                                  "by eagle3_ops.compat.vllm")
+    if getattr(sm, "max_num_logprobs", None) is not None:
+        raise NotImplementedError("sampling_metadata.max_num_logprobs is set: logprobs are not supported by "
+                                  "eagle3_ops.compat.vllm (pass max_num_logprobs=None)")
+
+
+def _check(metadata, draft_probs, logits, sm) -> _Batch:
+    """Shapes, dtypes, devices of every argument (never values, except on CPU tensors); returns the sizes."""
+    _validate.tensor(logits, "logits", dtypes=_validate.FLOATS, dim=2, last_contiguous=True)
+    like = dict(like=logits, like_name="logits")
+    counts = metadata.num_draft_tokens
+    if isinstance(counts, Tensor) or not all(isinstance(n, int) and n >= 0 for n in counts) or len(counts) == 0:
+        raise TypeError("metadata.num_draft_tokens must be a non-empty host list of non-negative ints (one per request)")
+    B, K, T, V = len(counts), max(counts), sum(counts), logits.shape[1]
+    if getattr(metadata, "max_spec_len", K) != K:
+        raise ValueError(f"metadata.max_spec_len must be max(num_draft_tokens) = {K}, got {metadata.max_spec_len}")
+    if K > MAX_SPEC_LEN:
+        raise ValueError(f"metadata.max_spec_len must be <= MAX_SPEC_LEN = {MAX_SPEC_LEN}, got {K}")
+    if V == 0:
+        raise ValueError("logits must have vocab_size >= 1")
+    _validate.tensor(metadata.draft_token_ids, "metadata.draft_token_ids", dtypes=_INDEX,
+                     shape=(("num_tokens", T),), contiguous=True, **like)
+    _validate.tensor(metadata.cu_num_draft_tokens, "metadata.cu_num_draft_tokens", dtypes=_INDEX,
+                     shape=(("batch_size", B),), contiguous=True, **like)
+    _validate.tensor(metadata.target_logits_indices, "metadata.target_logits_indices", dtypes=_INDEX,
+                     shape=(("num_tokens", T),), **like)
+    bonus_idx = metadata.bonus_logits_indices
+    _validate.tensor(bonus_idx, "metadata.bonus_logits_indices", dtypes=_INDEX, dim=1, **like)
+    if bonus_idx.shape[0] not in (0, B):
+        raise ValueError(f"metadata.bonus_logits_indices must have shape (batch_size) = ({B}) (or (0) when the "
+                         f"sampler's bonus tokens do not come from logits), got {tuple(bonus_idx.shape)}")
+    if draft_probs is not None:
+        _validate.tensor(draft_probs, "draft_probs", dtypes=_validate.FLOATS,
+                         shape=(("num_tokens", T), ("vocab_size", V)), last_contiguous=True, **like)
+    if not sm.all_greedy:
+        _validate.tensor(sm.temperature, "sampling_metadata.temperature", dtypes=(torch.float32,),
+                         shape=(("batch_size", B),), contiguous=True, **like)
+    if sm.top_k is not None:
+        _validate.tensor(sm.top_k, "sampling_metadata.top_k", dtypes=_INDEX, shape=(("batch_size", B),), **like)
+    if sm.top_p is not None:
+        _validate.tensor(sm.top_p, "sampling_metadata.top_p", dtypes=_validate.FLOATS[:3], shape=(("batch_size", B),),
+                         **like)
+    mask = getattr(sm, "allowed_token_ids_mask", None)
+    if mask is not None:
+        _validate.tensor(mask, "sampling_metadata.allowed_token_ids_mask", dtypes=(torch.bool,),
+                         shape=(("batch_size", B), ("vocab_size", V)), **like)
+    for i in sm.generators:
+        if not 0 <= i < B:
+            raise ValueError(f"sampling_metadata.generators has request index {i}, valid: 0..{B - 1}")
+    _unsupported(sm)
+    uniform = all(n == K for n in counts)
+    canonical = uniform and logits.shape[0] == T + B and bonus_idx.shape[0] == B
+    if logits.device.type == "cpu":
+        _check_values(metadata, logits, sm, B, K, T, canonical)
+    return _Batch(B, K, T, V, uniform, canonical)
+
+
+def _check_values(metadata, logits, sm, B, K, T, canonical) -> None:
+    """CPU only (free there): what only the data shows."""
+    want = torch.tensor(metadata.num_draft_tokens).cumsum(0)
+    got = metadata.cu_num_draft_tokens.long()
+    if not torch.equal(got, want):
+        b = int((got != want).nonzero()[0, 0])
+        raise input_error(_OP, "metadata.cu_num_draft_tokens", (b,), int(got[b]), int(want[b]), int(want[b]))
+    rows = logits.shape[0] - 1
+    check_range(metadata.target_logits_indices, 0, rows, _OP, "metadata.target_logits_indices")
+    check_range(metadata.bonus_logits_indices, 0, rows, _OP, "metadata.bonus_logits_indices")
+    if canonical:  # taken as _calc_spec_decode_metadata's layout without reading them on CUDA: say so here
+        node = torch.arange(B * (K + 1)).view(B, K + 1)
+        lay = dict(target=node[:, :K].reshape(-1), bonus=node[:, K])
+        for name, want_idx in lay.items():
+            idx = getattr(metadata, f"{name}_logits_indices").long()
+            if not torch.equal(idx, want_idx):
+                j = int((idx != want_idx).nonzero()[0, 0])
+                raise Eagle3InputError(
+                    f"{_OP}: metadata.{name}_logits_indices[{j}] = {int(idx[j])}, expected {int(want_idx[j])}: with "
+                    "every request at max_spec_len drafts and num_tokens + batch_size logits rows, the rows must be "
+                    "in _calc_spec_decode_metadata's order (per request its drafts, then its bonus row)")
+    if not sm.all_greedy:
+        check_float(sm.temperature, _OP, "sampling_metadata.temperature", nonnegative=True)
+
+
+def _layout(metadata, logits, draft_probs, s: _Batch):
+    """vLLM's ragged rows -> our padded [B, N] chain. Returns (tokens, parents, op_logits, op_draft_probs, n)."""
+    B, K, T = s.B, s.K, s.T
+    N = K + 1
+    dev = logits.device
+    col = torch.arange(K, device=dev)
+    draft_ids = metadata.draft_token_ids.long()
+    if s.uniform:
+        n = None  # every request at K drafts
+        drafts = draft_ids.view(B, K)
+        src = torch.arange(B * K, device=dev).view(B, K)
+        valid = None
+    else:
+        cu = metadata.cu_num_draft_tokens.long()
+        n = torch.diff(cu, prepend=cu.new_zeros(1))  # drafts per request
+        start = cu - n
+        valid = col[None, :] < n[:, None]  # [B, K]
+        src = (start[:, None] + col[None, :]).clamp(max=max(T - 1, 0))
+        drafts = draft_ids[src].masked_fill(~valid, -1)  # K >= 1 here, so T >= 1
+    tokens = torch.cat([torch.full((B, 1), -1, dtype=torch.int64, device=dev), drafts], dim=1)
+    parents = (torch.arange(N, dtype=torch.int32, device=dev) - 1).expand(B, N).contiguous()
+    if s.canonical:
+        op_logits = logits
+    else:
+        op_logits = logits.index_select(0, _rows(metadata, s, n, src, valid).view(-1))
+    op_q = None
+    if draft_probs is not None:  # row (b, c) = the distribution node c's child was drawn from; 0 past the drafts
+        keep = torch.ones(B, K, dtype=torch.bool, device=dev) if valid is None else valid
+        q_src = torch.cat([src, src[:, -1:] if K else src.new_zeros(B, 1)], dim=1).clamp(min=0)
+        op_q = draft_probs.index_select(0, q_src.view(-1)) if T else draft_probs.new_zeros(B * N, s.V)
+        op_q.masked_fill_(~torch.cat([keep, keep.new_zeros(B, 1)], dim=1).view(-1, 1), 0)
+    return tokens, parents, op_logits, op_q, n
+
+
+def _rows(metadata, s: _Batch, n, src, valid) -> Tensor:
+    """The logits row of every padded node [B, N]: draft rows, then the bonus row (also under the padding)."""
+    tgt = metadata.target_logits_indices.long()
+    bonus = metadata.bonus_logits_indices.long()
+    if bonus.shape[0] == 0:  # no bonus rows in logits (the sampler brings its own): a draft row stands in
+        last = src[:, 0] + (s.K - 1 if n is None else (n - 1).clamp(min=0))  # s.K >= 1 here, so s.T >= 1
+        bonus = tgt[last.clamp(max=s.T - 1)]
+    drafts = tgt[src]
+    if valid is not None:
+        drafts = torch.where(valid, drafts, bonus[:, None])
+    return torch.cat([drafts, bonus[:, None]], dim=1)
+
+
+def _mask_logits(z: Tensor, sm, s: _Batch) -> Tensor:
+    """vLLM's target-logit constraints on the padded rows: the allowed-token mask, then top-k and top-p of
+    the temperature-scaled logits (temperature 1 for greedy rows, as vLLM). Returns a new tensor."""
+    N = s.K + 1
+    mask = getattr(sm, "allowed_token_ids_mask", None)
+    if mask is not None:
+        z = z.masked_fill(mask.repeat_interleave(N, dim=0), float("-inf"))
+    if sm.top_k is None and sm.top_p is None:
+        return z
+    temp = torch.ones(s.B, device=z.device) if sm.all_greedy else torch.where(sm.temperature > 0, sm.temperature, 1.0)
+    scaled = z.float() / temp.repeat_interleave(N)[:, None]
+    ascending, order = scaled.sort(dim=-1)
+    drop = torch.zeros_like(ascending, dtype=torch.bool)
+    if sm.top_k is not None:  # keep the k largest (and their ties)
+        k = sm.top_k.long().clamp(1, s.V).repeat_interleave(N)
+        drop |= ascending < ascending.gather(1, (s.V - k)[:, None])
+    if sm.top_p is not None:  # drop the smallest tokens while their mass stays <= 1 - p; the largest always stays
+        mass = ascending.masked_fill(drop, float("-inf")).softmax(dim=-1).cumsum(dim=-1)
+        p = sm.top_p.float().repeat_interleave(N)[:, None]
+        low = mass <= 1 - p
+        low[:, -1] = False
+        drop |= low
+    return z.masked_fill(torch.empty_like(drop).scatter_(1, order, drop), float("-inf"))
+
+
+def _seeds(sm, counts: Sequence[int], B: int, dev, bonus_here: bool) -> Tensor:
+    """One 63-bit Philox key per request: from its own generator when seeded (advancing it; skipped for a
+    request with no drafts unless we sample its bonus, as vLLM skips it), else from the default generator."""
+    seed = torch.empty(B, dtype=torch.int64, device=dev).random_()
+    for i, g in sm.generators.items():
+        if counts[i] > 0 or bonus_here:
+            seed[i:i + 1].random_(generator=g)
+    return seed
+
+
+class RejectionSampler(torch.nn.Module):
+    """vLLM v1's RejectionSampler on eagle3_ops.verify_greedy / verify_sampling (module docstring: the contract).
+
+    Parameters
+    ----------
+    sampler : vLLM Sampler, optional
+        Called on the bonus rows as vLLM's RejectionSampler calls it (``sampler(logits=..., sampling_metadata=...,
+        predict_bonus_token=True)``); its ``sampled_token_ids`` fill the bonus slot. None: our op samples it.
+    """
+
+    def __init__(self, sampler: Optional[Any] = None):
+        super().__init__()
+        self.sampler = sampler
+
+    def forward(self, metadata, draft_probs: Optional[Tensor], logits: Tensor, sampling_metadata) -> SamplerOutput:
+        """Verify every request's drafts; returns SamplerOutput(sampled_token_ids [batch_size, max_spec_len + 1]
+        int32: accepted drafts, then the recovered or bonus token, then PLACEHOLDER_TOKEN_ID)."""
+        sm = sampling_metadata
+        s = _check(metadata, draft_probs, logits, sm)
+        B, K = s.B, s.K
+        if self.sampler is None and metadata.bonus_logits_indices.shape[0] != B:
+            raise ValueError(f"metadata.bonus_logits_indices must have shape (batch_size) = ({B}) with sampler=None: "
+                             "the bonus token is then sampled from the bonus rows of logits")
+        bonus = None
+        if self.sampler is not None:
+            out = self.sampler(logits=logits[metadata.bonus_logits_indices], sampling_metadata=sm,
+                               predict_bonus_token=True)
+            bonus = out.sampled_token_ids
+            _validate.tensor(bonus, "sampler(...).sampled_token_ids", dtypes=_INDEX, like=logits, like_name="logits")
+            if bonus.numel() != B:
+                raise ValueError(f"sampler(...).sampled_token_ids must have batch_size = {B} entries, got shape "
+                                 f"{tuple(bonus.shape)}")
+            if K == 0:  # no drafts at all: the bonus is the whole output
+                return SamplerOutput(bonus.reshape(B, 1).to(torch.int32))
+        tokens, parents, z, q, n = _layout(metadata, logits, draft_probs, s)
+        z = _mask_logits(z, sm, s)
+        if sm.all_greedy:
+            _, accept_len, emitted = torch.ops.eagle3.verify_greedy(z, tokens, parents)
+        else:
+            seed = _seeds(sm, metadata.num_draft_tokens, B, logits.device, bonus is None)
+            offset = torch.zeros(B, dtype=torch.int64, device=logits.device)
+            _, accept_len, emitted = torch.ops.eagle3.verify_sampling(z, q, None, tokens, parents, sm.temperature,
+                                                                      seed, offset)
+        out = emitted.to(torch.int32)  # accepted drafts, then the recovered / bonus token, then -1
+        if bonus is not None:  # every draft accepted: the slot after them takes the sampler's bonus
+            n_b = torch.full_like(accept_len, K) if n is None else n.to(accept_len.dtype)
+            slot = (torch.arange(K + 1, device=logits.device)[None, :] == n_b[:, None]) & (accept_len == n_b)[:, None]
+            out = torch.where(slot, bonus.reshape(B, 1).to(torch.int32), out)
+        return SamplerOutput(out)
+
+    @staticmethod
+    def parse_output(output_token_ids: Tensor, vocab_size: int, discard_req_indices: Sequence[int] = (),
+                     return_cu_num_tokens: bool = False) -> tuple[list[list[int]], Optional[list[int]]]:
+        """vLLM's parse_output (host side, one copy): per request the tokens that are not PLACEHOLDER_TOKEN_ID
+        and are < vocab_size; rows in discard_req_indices empty; optionally the cumulative counts [0, ...]."""
+        rows = output_token_ids.cpu()
+        valid = (rows != PLACEHOLDER_TOKEN_ID) & (rows < vocab_size)
+        cu = [0] + valid.sum(dim=1).cumsum(0).tolist() if return_cu_num_tokens else None
+        valid[list(discard_req_indices)] = False
+        return [row[keep].tolist() for row, keep in zip(rows, valid)], cu
