@@ -310,6 +310,9 @@ BAD = [
     ("target index out of range", lambda m, z, s, p: (
         _set(m, target_logits_indices=torch.tensor([0, 1, 9], dtype=torch.int32)), z[:-1], s, p),
      Eagle3InputError, "metadata.target_logits_indices[2] = 9 is out of range (valid: 0..3)"),
+    ("indices on another device", lambda m, z, s, p: (
+        _set(m, bonus_logits_indices=m.bonus_logits_indices.to("meta")), z, s, p),
+     ValueError, "metadata.bonus_logits_indices must be on logits' device (cpu) or the CPU, got meta"),
     ("logits 1-D", lambda m, z, s, p: (m, z[0], s, p), ValueError, "logits must have 2 dimensions"),
     ("logits int", lambda m, z, s, p: (m, z.long(), s, p), TypeError, "logits must have dtype"),
     ("draft_probs vocab", lambda m, z, s, p: (m, z, s, p[:, :5]), ValueError,
@@ -393,6 +396,16 @@ def test_gpu_greedy_matches_cpu(counts, V):
     got = out_of(RejectionSampler(), meta, logits, sm)
     want = out_of(RejectionSampler(), _cpu(meta), logits.cpu(), sm)
     assert_equal(got.cpu(), want)
+
+
+@pytest.mark.gpu
+def test_gpu_host_indices_as_vllms_test_passes_them():
+    # vLLM's own test hands torch.arange / torch.empty indices on the host with CUDA logits
+    meta, logits, _ = _batch([4, 0, 2, 4, 1, 0, 3, 4], 32000)
+    want = out_of(RejectionSampler(), meta, logits, sampling_metadata())
+    meta.target_logits_indices = meta.target_logits_indices.cpu()
+    meta.bonus_logits_indices = meta.bonus_logits_indices.cpu()
+    assert_equal(out_of(RejectionSampler(), meta, logits, sampling_metadata()), want)
 
 
 def _native_sampling(meta, logits, probs, temperature):

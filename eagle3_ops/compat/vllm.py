@@ -132,9 +132,13 @@ def _check(metadata, draft_probs, logits, sm) -> _Batch:
     _validate.tensor(metadata.cu_num_draft_tokens, "metadata.cu_num_draft_tokens", dtypes=_INDEX,
                      shape=(("batch_size", B),), contiguous=True, **like)
     _validate.tensor(metadata.target_logits_indices, "metadata.target_logits_indices", dtypes=_INDEX,
-                     shape=(("num_tokens", T),), **like)
+                     shape=(("num_tokens", T),))
     bonus_idx = metadata.bonus_logits_indices
-    _validate.tensor(bonus_idx, "metadata.bonus_logits_indices", dtypes=_INDEX, dim=1, **like)
+    _validate.tensor(bonus_idx, "metadata.bonus_logits_indices", dtypes=_INDEX, dim=1)
+    for name in ("target_logits_indices", "bonus_logits_indices"):  # host indices are allowed, as logits[idx] is
+        dev = getattr(metadata, name).device
+        if dev not in (logits.device, torch.device("cpu")):
+            raise ValueError(f"metadata.{name} must be on logits' device ({logits.device}) or the CPU, got {dev}")
     if bonus_idx.shape[0] not in (0, B):
         raise ValueError(f"metadata.bonus_logits_indices must have shape (batch_size) = ({B}) (or (0) when the "
                          f"sampler's bonus tokens do not come from logits), got {tuple(bonus_idx.shape)}")
@@ -225,8 +229,9 @@ def _layout(metadata, logits, draft_probs, s: _Batch):
 
 def _rows(metadata, s: _Batch, n, src, valid) -> Tensor:
     """The logits row of every padded node [B, N]: draft rows, then the bonus row (also under the padding)."""
-    tgt = metadata.target_logits_indices.long()
-    bonus = metadata.bonus_logits_indices.long()
+    dev = src.device
+    tgt = metadata.target_logits_indices.to(dev, torch.int64, non_blocking=True)
+    bonus = metadata.bonus_logits_indices.to(dev, torch.int64, non_blocking=True)
     if bonus.shape[0] == 0:  # no bonus rows in logits (the sampler brings its own): a draft row stands in
         last = src[:, 0] + (s.K - 1 if n is None else (n - 1).clamp(min=0))  # s.K >= 1 here, so s.T >= 1
         bonus = tgt[last.clamp(max=s.T - 1)]
