@@ -1,7 +1,10 @@
 """eagle3_ops.compat.sglang: build_tree_kernel_efficient and verify_tree_greedy against a plain-Python
 restatement of sgl-kernel's semantics (eagle_utils.cu, read as a specification), on hand-built trees and
 thousands of random EAGLE-like selections (hypothesis), in all three mask modes; agreement with our own
-tree utilities and verify_greedy; the same on CUDA tensors (-m gpu)."""
+tree utilities and verify_greedy; the same on CUDA tensors (-m gpu). Then the layouts SGLang's callers
+pass, the peers' hand-made cases with their exact outputs, tree_speculative_sampling_target_only against a
+plain-Python restatement of speculative_sampling.cuh, segment_packbits, reconstruct_indices_from_tree_mask,
+and bad input refused before anything is written."""
 
 from __future__ import annotations
 
@@ -11,8 +14,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from eagle3_ops import tree
-from eagle3_ops.compat.sglang import TreeMaskMode, build_tree_kernel_efficient, verify_tree_greedy
-from tests.conftest import assert_equal
+from eagle3_ops import Eagle3InputError
+from eagle3_ops.compat.sglang import (TreeMaskMode, build_tree_kernel_efficient, reconstruct_indices_from_tree_mask,
+                                      segment_packbits, tree_speculative_sampling_target_only, verify_tree_greedy)
+from tests.conftest import assert_equal, capture_graph
 
 PROPERTY = settings(derandomize=True, max_examples=150, deadline=None)
 MODES = list(TreeMaskMode)
@@ -149,12 +154,13 @@ def test_golden_selection(mode):
     assert parents.tolist() == [[-1, 0, 0, 1, 2, 3]]
 
 
-def test_golden_unselected_parent_is_left_unlinked():
-    # node 2 = flat 8 (slot 4 -> flat 4, not selected): SGLang leaves it out of the lists; its mask row
-    # here is {root, itself} and its position prefix + 1.
+def test_golden_unselected_parent_keeps_a_consistent_tree():
+    # node 2 = flat 8 (slot 4 -> flat 4, not selected): undefined in SGLang (a warning, the node unlinked, its
+    # mask read past the row). Here our build_tree ranks the orphan below every selected candidate, so the
+    # second node is the best remaining candidate (flat 1, a root child): lists, positions and mask agree.
     mask, positions, _, r_next, r_sib = run_build(torch.tensor(GOLDEN_PARENT_LIST), torch.tensor([[0, 8]]), [3], 2, 3,
                                                   3, TreeMaskMode.QLEN_ONLY)
-    assert r_next.tolist() == [[1, -1, -1]] and r_sib.tolist() == [[-1, -1, -1]]
+    assert r_next.tolist() == [[1, -1, -1]] and r_sib.tolist() == [[-1, 2, -1]]
     assert positions.tolist() == [3, 4, 4]
     assert mask.view(3, 3).tolist() == [[True, False, False], [True, True, False], [True, False, True]]
 
@@ -204,6 +210,16 @@ def _greedy_python(candidates, r_index, r_next, r_sib, target, S):
     return predicts, accept_index, num
 
 
+def check_walk(predicts, accept_index, num, w_pred, w_index, w_num):
+    """The outputs of a walk (poisoned with -9 before it) against a restatement's {row: value}, rows, counts."""
+    want_pred = torch.full(predicts.shape, -9, dtype=torch.int32)
+    for r, v in w_pred.items():
+        want_pred[r] = v
+    assert_equal(predicts.cpu(), want_pred, "predicts")
+    assert_equal(accept_index.cpu(), torch.tensor(w_index, dtype=torch.int32), "accept_index")
+    assert_equal(num.cpu(), torch.tensor(w_num, dtype=torch.int32), "accept_token_num")
+
+
 def check_verify(g, B, N, S, kind, device="cpu"):
     parents = tree.random_parents(B, N, g, kind)
     V = 7
@@ -215,13 +231,7 @@ def check_verify(g, B, N, S, kind, device="cpu"):
     num = torch.full((B,), -9, dtype=torch.int32, device=device)
     verify_tree_greedy(predicts, accept_index, num, tokens.to(device), r_index.to(device), r_next.to(device),
                        r_sib.to(device), target.to(device))
-    w_pred, w_index, w_num = _greedy_python(tokens, r_index, r_next, r_sib, target, S)
-    want_pred = torch.full((B * N,), -9, dtype=torch.int32)
-    for r, v in w_pred.items():
-        want_pred[r] = v
-    assert_equal(predicts.cpu(), want_pred, "predicts")
-    assert_equal(accept_index.cpu(), torch.tensor(w_index, dtype=torch.int32), "accept_index")
-    assert_equal(num.cpu(), torch.tensor(w_num, dtype=torch.int32), "accept_token_num")
+    check_walk(predicts, accept_index, num, *_greedy_python(tokens, r_index, r_next, r_sib, target, S))
     return tokens, parents, target, num.cpu()
 
 
@@ -252,23 +262,435 @@ def test_verify_tree_greedy_count_excludes_the_bonus_and_agrees_with_verify_gree
         assert_equal(accept_index, rows.int(), "accept_index vs accept_nodes")
 
 
-def test_bad_input_names_the_argument():
+def shuffled_lists(parents, g):
+    """SGLang-form lists of a canonical tree with each node's children linked in a random order (SGLang's own
+    build links them ascending; its verify kernels walk whatever order the lists give)."""
+    B, N = parents.shape
+    r_next, r_sib = torch.full((B, N), -1), torch.full((B, N), -1)
+    for b in range(B):
+        for p in range(N):
+            kids = [j for j in range(1, N) if int(parents[b, j]) == p]
+            kids = [kids[i] for i in torch.randperm(len(kids), generator=g).tolist()]
+            if kids:
+                r_next[b, p] = kids[0]
+            for a, c in zip(kids, kids[1:]):
+                r_sib[b, a] = c
+    return torch.arange(B * N).view(B, N), r_next, r_sib
+
+
+def test_verify_tree_greedy_walks_the_lists_order():
+    # duplicate sibling tokens and shuffled sibling lists: the first child *in list order* that matches wins
+    g = torch.Generator().manual_seed(5)
+    B, N, V, S = 6, 12, 3, 6
+    for kind in ("bushy", "wide", "beam"):
+        parents = tree.random_parents(B, N, g, kind)
+        tokens = torch.randint(0, V, (B, N), generator=g)
+        r_index, r_next, r_sib = shuffled_lists(parents, g)
+        target = torch.randint(0, V, (B, N), generator=g)
+        predicts = torch.full((B * N + 1,), -9, dtype=torch.int32)  # SGLang allocates B * N + 1
+        accept_index = torch.full((B, S), -9, dtype=torch.int32)
+        num = torch.full((B,), -9, dtype=torch.int32)
+        verify_tree_greedy(predicts, accept_index, num, tokens, r_index, r_next, r_sib, target)
+        check_walk(predicts, accept_index, num, *_greedy_python(tokens, r_index, r_next, r_sib, target, S))
+
+
+# ---- the peers' hand-made cases (sgl-kernel tests/speculative, python/sglang/jit_kernel/tests) ---------------
+
+# Two requests of six nodes. Request 0: root -> 1 -> 2 and root -> 3 -> 4 -> 5 (1 before 3); request 1: the
+# root's list is 4 then 1 (a sibling link to a smaller index), 4 -> 5 and 1 -> 2 -> 3.
+PEER_CANDIDATES = [[0, 1, 2, 3, 4, 5], [7, 8, 9, 10, 11, 12]]
+PEER_NEXT = [[1, 2, -1, 4, 5, -1], [4, 2, 3, -1, 5, -1]]
+PEER_SIB = [[-1, 3, -1, -1, -1, -1], [-1, -1, -1, -1, 1, -1]]
+
+
+def peer_logits():
+    """The peers' target logits [2, 6, 20]: 10 at the planted tokens, else 10 at token 18, 1 elsewhere."""
+    logits = torch.full((2, 6, 20), 1.0)
+    for b, i, v in ((0, 0, 3), (0, 3, 4), (0, 4, 5), (1, 0, 11), (1, 4, 12)):
+        logits[b, i, v] = 10
+    for b in range(2):
+        for i in range(6):
+            if logits[b, i].max() < 10:
+                logits[b, i, 18] = 10
+    return logits
+
+
+def peer_tree(device="cpu"):
+    t = lambda x: torch.tensor(x, device=device)  # noqa: E731
+    return t(PEER_CANDIDATES), torch.arange(12, device=device).view(2, 6), t(PEER_NEXT), t(PEER_SIB)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_peer_verify_tree_greedy(device):
+    candidates, r_index, r_next, r_sib = peer_tree(device)
+    predicts = torch.full((12,), -1, dtype=torch.int32, device=device)
+    accept_index = torch.full((2, 4), -1, dtype=torch.int32, device=device)
+    num = torch.zeros(2, dtype=torch.int32, device=device)
+    verify_tree_greedy(predicts, accept_index, num, candidates, r_index, r_next, r_sib,
+                       peer_logits().argmax(-1).to(device))
+    assert predicts.tolist() == [3, -1, -1, 4, 5, 18, 11, -1, -1, -1, 12, 18]
+    assert accept_index.tolist() == [[0, 3, 4, 5], [6, 10, 11, -1]]
+    assert num.tolist() == [3, 2]
+
+
+# (threshold_single, threshold_acc) -> predicts, accept_index, accept_token_num; temperature 0.01 makes the
+# probabilities exactly one-hot in fp32, so any coins give these (thresholds 0: the first child always passes)
+PEER_SAMPLING = [((1.0, 1.0), [3, -1, -1, 4, 5, 18, 11, -1, -1, -1, 12, 18], [[0, 3, 4, 5], [6, 10, 11, -1]], [3, 2]),
+                 ((0.0, 0.0), [1, 2, 18, -1, -1, -1, 11, -1, -1, -1, 12, 18], [[0, 1, 2, -1], [6, 10, 11, -1]],
+                  [2, 2])]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("thresholds,want_predicts,want_index,want_num", PEER_SAMPLING, ids=["thr1", "thr0"])
+def test_peer_tree_speculative_sampling(device, thresholds, want_predicts, want_index, want_num):
+    candidates, r_index, r_next, r_sib = peer_tree(device)
+    probs = torch.softmax(peer_logits() / 0.01, -1).to(device)
+    g = torch.Generator().manual_seed(7)
+    for _ in range(5):
+        predicts = torch.full((12,), -1, dtype=torch.int32, device=device)
+        accept_index = torch.full((2, 4), -1, dtype=torch.int32, device=device)
+        num = torch.zeros(2, dtype=torch.int32, device=device)
+        draft = torch.zeros_like(probs)
+        tree_speculative_sampling_target_only(
+            predicts=predicts, accept_index=accept_index, accept_token_num=num, candidates=candidates,
+            retrive_index=r_index, retrive_next_token=r_next, retrive_next_sibling=r_sib,
+            uniform_samples=torch.rand(2, 6, generator=g).to(device),
+            uniform_samples_for_final_sampling=torch.rand(2, generator=g).to(device), target_probs=probs,
+            draft_probs=draft, threshold_single=thresholds[0], threshold_acc=thresholds[1], deterministic=True)
+        assert predicts.tolist() == want_predicts
+        assert accept_index.tolist() == want_index
+        assert num.tolist() == want_num
+
+
+def jit_build_inputs(bs, topk, depth, N, seq_len, mode):
+    """python/sglang/jit_kernel/tests' build inputs: parent_list[b, i] = i - 1 (entry 0 = 0; entries of slots no
+    selected candidate reads point outside the previous depth), selected = 0 .. N - 2, int64 lengths,
+    positions [bs, N], the bit-packed mask 1-D uint8."""
+    P = topk * (depth - 1) + 1
+    parent_list = torch.arange(-1, P - 1).clamp(min=0).expand(bs, P).contiguous()
+    selected = torch.arange(N - 1).expand(bs, N - 1).contiguous()
+    seq = torch.full((bs,), seq_len)
+    nb = 4 if N > 16 else (2 if N > 8 else 1)
+    mask = {TreeMaskMode.QLEN_ONLY_BITPACKING: torch.zeros(bs * N * nb, dtype=torch.uint8),
+            TreeMaskMode.QLEN_ONLY: torch.zeros(bs * N * N, dtype=torch.bool),
+            TreeMaskMode.FULL_MASK: torch.zeros(bs * seq_len * N + bs * N * N, dtype=torch.bool)}[mode]
+    lists = [torch.zeros(bs, N, dtype=torch.int64)] + [torch.full((bs, N), -1) for _ in range(2)]
+    return parent_list, selected, seq, mask, torch.zeros(bs, N, dtype=torch.int64), *lists
+
+
+@pytest.mark.parametrize("bs", [1, 2, 4])
+@pytest.mark.parametrize("mode", [TreeMaskMode.QLEN_ONLY, TreeMaskMode.QLEN_ONLY_BITPACKING])
+def test_peer_jit_build_tree(bs, mode):
+    topk, depth = 4, 5
+    N = topk * (depth - 1) + 1
+    args = jit_build_inputs(bs, topk, depth, N, 10, mode)
+    build_tree_kernel_efficient(*args, topk=topk, depth=depth, draft_token_num=N, tree_mask_mode=mode)
+    parent_list, selected, _, _, positions, r_index, r_next, r_sib = args
+    rows, w_pos, w_index, w_next, w_sib = naive_build(parent_list.tolist(), selected.tolist(), [10] * bs, topk, N, mode)
+    assert_equal(positions.view(-1), torch.tensor(w_pos), "positions")
+    assert_equal(r_index, torch.tensor(w_index), "retrive_index")
+    assert_equal(r_next, torch.tensor(w_next), "retrive_next_token")
+    assert_equal(r_sib, torch.tensor(w_sib), "retrive_next_sibling")
+
+
+# ---- the layouts SGLang's callers pass -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("N", [1, 2, 8, 9, 16, 17, 32])  # each packed width (1, 2, 4 bytes) at both of its ends
+def test_bitpacked_mask_in_sglangs_dtypes(N):
+    # sglang.srt.speculative.eagle_utils allocates [B * N] uint8 | uint16 | uint32 by N (zeroed); the same
+    # bytes as uint8 [B * N, nbytes] (the older layout) and as the sgl-kernel test's 1-D uint8
+    g = torch.Generator().manual_seed(N)
+    B, topk, depth = 3, 4, 3
+    parent_list, selected = eagle_selection(g, B, topk, depth, N)
+    seq = torch.randint(0, 9, (B,), generator=g)
+    nb = 1 if N <= 8 else (2 if N <= 16 else 4)
+    want = None
+    for dtype, shape in ((torch.uint8, (B * N, nb)), (torch.uint8, (B * N * nb,)),
+                         ({1: torch.uint8, 2: torch.uint16, 4: torch.uint32}[nb], (B * N,))):
+        mask = torch.zeros(shape, dtype=dtype)
+        out = [torch.full((B * N,), -7)] + [torch.full((B, N), -1) for _ in range(3)]
+        build_tree_kernel_efficient(parent_list, selected, seq, mask, *out, topk, depth, N,
+                                    TreeMaskMode.QLEN_ONLY_BITPACKING)
+        got = mask.view(torch.uint8).view(B * N, nb)
+        if want is None:
+            rows = naive_build(parent_list.tolist(), selected.tolist(), seq.tolist(), topk, N, 2)[0]
+            want = torch.tensor([[sum(1 << k for k in range(8) if 8 * j + k < N and r[8 * j + k]) for j in range(nb)]
+                                 for r in rows], dtype=torch.uint8)
+        assert_equal(got, want, f"tree_mask {dtype} {shape}")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_one_draft_step_and_int32_lengths(mode):
+    # --speculative-num-steps 1: parent_list is [B, 0]; verified_seq_len int32 (older callers) or int64
+    g = torch.Generator().manual_seed(2)
+    B, topk = 4, 3
+    for N in (1, 2, 4):
+        scores = torch.rand(B, topk, generator=g)
+        selected = torch.sort(scores.topk(N - 1, dim=-1).indices, dim=-1).values
+        for dtype in (torch.int32, torch.int64):
+            seq = torch.tensor([0, 5, 1, 30], dtype=dtype)
+            mask, positions, r_index, r_next, r_sib = run_build(torch.empty(B, 0, dtype=torch.int64), selected,
+                                                                seq.tolist(), topk, 1, N, mode)
+            assert positions.tolist() == [s + (i > 0) for s in seq.tolist() for i in range(N)]
+            assert r_next[:, 0].tolist() == [1 if N > 1 else -1] * B
+            assert r_sib.tolist() == [[i + 1 if 0 < i < N - 1 else -1 for i in range(N)]] * B
+
+
+def test_positions_as_b_by_n():
+    # sglang.jit_kernel's build takes positions [B, N]; sgl-kernel's [B * N]: the same values
+    g = torch.Generator().manual_seed(3)
+    parent_list, selected = eagle_selection(g, 2, 3, 3, 7)
+    outs = []
+    for shape in ((14,), (2, 7)):
+        pos = torch.full(shape, -1)
+        build_tree_kernel_efficient(parent_list, selected, torch.tensor([4, 9]), torch.ones(2 * 49, dtype=torch.bool),
+                                    pos, torch.full((2, 7), -1), torch.full((2, 7), -1), torch.full((2, 7), -1), 3, 3,
+                                    7, TreeMaskMode.QLEN_ONLY)
+        outs.append(pos.view(-1))
+    assert_equal(outs[0], outs[1], "positions")
+
+
+# ---- tree_speculative_sampling_target_only: SGLang's kernel restated --------------------------------------------
+
+
+def _sampling_python(candidates, r_index, r_next, r_sib, coins, final, probs, draft, S, thr_single, thr_acc):
+    """speculative_sampling.cuh's TreeSpeculativeSamplingTargetOnly, one request at a time, fp32 sums."""
+    B, N = candidates.shape
+    f32 = lambda x: float(torch.tensor(x, dtype=torch.float32))  # noqa: E731
+    thr_acc = max(thr_acc, 1e-9)
+    predicts, accept_index, nums = {}, [[-9] * S for _ in range(B)], []
+    for b in range(B):
+        row, coin, acc, n, cur = b * N, float(coins[b, 0]), 0.0, 0, 0
+        accept_index[b][0] = last = int(r_index[b, 0])
+        while n < S - 1:  # one accepted child per round, or the walk ends
+            cur = int(r_next[b, cur])
+            while cur != -1:
+                x = int(candidates[b, cur])
+                px = float(probs[row, x])
+                acc = f32(acc + px)
+                if coin <= f32(acc / f32(thr_acc)) or px >= thr_single:
+                    acc, row, coin = 0.0, b * N + cur, float(coins[b, cur])
+                    predicts[last] = x
+                    n += 1
+                    accept_index[b][n] = int(r_index[b, cur])
+                    last = int(r_index[b, cur])
+                    break
+                draft[row, x] = probs[row, x]
+                cur = int(r_sib[b, cur])
+            if cur == -1:
+                break
+        nums.append(n)
+        w = (probs[row] - (draft[row] if n != S - 1 else 0)).clamp(min=0)
+        u, run, pick = float(final[b]) * float(w.sum()), 0.0, probs.shape[1] - 1
+        for v in range(probs.shape[1]):
+            run += float(w[v])
+            if w[v] > 0 and run > u:
+                pick = v
+                break
+        predicts[last] = pick
+    return predicts, accept_index, nums
+
+
+@PROPERTY
+@given(seed=st.integers(0, 2**31 - 1), N=st.sampled_from([1, 2, 8, 33]), S=st.sampled_from([1, 2, 4, 9]),
+       kind=st.sampled_from(["bushy", "chain", "wide", "beam"]),
+       thresholds=st.sampled_from([(1.0, 1.0), (0.0, 0.0), (0.5, 0.7), (0.2, 1.0)]), with_draft=st.booleans())
+def test_sampling_matches_sglang_semantics(seed, N, S, kind, thresholds, with_draft):
+    # probabilities in multiples of 1/64, so every partial sum is exact in fp32 and the order of summation
+    # cannot move a coin across a boundary; tokens drawn from a small vocabulary (duplicate siblings occur)
+    g = torch.Generator().manual_seed(seed)
+    B, V = 3, 6
+    parents = tree.random_parents(B, N, g, kind)
+    candidates = torch.randint(0, V, (B, N), generator=g)
+    r_index, r_next, r_sib = shuffled_lists(parents, g)
+    counts = torch.randint(0, 4, (B * N, V), generator=g).float()
+    counts[:, 0] += 64 - counts.sum(1)
+    probs = (counts / 64).view(B, N, V)
+    coins = (torch.randint(0, 65, (B, N), generator=g) / 64).float()
+    final = (torch.randint(0, 64, (B,), generator=g) / 64).float()
+    draft = torch.zeros(B, N, V) if with_draft else None
+    predicts = torch.full((B * N + 1,), -9, dtype=torch.int32)
+    accept_index = torch.full((B, S), -9, dtype=torch.int32)
+    num = torch.full((B,), -9, dtype=torch.int32)
+    tree_speculative_sampling_target_only(predicts, accept_index, num, candidates, r_index, r_next, r_sib, coins, final,
+                                          probs, draft, *thresholds)
+    w_draft = torch.zeros(B * N, V)
+    check_walk(predicts, accept_index, num, *_sampling_python(candidates, r_index, r_next, r_sib, coins, final,
+                                                               probs.view(B * N, V), w_draft, S, *thresholds))
+    if draft is not None:
+        assert_equal(draft.view(B * N, V), w_draft, "draft_probs")
+
+
+def test_sampling_frequency_is_the_target_distribution():
+    # thresholds 1 (SGLang's defaults): the emitted first token is a draw from the root's target
+    # distribution, whichever children the tree offers
+    g = torch.Generator().manual_seed(9)
+    V, trials = 5, 4000
+    p = torch.tensor([0.4, 0.3, 0.2, 0.1, 0.0])
+    candidates = torch.tensor([[0, 1, 3]]).expand(trials, 3).contiguous()
+    parents = torch.tensor([[-1, 0, 0]], dtype=torch.int32).expand(trials, 3)
+    _, r_index, r_next, r_sib = tree.to_sglang(candidates, parents.contiguous())
+    predicts = torch.zeros(trials * 3, dtype=torch.int32)
+    accept_index = torch.full((trials, 2), -1, dtype=torch.int32)
+    num = torch.zeros(trials, dtype=torch.int32)
+    probs = p.expand(trials, 3, V).contiguous()
+    tree_speculative_sampling_target_only(predicts, accept_index, num, candidates, r_index, r_next, r_sib,
+                                          torch.rand(trials, 3, generator=g), torch.rand(trials, generator=g), probs,
+                                          torch.zeros_like(probs))
+    first = torch.where(num > 0, candidates.gather(1, (accept_index[:, 1:].long() % 3).clamp(min=0)).squeeze(1),
+                        predicts.view(trials, 3)[:, 0].long())
+    freq = torch.bincount(first, minlength=V).float() / trials
+    assert torch.allclose(freq, p, atol=0.03), freq
+
+
+# ---- segment_packbits, reconstruct_indices_from_tree_mask ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("lengths", [[0], [1], [7, 8, 9], [0, 13, 0, 64, 3]])
+def test_segment_packbits_matches_numpy(lengths):
+    import numpy as np
+
+    g = torch.Generator().manual_seed(len(lengths))
+    x = torch.rand(sum(lengths), generator=g) < 0.5
+    in_ptr = torch.tensor([0] + np.cumsum(lengths).tolist(), dtype=torch.int32)
+    out_len = [-(-n // 8) for n in lengths]
+    out_ptr = torch.tensor([0] + np.cumsum(out_len).tolist(), dtype=torch.int32)
+    y = torch.full((int(out_ptr[-1]) + 2,), 0xAB, dtype=torch.uint8)  # two bytes past the last segment
+    segment_packbits(x, in_ptr, out_ptr, y, len(lengths))
+    want = [np.packbits(x[int(in_ptr[s]):int(in_ptr[s + 1])].numpy(), bitorder="little") for s in range(len(lengths))]
+    want = torch.tensor(np.concatenate(want + [np.array([0xAB, 0xAB], dtype=np.uint8)]).astype(np.uint8))
+    assert_equal(y, want, "y")
+
+
+@pytest.mark.parametrize("kind", ["bushy", "chain", "wide", "beam"])
+def test_reconstruct_indices_from_tree_mask(kind):
+    # from the QLEN_ONLY mask of a canonical tree: SGLang's lists of that tree, its positions
+    g = torch.Generator().manual_seed(4)
+    B, N = 3, 11
+    parents = tree.random_parents(B, N, g, kind)
+    mask = tree.mask_to_dense(tree.tree_mask(parents), N).reshape(-1)
+    seq = torch.tensor([0, 3, 40])
+    outs = [torch.full((B * N,), -7)] + [torch.full((B, N), -7) for _ in range(3)]
+    reconstruct_indices_from_tree_mask(mask, seq, *outs, B, N)
+    _, w_index, w_next, w_sib = tree.to_sglang(torch.zeros(B, N, dtype=torch.int64), parents)
+    assert_equal(outs[0], tree.positions(parents, seq.int()).view(-1), "positions")
+    assert_equal(outs[1], w_index, "retrive_index")
+    assert_equal(outs[2], w_next, "retrive_next_token")
+    assert_equal(outs[3], w_sib, "retrive_next_sibling")
+
+
+# ---- bad input: refused, naming SGLang's argument, before anything is written ---------------------------------
+
+
+def _build_args(mode=TreeMaskMode.QLEN_ONLY):
     pl, sel = torch.tensor(GOLDEN_PARENT_LIST), torch.tensor(GOLDEN_SELECTED)
-    z = torch.full((1, 6), -1)
+    mask = {TreeMaskMode.QLEN_ONLY: torch.ones(36, dtype=torch.bool),
+            TreeMaskMode.FULL_MASK: torch.ones(5 * 6 + 36, dtype=torch.bool),
+            TreeMaskMode.QLEN_ONLY_BITPACKING: torch.zeros(6, dtype=torch.uint8)}[mode]
+    return [pl, sel, torch.tensor([5]), mask, torch.full((6,), -7), torch.full((1, 6), -7), torch.full((1, 6), -1),
+            torch.full((1, 6), -1)]
+
+
+BAD_BUILD = [  # (what to change, exception, message)
+    (lambda a: a.__setitem__(1, a[1][:, :3]), ValueError, "selected_index must have shape"),
+    (lambda a: a.__setitem__(4, a[4].int()), TypeError, "positions must have dtype int64"),
+    (lambda a: a.__setitem__(0, a[0][:, :3]), ValueError, r"parent_list must have shape \(B, topk \* \(depth - 1\)"),
+    (lambda a: a.__setitem__(3, torch.ones(35, dtype=torch.bool)), ValueError, "tree_mask must have B \\* N \\* N"),
+    (lambda a: a.__setitem__(5, a[5].t()), ValueError, "retrive_index must"),
+    (lambda a: a[1].__setitem__((0, 4), 11), Eagle3InputError, r"selected_index\[0, 4\] = 11 is out of range"),
+    (lambda a: a[0].__setitem__((0, 3), 7), Eagle3InputError, r"parent_list\[0, 3\] = 7 is out of range \(valid: 2..5\)"),
+]
+
+
+@pytest.mark.parametrize("change,exc,msg", BAD_BUILD, ids=[m.split(" ")[0].strip("\\") for _, _, m in BAD_BUILD])
+def test_bad_build_input_is_refused_and_nothing_written(change, exc, msg):
+    args = _build_args()
+    change(args)
+    before = [t.clone() for t in args]
+    with pytest.raises(exc, match=msg):
+        build_tree_kernel_efficient(*args, 2, 3, 6, TreeMaskMode.QLEN_ONLY)
+    for t, b in zip(args, before):
+        assert_equal(t, b, "an argument after a refused call")
+
+
+def test_bad_build_modes():
+    args = _build_args(TreeMaskMode.FULL_MASK)
+    args[3] = torch.ones(5 * 6 + 35, dtype=torch.bool)
+    with pytest.raises(ValueError, match=r"tree_mask must have sum\(verified_seq_len\) \* N \+ B \* N \* N = 66"):
+        build_tree_kernel_efficient(*args, 2, 3, 6, TreeMaskMode.FULL_MASK)
+    args = _build_args(TreeMaskMode.QLEN_ONLY_BITPACKING)
+    args[3] = torch.zeros(6, dtype=torch.uint16)
+    with pytest.raises(TypeError, match="tree_mask must have dtype uint8"):
+        build_tree_kernel_efficient(*args, 2, 3, 6, TreeMaskMode.QLEN_ONLY_BITPACKING)
     with pytest.raises(ValueError, match="QLEN_ONLY_BITPACKING holds at most 32"):
-        build_tree_kernel_efficient(pl, torch.zeros(1, 40, dtype=torch.int64), torch.tensor([0]),
-                                    torch.zeros(41, 4, dtype=torch.uint8), torch.zeros(41, dtype=torch.int64),
-                                    torch.zeros(1, 41, dtype=torch.int64), torch.zeros(1, 41, dtype=torch.int64),
-                                    torch.zeros(1, 41, dtype=torch.int64), 2, 3, 41, 2)
-    with pytest.raises(ValueError, match="selected_index must have shape"):
-        build_tree_kernel_efficient(pl, sel[:, :3], torch.tensor([0]), torch.ones(36, dtype=torch.bool),
-                                    torch.zeros(6, dtype=torch.int64), z.clone(), z.clone(), z.clone(), 2, 3, 6, 1)
-    with pytest.raises(TypeError, match="positions must have dtype int64"):
-        build_tree_kernel_efficient(pl, sel, torch.tensor([0]), torch.ones(36, dtype=torch.bool),
-                                    torch.zeros(6, dtype=torch.int32), z.clone(), z.clone(), z.clone(), 2, 3, 6, 1)
-    with pytest.raises(TypeError, match="predicts must have dtype int32"):
-        verify_tree_greedy(torch.zeros(6, dtype=torch.int64), torch.zeros(1, 2, dtype=torch.int32),
-                           torch.zeros(1, dtype=torch.int32), z.clone(), z.clone(), z.clone(), z.clone(), z.clone())
+        build_tree_kernel_efficient(torch.zeros(1, 11, dtype=torch.int64), torch.zeros(1, 40, dtype=torch.int64),
+                                    torch.tensor([0]), torch.zeros(41, 4, dtype=torch.uint8),
+                                    torch.zeros(41, dtype=torch.int64), *[torch.zeros(1, 41, dtype=torch.int64)] * 3,
+                                    5, 3, 41, 2)
+
+
+def _walk_args():
+    candidates, r_index, r_next, r_sib = peer_tree()
+    return [torch.full((13,), -1, dtype=torch.int32), torch.full((2, 4), -1, dtype=torch.int32),
+            torch.zeros(2, dtype=torch.int32), candidates, r_index, r_next, r_sib]
+
+
+def _relink(links, at1, v1, at2, v2):
+    links[at1], links[at2] = v1, v2  # node 2 of request 0 moved under node 5
+
+
+BAD_WALK = [
+    (lambda a: a.__setitem__(0, a[0][:11]), ValueError, r"predicts must have at least B \* N = 12"),
+    (lambda a: a.__setitem__(0, a[0].long()), TypeError, "predicts must have dtype int32"),
+    (lambda a: a.__setitem__(1, a[1][:, :0]), ValueError, "accept_index must have shape"),
+    (lambda a: a.__setitem__(3, a[3].int()), TypeError, "candidates must have dtype int64"),
+    (lambda a: a[4].__setitem__((1, 2), 12), Eagle3InputError, r"retrive_index\[1, 2\] = 12 is out of range"),
+    (lambda a: _relink(a[5], (0, 1), -1, (0, 5), 2), ValueError, "the lists must put every parent before its children"),
+]
+
+
+@pytest.mark.parametrize("change,exc,msg", BAD_WALK, ids=[f"walk{i}" for i in range(len(BAD_WALK))])
+def test_bad_verify_input_is_refused_and_nothing_written(change, exc, msg):
+    for fn in ("greedy", "sampling"):
+        args = _walk_args()
+        change(args)
+        probs = torch.softmax(peer_logits(), -1)
+        draft = torch.zeros_like(probs)
+        extra = ([peer_logits().argmax(-1)] if fn == "greedy" else
+                 [torch.rand(2, 6), torch.rand(2), probs, draft])
+        before = [t.clone() for t in args + extra]
+        with pytest.raises(exc, match=msg):
+            (verify_tree_greedy if fn == "greedy" else tree_speculative_sampling_target_only)(*args, *extra)
+        for t, b in zip(args + extra, before):
+            assert_equal(t, b, "an argument after a refused call")
+
+
+def test_bad_sampling_input():
+    args = _walk_args()
+    probs = torch.softmax(peer_logits(), -1)
+    with pytest.raises(TypeError, match="uniform_samples must have dtype float32"):
+        tree_speculative_sampling_target_only(*args, torch.rand(2, 6).double(), torch.rand(2), probs, None)
+    with pytest.raises(ValueError, match="target_probs must have shape"):
+        tree_speculative_sampling_target_only(*args, torch.rand(2, 6), torch.rand(2), probs[:, :5].contiguous(), None)
+    args[3] = args[3].clone()
+    args[3][0, 3] = 20  # a tried node's token outside the vocabulary
+    with pytest.raises(Eagle3InputError, match=r"candidates\[0, 3\] = 20 is out of range \(valid: 0..19\)"):
+        tree_speculative_sampling_target_only(*args, torch.rand(2, 6), torch.rand(2), probs, None)
+
+
+def test_bad_packbits_and_reconstruct_input():
+    x = torch.ones(9, dtype=torch.bool)
+    with pytest.raises(Eagle3InputError, match=r"input_indptr\[1\] = 10 is out of range"):
+        segment_packbits(x, torch.tensor([0, 10], dtype=torch.int32), torch.tensor([0, 2], dtype=torch.int32),
+                         torch.zeros(2, dtype=torch.uint8), 1)
+    with pytest.raises(TypeError, match="input_indptr must have dtype int32"):
+        segment_packbits(x, torch.tensor([0, 9]), torch.tensor([0, 2], dtype=torch.int32),
+                         torch.zeros(2, dtype=torch.uint8), 1)
+    with pytest.raises(ValueError, match=r"tree_mask must have batch_size \* draft_token_num\*\*2 = 18"):
+        reconstruct_indices_from_tree_mask(torch.ones(17, dtype=torch.bool), torch.zeros(2), torch.zeros(6),
+                                           *[torch.zeros(2, 3, dtype=torch.int64)] * 3, 2, 3)
+
 
 
 # ---- CUDA ---------------------------------------------------------------------------------------------------
@@ -295,3 +717,89 @@ def test_gpu_sglang_verify_random():
         for N in (1, 2, 8, 64):
             for kind in ("bushy", "chain", "beam"):
                 check_verify(g, B, N, 6, kind, device="cuda")
+
+
+def _cuda_matches_cpu(fn, args, outs):
+    """fn(*args) on CPU and on CUDA copies of the same tensors: every argument equal afterwards."""
+    cpu = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+    gpu = [a.cuda() if isinstance(a, torch.Tensor) else a for a in args]
+    fn(*cpu)
+    fn(*gpu)
+    for i in outs:
+        assert_equal(gpu[i].cpu(), cpu[i], f"argument {i}")
+    return gpu
+
+
+@pytest.mark.gpu
+def test_gpu_sampling_packbits_reconstruct_match_cpu():
+    g = torch.Generator().manual_seed(13)
+    for B, N, V, kind in ((1, 1, 7, "chain"), (7, 8, 111, "beam"), (64, 33, 32000, "bushy")):
+        parents = tree.random_parents(B, N, g, kind)
+        candidates = torch.randint(0, V, (B, N), generator=g)
+        r_index, r_next, r_sib = shuffled_lists(parents, g)
+        counts = torch.randint(0, 4, (B * N, V), generator=g).float()
+        counts[:, 0] += 64 - counts.sum(1).clamp(max=64)
+        probs = (counts / counts.sum(1, keepdim=True)).view(B, N, V)
+        for thresholds in ((1.0, 1.0), (0.3, 0.6)):
+            args = [torch.full((B * N + 1,), -9, dtype=torch.int32), torch.full((B, 7), -9, dtype=torch.int32),
+                    torch.full((B,), -9, dtype=torch.int32), candidates, r_index, r_next, r_sib,
+                    (torch.randint(0, 65, (B, N), generator=g) / 64).float(),
+                    (torch.randint(0, 64, (B,), generator=g) / 64).float(), probs, torch.zeros_like(probs), *thresholds]
+            _cuda_matches_cpu(tree_speculative_sampling_target_only, args, (0, 1, 2, 10))
+    lengths = torch.randint(0, 70, (99,), generator=g)
+    in_ptr = torch.cat([torch.zeros(1), lengths.cumsum(0)]).int()
+    out_ptr = torch.cat([torch.zeros(1), ((lengths + 7) // 8).cumsum(0)]).int()
+    x = torch.rand(int(in_ptr[-1]), generator=g) < 0.3
+    _cuda_matches_cpu(segment_packbits, [x, in_ptr, out_ptr, torch.zeros(int(out_ptr[-1]) + 3, dtype=torch.uint8), 99],
+                      (3,))
+    parents = tree.random_parents(9, 17, g, "beam")
+    mask = tree.mask_to_dense(tree.tree_mask(parents), 17).reshape(-1)
+    outs = [torch.full((9 * 17,), -7)] + [torch.full((9, 17), -7) for _ in range(3)]
+    _cuda_matches_cpu(reconstruct_indices_from_tree_mask, [mask, torch.arange(9) * 5, *outs, 9, 17], (2, 3, 4, 5))
+
+
+@pytest.mark.gpu
+def test_gpu_sglang_layouts_and_graph_replay():
+    # every build layout on CUDA equal to CPU; then build + greedy verify + sampling captured in one CUDA graph
+    # (no host sync inside) and replayed on new selections written in place
+    g = torch.Generator().manual_seed(14)
+    B, topk, depth, N = 8, 4, 3, 17
+    parent_list, selected = eagle_selection(g, B, topk, depth, N)
+    seq = torch.randint(0, 50, (B,), generator=g)
+    for mode, mask in ((0, torch.ones(int(seq.sum()) * N + B * N * N, dtype=torch.bool)),
+                       (1, torch.ones(B * N * N, dtype=torch.bool)), (2, torch.zeros(B * N, dtype=torch.uint32))):
+        args = [parent_list, selected, seq, mask, torch.full((B, N), -7), torch.full((B, N), -7),
+                torch.full((B, N), -1), torch.full((B, N), -1), topk, depth, N, mode]
+        _cuda_matches_cpu(build_tree_kernel_efficient, args, (3, 4, 5, 6, 7))
+    dev = "cuda"
+    pl, sel, sq = parent_list.to(dev), selected.to(dev), seq.to(dev)
+    mask = torch.zeros(B * N, dtype=torch.uint32, device=dev)
+    pos, lists = torch.empty(B * N, dtype=torch.int64, device=dev), torch.full((3, B, N), -1, device=dev)
+    V = 1000
+    cand = torch.randint(0, V, (B, N), device=dev)
+    target = torch.randint(0, V, (B, N), device=dev)
+    probs = torch.softmax(torch.randn(B, N, V, device=dev), -1)
+    coins, final = torch.rand(B, N, device=dev), torch.rand(B, device=dev)
+    out_g = [torch.empty(B * N + 1, dtype=torch.int32, device=dev), torch.full((B, depth + 1), -1, dtype=torch.int32,
+             device=dev), torch.empty(B, dtype=torch.int32, device=dev)]
+    out_s = [t.clone() for t in out_g]
+
+    def step():
+        mask.zero_()
+        lists.fill_(-1)
+        build_tree_kernel_efficient(pl, sel, sq, mask, pos, *lists, topk, depth, N, 2)
+        verify_tree_greedy(*out_g, cand, *lists, target)
+        tree_speculative_sampling_target_only(*out_s, cand, *lists, coins, final, probs, None)
+
+    graph, _ = capture_graph(step)
+    for _ in range(2):
+        parent_list, selected = eagle_selection(g, B, topk, depth, N)
+        pl.copy_(parent_list)
+        sel.copy_(selected)
+        target.copy_(torch.randint(0, V, (B, N), generator=g))
+        graph.replay()
+        got = [t.clone() for t in (mask, pos, lists, *out_g, *out_s)]
+        step()
+        for a, b in zip(got, (mask, pos, lists, *out_g, *out_s)):
+            assert_equal(a.cpu().long() if a.dtype == torch.uint32 else a.cpu(),
+                         b.cpu().long() if b.dtype == torch.uint32 else b.cpu(), "replay vs eager")
