@@ -163,10 +163,10 @@ def test_random_one_hot_targets_are_deterministic(with_probs):
         probs = torch.zeros(6, 32)
         probs[torch.arange(6), meta.draft_token_ids.long()] = 0.5
         probs[:, 0] += 0.5
-    sm = sampling_metadata(temperature=torch.tensor([1.0, 0.0, 0.8, 1.0]))
-    out = out_of(RejectionSampler(), meta, logits, sm, probs)
-    want = [[1, 2, 9], [5, 6, P], [3, P, P], [12, P, P]]
-    assert_equal(out, torch.tensor(want, dtype=torch.int32))
+    want = torch.tensor([[1, 2, 9], [5, 6, P], [3, P, P], [12, P, P]], dtype=torch.int32)
+    for greedy_t in (0.0, -1.0):  # vLLM's greedy placeholder now, and before it became 0
+        sm = sampling_metadata(temperature=torch.tensor([1.0, greedy_t, 0.8, 1.0]))
+        assert_equal(out_of(RejectionSampler(), meta, logits, sm, probs), want)
 
 
 V_SMALL = 6
@@ -319,8 +319,8 @@ BAD = [
      "draft_probs must have shape (num_tokens, vocab_size) = (3, 32)"),
     ("temperature dtype", lambda m, z, s, p: (m, z, _set(s, temperature=s.temperature.double()), p), TypeError,
      "sampling_metadata.temperature must have dtype float32"),
-    ("temperature negative", lambda m, z, s, p: (m, z, _set(s, temperature=torch.tensor([1.0, -1.0])), p),
-     Eagle3InputError, "sampling_metadata.temperature[1] = -1.0 must be >= 0"),
+    ("temperature negative", lambda m, z, s, p: (m, z, _set(s, temperature=torch.tensor([1.0, -0.5])), p),
+     Eagle3InputError, "sampling_metadata.temperature[1] = -0.5 must be >= 0"),
     ("top_k shape", lambda m, z, s, p: (m, z, _set(s, top_k=torch.ones(3, dtype=torch.int64)), p), ValueError,
      "sampling_metadata.top_k must have shape (batch_size)"),
     ("generator index", lambda m, z, s, p: (m, z, _set(s, generators={2: torch.Generator()}), p), ValueError,

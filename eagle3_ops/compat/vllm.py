@@ -14,7 +14,7 @@ GPU model runner passes:
 * ``logits [num_tokens + batch_size, vocab_size]``: the target's logits at every sampled position, in the
   order ``_calc_spec_decode_metadata`` lays them out (per request its draft rows, then its bonus row).
 * ``sampling_metadata``, a ``SamplingMetadata``: ``all_greedy``, ``all_random``, ``temperature [batch_size]``
-  fp32 (0 = greedy, vLLM's GREEDY_TEMPERATURE), ``top_k`` / ``top_p`` (None or ``[batch_size]``),
+  fp32 (0 = greedy, vLLM's GREEDY_TEMPERATURE; -1, its value in older releases, too), ``top_k`` / ``top_p`` (None or ``[batch_size]``),
   ``allowed_token_ids_mask`` (None or ``[batch_size, vocab_size]`` bool, True = not allowed) and
   ``generators`` (request index -> torch.Generator for seeded requests).
 
@@ -78,6 +78,7 @@ __all__ = ["PLACEHOLDER_TOKEN_ID", "GREEDY_TEMPERATURE", "MAX_SPEC_LEN", "Reject
 
 PLACEHOLDER_TOKEN_ID = -1  # vLLM's id for the slots after a request's last emitted token
 GREEDY_TEMPERATURE = 0  # vLLM's temperature of a greedy request inside a mixed batch
+_OLD_GREEDY_TEMPERATURE = -1.0  # the same placeholder in vLLM releases before it became 0: read as 0 too
 MAX_SPEC_LEN = 128  # vLLM's bound on drafts per request per step
 _OP = "RejectionSampler"
 _INDEX = (torch.int32, torch.int64)
@@ -190,7 +191,8 @@ def _check_values(metadata, logits, sm, B, K, T, canonical) -> None:
                     "every request at max_spec_len drafts and num_tokens + batch_size logits rows, the rows must be "
                     "in _calc_spec_decode_metadata's order (per request its drafts, then its bonus row)")
     if not sm.all_greedy:
-        check_float(sm.temperature, _OP, "sampling_metadata.temperature", nonnegative=True)
+        temp = torch.where(sm.temperature == _OLD_GREEDY_TEMPERATURE, 0.0, sm.temperature)
+        check_float(temp, _OP, "sampling_metadata.temperature", nonnegative=True)
 
 
 def _layout(metadata, logits, draft_probs, s: _Batch):
@@ -317,8 +319,8 @@ class RejectionSampler(torch.nn.Module):
         else:
             seed = _seeds(sm, metadata.num_draft_tokens, B, logits.device, bonus is None)
             offset = torch.zeros(B, dtype=torch.int64, device=logits.device)
-            _, accept_len, emitted = torch.ops.eagle3.verify_sampling(z, q, None, tokens, parents, sm.temperature,
-                                                                      seed, offset)
+            temp = torch.where(sm.temperature == _OLD_GREEDY_TEMPERATURE, 0.0, sm.temperature)
+            _, accept_len, emitted = torch.ops.eagle3.verify_sampling(z, q, None, tokens, parents, temp, seed, offset)
         out = emitted.to(torch.int32)  # accepted drafts, then the recovered / bonus token, then -1
         if bonus is not None:  # every draft accepted: the slot after them takes the sampler's bonus
             n_b = torch.full_like(accept_len, K) if n is None else n.to(accept_len.dtype)
