@@ -17,6 +17,8 @@ from eagle3_ops import tree
 from eagle3_ops import Eagle3InputError
 from eagle3_ops.compat.sglang import (TreeMaskMode, build_tree_kernel_efficient, reconstruct_indices_from_tree_mask,
                                       segment_packbits, tree_speculative_sampling_target_only, verify_tree_greedy)
+from eagle3_ops.compat.sglang_srt import build_tree_kernel_efficient as srt_build_tree
+from eagle3_ops.compat.sglang_srt import organize_draft_results
 from tests.conftest import assert_equal, capture_graph
 
 PROPERTY = settings(derandomize=True, max_examples=150, deadline=None)
@@ -449,6 +451,47 @@ def test_positions_as_b_by_n():
                                     7, TreeMaskMode.QLEN_ONLY)
         outs.append(pos.view(-1))
     assert_equal(outs[0], outs[1], "positions")
+
+
+def sglang_draft_steps(g, B, topk, steps):
+    """What SGLang's draft loop hands organize_draft_results (select_top_k_tokens): step 0 the root's topk
+    (scores [B, 1, topk], parents [-1, 0 .. topk - 1]); step i the topk * topk children of the topk best
+    beams (scores [B, topk, topk] = beam score x child prob; parents = the kept beams' flat indices)."""
+    p0 = torch.softmax(torch.randn(B, topk + 1, generator=g), -1)[:, :topk]
+    scores, tokens = [p0[:, None, :]], [torch.randint(0, 32000, (B, topk), generator=g)]
+    parents, beam = [torch.arange(-1, topk).expand(B, topk + 1).contiguous()], p0
+    for i in range(1, steps):
+        expand = beam[:, :, None] * torch.softmax(torch.randn(B, topk, topk + 1, generator=g), -1)[..., :topk]
+        kept = expand.flatten(1).topk(topk, dim=-1)
+        scores.append(expand)
+        tokens.append(torch.randint(0, 32000, (B, topk * topk), generator=g))
+        parents.append(kept.indices + topk * topk * (i - 1) + topk)
+        beam = kept.values
+    return scores, tokens, parents
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("topk,steps,N", [(1, 3, 4), (4, 1, 3), (4, 4, 8), (2, 3, 7), (8, 6, 32)])
+def test_sglang_srt_entry_points(mode, topk, steps, N):
+    # SGLang's own preprocess and allocation (sglang.srt.speculative.eagle_utils), our kernel underneath
+    g = torch.Generator().manual_seed(topk * steps + N)
+    B = 3
+    score_list, token_list, parents_list = sglang_draft_steps(g, B, topk, steps)
+    parent_list, selected, tokens = organize_draft_results(score_list, token_list, parents_list, N)
+    assert parent_list.shape == (B, topk * (steps - 1) + 1 if steps > 1 else 0)
+    seq = torch.tensor([7, 0, 19])
+    root = torch.tensor([5, 6, 7], dtype=torch.int32)
+    mask, positions, r_index, r_next, r_sib, draft_tokens = srt_build_tree(
+        verified_id=root, parent_list=parent_list, top_scores_index=selected, draft_tokens=tokens, seq_lens=seq,
+        seq_lens_sum=int(seq.sum()), topk=topk, spec_steps=steps, num_verify_tokens=N, tree_mask_mode=mode)
+    _, w_pos, _, w_next, w_sib = naive_build(parent_list.tolist(), selected.tolist(), seq.tolist(), topk, N, mode)
+    assert_equal(positions, torch.tensor(w_pos), "positions")
+    assert_equal(r_next, torch.tensor(w_next), "retrive_next_token")
+    assert_equal(r_sib, torch.tensor(w_sib), "retrive_next_sibling")
+    assert_equal(draft_tokens, torch.cat([root[:, None].long(), tokens], 1).view(-1), "draft_tokens")
+    assert mask.dtype == {0: torch.bool, 1: torch.bool, 2: (torch.uint8, torch.uint16, torch.uint32, torch.uint32)[
+        (N - 1) // 8]}[int(mode)]
+
 
 
 # ---- tree_speculative_sampling_target_only: SGLang's kernel restated --------------------------------------------
