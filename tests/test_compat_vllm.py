@@ -488,3 +488,12 @@ def test_gpu_graph_replay_matches_eager(greedy):
     want = out_of(rs, meta, logits, sm)
     assert not torch.equal(want, old), "the new values change nothing: the test would not see a stale replay"
     assert_equal(out, want)
+
+
+def test_one_sampler_across_batch_shapes():
+    # the chain's parents and offsets are kept per (batch, max_spec_len + 1): a reused instance must not mix them
+    rs = RejectionSampler()
+    for drafts, rows, expected in GREEDY_CASES + GREEDY_CASES[::-1]:
+        meta, logits = case(drafts, rows)
+        assert_equal(out_of(rs, meta, logits, sampling_metadata(torch.zeros(len(drafts)))),
+                     torch.tensor(expected, dtype=torch.int32))

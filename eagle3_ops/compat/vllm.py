@@ -196,15 +196,14 @@ def _check_values(metadata, logits, sm, B, K, T, canonical) -> None:
 
 
 def _layout(metadata, logits, draft_probs, s: _Batch):
-    """vLLM's ragged rows -> our padded [B, N] chain. Returns (tokens, parents, op_logits, op_draft_probs, n)."""
+    """vLLM's ragged rows -> our padded [B, N] chain. Returns (tokens, op_logits, op_draft_probs, n)."""
     B, K, T = s.B, s.K, s.T
     N = K + 1
     dev = logits.device
     col = torch.arange(K, device=dev)
-    draft_ids = metadata.draft_token_ids.long()
     if s.uniform:
         n = None  # every request at K drafts
-        drafts = draft_ids.view(B, K)
+        drafts = metadata.draft_token_ids.view(B, K)  # cast to int64 by the copy into tokens
         src = torch.arange(B * K, device=dev).view(B, K)
         valid = None
     else:
@@ -213,9 +212,10 @@ def _layout(metadata, logits, draft_probs, s: _Batch):
         start = cu - n
         valid = col[None, :] < n[:, None]  # [B, K]
         src = (start[:, None] + col[None, :]).clamp(max=max(T - 1, 0))
-        drafts = draft_ids[src].masked_fill(~valid, -1)  # K >= 1 here, so T >= 1
-    tokens = torch.cat([torch.full((B, 1), -1, dtype=torch.int64, device=dev), drafts], dim=1)
-    parents = (torch.arange(N, dtype=torch.int32, device=dev) - 1).expand(B, N).contiguous()
+        drafts = metadata.draft_token_ids[src].masked_fill(~valid, -1)  # K >= 1 here, so T >= 1
+    tokens = torch.empty(B, N, dtype=torch.int64, device=dev)  # two launches: the root column, the drafts
+    tokens[:, 0] = -1
+    tokens[:, 1:] = drafts
     if s.canonical:
         op_logits = logits
     else:
@@ -226,7 +226,7 @@ def _layout(metadata, logits, draft_probs, s: _Batch):
         q_src = torch.cat([src, src[:, -1:] if K else src.new_zeros(B, 1)], dim=1).clamp(min=0)
         op_q = draft_probs.index_select(0, q_src.view(-1)) if T else draft_probs.new_zeros(B * N, s.V)
         op_q.masked_fill_(~torch.cat([keep, keep.new_zeros(B, 1)], dim=1).view(-1, 1), 0)
-    return tokens, parents, op_logits, op_q, n
+    return tokens, op_logits, op_q, n
 
 
 def _rows(metadata, s: _Batch, n, src, valid) -> Tensor:
@@ -291,6 +291,19 @@ class RejectionSampler(torch.nn.Module):
     def __init__(self, sampler: Optional[Any] = None):
         super().__init__()
         self.sampler = sampler
+        self._constant: dict[tuple, tuple[Tensor, Tensor]] = {}
+
+    def _constants(self, B: int, N: int, device) -> tuple[Tensor, Tensor]:
+        """The chain's parents [B, N] (-1, 0, 1, ...) and a zero Philox offset [B], made once per shape (not
+        kept when made during a CUDA-graph capture: those would live in the graph's private pool)."""
+        key = (B, N, str(device))
+        if key in self._constant:
+            return self._constant[key]
+        parents = (torch.arange(N, dtype=torch.int32, device=device) - 1).expand(B, N).contiguous()
+        made = parents, torch.zeros(B, dtype=torch.int64, device=device)
+        if not (torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            self._constant[key] = made
+        return made
 
     def forward(self, metadata, draft_probs: Optional[Tensor], logits: Tensor, sampling_metadata) -> SamplerOutput:
         """Verify every request's drafts; returns SamplerOutput(sampled_token_ids [batch_size, max_spec_len + 1]
@@ -312,13 +325,13 @@ class RejectionSampler(torch.nn.Module):
                                  f"{tuple(bonus.shape)}")
             if K == 0:  # no drafts at all: the bonus is the whole output
                 return SamplerOutput(bonus.reshape(B, 1).to(torch.int32))
-        tokens, parents, z, q, n = _layout(metadata, logits, draft_probs, s)
+        parents, offset = self._constants(B, K + 1, logits.device)
+        tokens, z, q, n = _layout(metadata, logits, draft_probs, s)
         z = _mask_logits(z, sm, s)
         if sm.all_greedy:
             _, accept_len, emitted = torch.ops.eagle3.verify_greedy(z, tokens, parents)
         else:
             seed = _seeds(sm, metadata.num_draft_tokens, B, logits.device, bonus is None)
-            offset = torch.zeros(B, dtype=torch.int64, device=logits.device)
             temp = torch.where(sm.temperature == _OLD_GREEDY_TEMPERATURE, 0.0, sm.temperature)
             _, accept_len, emitted = torch.ops.eagle3.verify_sampling(z, q, None, tokens, parents, temp, seed, offset)
         out = emitted.to(torch.int32)  # accepted drafts, then the recovered / bonus token, then -1
