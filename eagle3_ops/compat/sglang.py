@@ -198,8 +198,9 @@ def build_tree_kernel_efficient(parent_list: Tensor, selected_index: Tensor, ver
     parents = torch.empty(B, N, dtype=torch.int32, device=dev)
     pos = torch.empty(B, N, dtype=torch.int64, device=dev)
     words = torch.empty(B, N, (N + 31) // 32, dtype=torch.int32, device=dev)
-    torch.ops.eagle3.build_tree(torch.zeros(B, dtype=torch.int64, device=dev),
-                                torch.zeros(B, depth, M, dtype=torch.int64, device=dev), scores, parents_in,
+    # tokens are only copied by build_tree (never read as indices): uninitialised ones cost no launch
+    torch.ops.eagle3.build_tree(torch.empty(B, dtype=torch.int64, device=dev),
+                                torch.empty(B, depth, M, dtype=torch.int64, device=dev), scores, parents_in,
                                 verified_seq_len.int(), tokens, parents, pos, words)
 
     positions.view(B, N).copy_(pos)
@@ -431,7 +432,7 @@ def tree_speculative_sampling_target_only(predicts: Tensor, accept_index: Tensor
 
     Sums are formed in another order than SGLang's sequential fp32 sum, so a coin within a rounding step of
     a boundary may go the other way. Bad values: as verify_tree_greedy's, and on CPU a candidate outside
-    [0, V) at a node that is tried raises Eagle3InputError; on CUDA its probability reads as 0.
+    [0, V) at any node the lists reach raises Eagle3InputError; on CUDA its probability reads as 0.
     """
     B, N, S = _check_walk_args("tree_speculative_sampling_target_only", predicts, accept_index, accept_token_num,
                                candidates, retrive_index, retrive_next_token, retrive_next_sibling)
