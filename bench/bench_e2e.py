@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import subprocess
 import sys
 import time
@@ -39,7 +40,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 SPECS = {"chain 3/1/4": dict(steps=3, topk=1, num_tokens=4),  # as Kimi deployments run it
-         "tree 4/4/16": dict(steps=4, topk=4, num_tokens=16)}
+         "tree 4/4/16": dict(steps=4, topk=4, num_tokens=16),
+         # the other fixed shapes issue 24's adaptive policy is held to
+         "chain 1/1/2": dict(steps=1, topk=1, num_tokens=2),
+         "chain 2/1/3": dict(steps=2, topk=1, num_tokens=3),
+         "chain 5/1/6": dict(steps=5, topk=1, num_tokens=6)}
+DEFAULT_SPECS = ["chain 3/1/4", "tree 4/4/16"]
+ADAPTIVE_STEPS = (1, 2, 3, 4, 5)  # the adaptive policy's chains (the CLI's too)
+REFERENCE_STEPS = 3  # --accept-length L is the oracle's acceptance length at this many chain drafts
 GLUE_PARTS = ("fc", "build_tree", "verify", "kv_accept")  # the glue ops, timed (capture is inside the forwards)
 
 
@@ -210,11 +218,8 @@ def extrapolate(profile: dict, cfg_full, step_ms: float, accept_len: float, B: i
     """EXTRAPOLATED to the full model: each forward's layers (decode, and verify at this spec's N) scaled to
     cfg_full's dense / MoE counts (the outside-the-layers part kept), the rest of a speculative step (drafts,
     glue, other) as measured."""
-    dense_n = cfg_full.first_k_dense_replace
-    moe_n = cfg_full.num_layers - dense_n
-
     def full(p):
-        return p["outside_layers_ms"] + dense_n * p["dense_layer_ms"] + moe_n * p["moe_layer_ms"]
+        return _full_forward_ms(p, cfg_full)
 
     plain_step = full(profile["decode"])
     verify = profile[f"verify_{N}"]
@@ -246,17 +251,20 @@ def run(args) -> list[dict]:
         for prefix in args.prefix:
             g = torch.Generator(device="cpu").manual_seed(B * 100003 + prefix)
             prompts = torch.randint(0, V, (B, prefix), generator=g).to(args.device)
-            specs = {k: SpecConfig(**v) for k, v in SPECS.items() if k in args.spec}
+            specs = {k: SpecConfig(**v) for k, v in SPECS.items() if k in args.spec and "fixed" in args.policy}
             # one prefill per glue for every speculative run at this batch and prefix (the oracle's runs; the
             # drafter's state after it does not depend on the spec or p)
             caches = {glue: None if args.no_prefill_cache else PrefillCache() for glue in args.glue}
-            target.batch_invariant_rows = B * max(s.num_tokens for s in specs.values()) if args.batch_invariant else 0
+            most = max([s.num_tokens for s in specs.values()] + ([1 + max(ADAPTIVE_STEPS)] if "adaptive" in args.policy
+                                                                 else []))
+            target.batch_invariant_rows = B * most if args.batch_invariant else 0
             generate_plain(target, prompts, min(4, args.max_new), graphs=args.graphs)  # warm-up (compiles, allocator)
             reference, plain = generate_plain(target, prompts, args.max_new, graphs=args.graphs)
             print(f"B {B} prefix {prefix}: plain {plain.decode_tokens_per_s:.1f} tok/s decode "
                   f"(prefill {plain.prefill_seconds * 1e3:.0f} ms)", flush=True)
-            profile = forward_profile(target, prompts, sorted({s.num_tokens for s in specs.values()}),
-                                      drafter.cfg.aux_ids, args.device, graphs=args.graphs)
+            Ns = {s.num_tokens for s in specs.values()} | ({1 + k for k in ADAPTIVE_STEPS} if "adaptive" in args.policy
+                                                          else set())
+            profile = forward_profile(target, prompts, sorted(Ns), drafter.cfg.aux_ids, args.device, graphs=args.graphs)
             for k, v in profile.items():
                 print(f"  target forward {k}: {v['forward_ms']:.2f} ms (dense layer {v['dense_layer_ms']:.2f}, MoE "
                       f"layer {v['moe_layer_ms']:.2f}, outside the layers {v['outside_layers_ms']:.2f})"
@@ -289,7 +297,8 @@ def run(args) -> list[dict]:
                                 break
                             ref = out
                         steps = max(st.rounds, 1)
-                        row = dict(batch=B, prefix=prefix, spec=name, p=p, glue=glue, drafter="ORACLE",
+                        row = dict(batch=B, prefix=prefix, spec=name, p=p, accept_length_target=args.lengths.get(p),
+                                   accept_rate=st.accept_rate, glue=glue, drafter="ORACLE",
                                    plain_tok_s=plain.decode_tokens_per_s, spec_tok_s=st.decode_tokens_per_s,
                                    speedup=st.decode_tokens_per_s / max(plain.decode_tokens_per_s, 1e-12),
                                    accept_len=st.acceptance_length, rounds=st.rounds,
@@ -364,7 +373,74 @@ def run(args) -> list[dict]:
                               f"predicted {row['tok_s_over_predicted']:.3f}{alone}"
                               f"{'' if converged else '  (oracle reference NOT the run' + chr(39) + 's own)'}",
                               flush=True)
+            if "adaptive" in args.policy:
+                rows += adaptive_rows(args, target, drafter, prompts, reference, plain, profile, full_cfg,
+                                      caches[args.glue[0]])
     return rows
+
+
+def adaptive_rows(args, target, drafter, prompts, reference, plain, profile, full_cfg, cache) -> list[dict]:
+    """Issue 24: the adaptive policy (engine/policy.py) at each p, through our glue, its oracle reference plain
+    greedy's (--fixpoint K: the run's own output, as for the fixed shapes). A row per p: tokens/s of the decode
+    phase, the decisions' histogram, the start-up cost table, the graphs' memory, acceptance length and accept
+    rate, and the EXTRAPOLATED full model (each round's verify forward, or a plain round's decode forward,
+    scaled as extrapolate() does, the rest of the round as measured)."""
+    from eagle3_ops.engine import SpecConfig, generate_speculative
+    from eagle3_ops.engine.oracle import OracleDrafter
+    from eagle3_ops.engine.policy import AdaptivePolicy
+
+    B, prefix = prompts.shape
+    V, glue, rows = target.cfg.vocab_size, args.glue[0], []
+    spec = SpecConfig()  # the temperature (greedy) and seed; the shapes are the policy's
+
+    def run(ref, p, n):
+        oracle = OracleDrafter(drafter, torch.cat([prompts, ref], 1), p, V, start=prefix - 1)
+        return generate_speculative(target, oracle, prompts, n, spec, glue=glue, graphs=args.graphs,
+                                    prefill_cache=cache, policy=AdaptivePolicy(ADAPTIVE_STEPS))
+
+    run(reference, max(args.p), min(12, args.max_new))  # warm-up at these shapes (compilations, allocator)
+    ref = reference
+    for p in sorted(args.p, reverse=True):
+        for passes in range(1, max(args.fixpoint, 1) + 1):
+            out, st = run(ref, p, args.max_new)
+            converged = bool(torch.equal(out, ref))
+            if converged or passes >= max(args.fixpoint, 1):
+                break
+            ref = out
+        decode_s = st.seconds - st.prefill_seconds - st.setup_seconds
+        shapes = {k: v for k, v in st.decisions.items()}
+        extra = 0.0  # the full model's forwards less the slice's, over the decisions
+        for name, c in shapes.items():
+            key = "decode" if name == "plain" else f"verify_{int(name.split('/')[2])}"
+            extra += c * (_full_forward_ms(profile[key], full_cfg) - profile[key]["forward_ms"]) / 1e3
+        plain_step = _full_forward_ms(profile["decode"], full_cfg)
+        full_s = decode_s + extra
+        row = dict(batch=B, prefix=prefix, spec="adaptive", p=p, accept_length_target=args.lengths.get(p),
+                   glue=glue, drafter="ORACLE", plain_tok_s=plain.decode_tokens_per_s, spec_tok_s=st.decode_tokens_per_s,
+                   speedup=st.decode_tokens_per_s / max(plain.decode_tokens_per_s, 1e-12),
+                   accept_len=st.acceptance_length, accept_rate=st.accept_rate, rounds=st.rounds,
+                   step_ms=decode_s / max(st.rounds, 1) * 1e3, graph_setup_ms=st.setup_seconds * 1e3,
+                   identical=bool(torch.equal(out, reference)), first_diff=_first_diff(out, reference),
+                   oracle_reference="plain" if ref is reference else "the run's own output", fixpoint_passes=passes,
+                   matches_oracle_reference=converged, decisions=st.decisions, resumes=st.resumes,
+                   costs_ms={k: v * 1e3 for k, v in st.costs.items()}, graph_memory_bytes=st.graph_memory,
+                   graph_prepares=st.graph_prepares, forward_profile=profile,
+                   extrapolated=dict(layers=full_cfg.num_layers, plain_step_ms=plain_step,
+                                     plain_tok_s=B / plain_step * 1e3,
+                                     spec_tok_s=(st.tokens - B) / full_s if full_s > 0 else 0.0,
+                                     speedup=((st.tokens - B) / full_s) / (B / plain_step * 1e3) if full_s > 0 else 0.0))
+        rows.append(row)
+        print(f"  adaptive     p {p:<6.4f} glue {glue:<6} {row['spec_tok_s']:8.1f} tok/s {row['speedup']:5.2f}x  accept "
+              f"{row['accept_len']:.2f} (rate {row['accept_rate']:.3f})  identical {'yes' if row['identical'] else 'NO'}"
+              f"  decisions {st.decisions}  resumes {st.resumes}  graphs {st.graph_memory / 2**20:.0f} MiB  "
+              f"EXTRAPOLATED {row['extrapolated']['speedup']:.2f}x", flush=True)
+    return rows
+
+
+def _full_forward_ms(p: dict, cfg_full) -> float:
+    """A profiled forward's layers scaled to cfg_full's dense / MoE counts, the outside-the-layers part kept."""
+    dense_n = cfg_full.first_k_dense_replace
+    return p["outside_layers_ms"] + dense_n * p["dense_layer_ms"] + (cfg_full.num_layers - dense_n) * p["moe_layer_ms"]
 
 
 def _table(rows: list[dict]) -> str:
@@ -374,6 +450,8 @@ def _table(rows: list[dict]) -> str:
             "EXTRAPOLATED full model: plain / spec tok/s |")
     lines = [head, "|" + "---|" * 14]
     for r in rows:
+        if r["spec"] == "adaptive":
+            continue  # (policy_table)
         t = r["timed_step_ms"]
         parts = " / ".join(f"{t.get(k, 0.0):.2f}" for k in ("target", "draft", "fc", "build_tree", "verify",
                                                                "kv_accept")) + f" / {r['timed_other_ms']:.2f}"
@@ -383,6 +461,106 @@ def _table(rows: list[dict]) -> str:
                      f"{parts} | {100 * r['glue_share']:.1f}% | {'yes' if r['identical'] else 'NO'} | "
                      f"{r['extrapolated']['plain_tok_s']:.1f} / {r['extrapolated']['spec_tok_s']:.1f} "
                      f"({r['extrapolated']['layers']} layers) |")
+    return "\n".join(lines)
+
+
+def run_heldout(args) -> list[dict]:
+    """The shipped small pair (byte-small) on its first --heldout held-out prompts (cut to the shortest one's
+    length), in groups of B: plain greedy, each fixed --spec and the adaptive policy, every group's runs
+    back to back, the whole pass --repeat times (each method's fastest pass kept: a shared machine only ever
+    slows a pass down). Tokens/s of the decode phase (tokens after the first over the time after the prefill,
+    the graph captures and cost table out) summed over the groups; outputs compared with plain greedy's."""
+    from eagle3_ops import data
+    from eagle3_ops.cli import _load_pair
+    from eagle3_ops.engine import SpecConfig, generate_plain, generate_speculative
+    from eagle3_ops.engine.policy import AdaptivePolicy
+
+    torch.set_num_threads(args.threads)
+    target, drafter, _ = _load_pair("byte-small", args.device, getattr(torch, args.dtype))
+    enc = [data.encode(p) for p in data.load_heldout_prompts()[:args.heldout]]
+    n = min(len(e) for e in enc)
+    prompts = torch.stack([e[-n:] for e in enc]).to(args.device)
+    fixed = {k: SpecConfig(**SPECS[k]) for k in args.spec}
+    rows = []
+    for B in args.batch:
+        groups = [prompts[i:i + B] for i in range(0, len(prompts), B)]
+        methods = ["plain"] + list(fixed) + ["adaptive"]
+        best = {m: None for m in methods}
+        identical = {m: True for m in methods}
+        accepted, drafted, steps, emitted = ({m: 0 for m in methods} for _ in range(4))
+        decisions = {}
+        for rep in range(args.repeat + 1):  # pass 0: the warm-up (compilations, allocator), not kept
+            total = {m: [0.0, 0] for m in methods}
+            for grp in groups:
+                ref, st = generate_plain(target, grp, args.max_new, graphs=args.graphs)
+                runs = {"plain": (ref, st)}
+                for name, spec in fixed.items():
+                    runs[name] = generate_speculative(target, drafter, grp, args.max_new, spec, graphs=args.graphs)
+                runs["adaptive"] = generate_speculative(target, drafter, grp, args.max_new, SpecConfig(),
+                                                        graphs=args.graphs, policy=AdaptivePolicy(ADAPTIVE_STEPS))
+                for m, (out, st) in runs.items():
+                    total[m][0] += st.seconds - st.prefill_seconds - st.setup_seconds
+                    total[m][1] += st.tokens - st.batch
+                    identical[m] &= bool(torch.equal(out, ref))
+                    if rep == 1:  # the decisions and acceptance of one pass (every pass decodes alike)
+                        accepted[m] += st.accepted
+                        drafted[m] += st.drafted
+                        steps[m] += sum(st.accept_hist)
+                        emitted[m] += sum(k * c for k, c in enumerate(st.accept_hist))
+                        if m == "adaptive":
+                            for k, c in st.decisions.items():
+                                decisions[k] = decisions.get(k, 0) + c
+            if rep:
+                for m in methods:
+                    tok_s = total[m][1] / total[m][0]
+                    best[m] = tok_s if best[m] is None else max(best[m], tok_s)
+                print(f"B {B} pass {rep}: " + ", ".join(f"{m} {total[m][1] / total[m][0]:.1f}" for m in methods)
+                      + " tok/s", flush=True)
+        for m in methods:
+            rows.append(dict(batch=B, method=m, tok_s=best[m], speedup=best[m] / best["plain"],
+                             accept_len=emitted[m] / max(steps[m], 1), accept_rate=accepted[m] / max(drafted[m], 1),
+                             identical=identical[m], decisions=decisions if m == "adaptive" else None,
+                             prompts=len(prompts), prompt_len=n, max_new=args.max_new, repeat=args.repeat))
+    lines = ["| B | method | decode tok/s (best of passes) | x plain | acceptance length | accept rate (accepted drafts "
+             "/ drafted) | identical to plain greedy | decisions (rounds) |", "|" + "---|" * 8]
+    for r in rows:
+        lines.append(f"| {r['batch']} | {r['method']} | {r['tok_s']:.1f} | {r['speedup']:.3f} | {r['accept_len']:.2f} | "
+                     f"{r['accept_rate']:.3f} | {'yes' if r['identical'] else 'NO'} | "
+                     + (", ".join(f"{k} {v}" for k, v in sorted(r["decisions"].items())) if r["decisions"] else "")
+                     + " |")
+    print("\n".join(lines))
+    return rows
+
+
+def policy_table(rows: list[dict]) -> str:
+    """Issue 24's table: per batch, prefix and oracle p, tokens/s (decode phase) of plain decoding, each fixed
+    shape (our glue) and the adaptive policy, with the acceptance length and the accept rate (accepted drafts /
+    drafted tokens, as SGLang and vLLM report it) of each, adaptive over plain and over the best fixed shape,
+    measured and EXTRAPOLATED to the full model."""
+    ours = [r for r in rows if r["glue"] == "eagle3"]
+    specs = [k for k in SPECS if any(r["spec"] == k for r in ours)]
+    head = ("| B | prefix | oracle L (p) | plain tok/s | " + " | ".join(f"{k}: tok/s, L, rate" for k in specs) +
+            " | adaptive: tok/s, L, rate | adaptive / plain | adaptive / best fixed | EXTRAPOLATED full model: "
+            "adaptive / plain, adaptive / best fixed | decisions |")
+    lines = [head, "|" + "---|" * (8 + len(specs))]
+    for key in sorted({(r["batch"], r["prefix"], r["p"]) for r in ours}):
+        at = {r["spec"]: r for r in ours if (r["batch"], r["prefix"], r["p"]) == key}
+        a = at.get("adaptive")
+        if a is None:
+            continue
+        fixed = [at[k] for k in specs if k in at]
+        best = max(fixed, key=lambda r: r["spec_tok_s"]) if fixed else None
+        best_x = max(fixed, key=lambda r: r["extrapolated"]["spec_tok_s"]) if fixed else None
+        L = a.get("accept_length_target")
+        cells = [f"{at[k]['spec_tok_s']:.1f}, {at[k]['accept_len']:.2f}, {at[k]['accept_rate']:.3f}" if k in at else "-"
+                 for k in specs]
+        ext = a["extrapolated"]
+        vs_best = f"{a['spec_tok_s'] / best['spec_tok_s']:.3f} ({best['spec']})" if best else "-"
+        vs_best_x = f"{ext['spec_tok_s'] / best_x['extrapolated']['spec_tok_s']:.3f}" if best_x else "-"
+        lines.append(f"| {key[0]} | {key[1]} | {'-' if L is None else f'{L:g}'} ({key[2]:.4f}) | {a['plain_tok_s']:.1f} | "
+                     + " | ".join(cells) + f" | {a['spec_tok_s']:.1f}, {a['accept_len']:.2f}, {a['accept_rate']:.3f} | "
+                     f"{a['speedup']:.3f} | {vs_best} | {ext['speedup']:.3f}, {vs_best_x} | "
+                     + ", ".join(f"{k} {v}" for k, v in sorted(a["decisions"].items())) + " |")
     return "\n".join(lines)
 
 
@@ -435,7 +613,14 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--prefix", type=int, nargs="+", default=[4096, 32768])
     ap.add_argument("--p", type=float, nargs="+", default=[0.0, 0.47, 0.8, 1.0])
-    ap.add_argument("--spec", nargs="+", default=list(SPECS), choices=list(SPECS))
+    ap.add_argument("--accept-length", type=float, nargs="+", default=None, metavar="L",
+                    help=f"instead of --p: the oracle's acceptance lengths, each solved for p "
+                         f"(1 + p + ... + p^{REFERENCE_STEPS} = L, a chain of {REFERENCE_STEPS} drafts; L in "
+                         f"[1, {REFERENCE_STEPS + 1}])")
+    ap.add_argument("--spec", nargs="+", default=DEFAULT_SPECS, choices=list(SPECS))
+    ap.add_argument("--policy", nargs="+", default=["fixed"], choices=["fixed", "adaptive"],
+                    help="fixed: a row per --spec; adaptive: a row per p with the adaptive policy (engine/policy.py: "
+                         "chains of 1-5 drafts or plain decoding, each round; our glue), and the policy table")
     ap.add_argument("--glue", nargs="+", default=["eagle3", "torch"], choices=["eagle3", "torch"])
     # 61 = 1 + a multiple of both specs' full acceptance (4, 5): at p = 1 no round's tokens are cut off by the cap,
     # so tokens/s and B x acceptance / step count the same tokens
@@ -451,21 +636,50 @@ def main(argv=None) -> int:
     ap.add_argument("--graphs", action="store_true",
                     help="CUDA graphs: each speculative round one graph (the components-alone run: per-step graphs)")
     ap.add_argument("--full", default="kimi-k2", help="the preset the per-layer times are extrapolated to")
+    ap.add_argument("--heldout", type=int, default=0, metavar="N",
+                    help="the shipped pair (byte-small) on its first N held-out prompts: plain, each --spec and the "
+                         "adaptive policy in groups of --batch (run_heldout); --prefix, --p, --glue unused")
+    ap.add_argument("--repeat", type=int, default=3, help="--heldout: timed passes (each method's best kept)")
+    ap.add_argument("--threads", type=int, default=1, help="--heldout: CPU threads")
     ap.add_argument("--json", default=None)
     ap.add_argument("--plot", default=None, metavar="JSON", help="only draw the chart of a results file")
     args = ap.parse_args(argv)
+    from eagle3_ops.engine.oracle import p_for_acceptance_length
+
+    args.lengths = {}
+    if args.accept_length:
+        bad = [L for L in args.accept_length if not 1 <= L <= REFERENCE_STEPS + 1]
+        if bad:
+            ap.error(f"--accept-length must be in [1, {REFERENCE_STEPS + 1}], got {bad[0]:g}")
+        args.lengths = {p_for_acceptance_length(L, REFERENCE_STEPS): L for L in args.accept_length}
+        args.p = sorted(args.lengths)
     if args.plot:
         print(plot(args.plot))
         return 0
     start = time.time()
+    print(f"# commit {_commit()}, {platform.node()} ({platform.machine()}, {os.cpu_count()} CPUs"
+          f"{', ' + torch.cuda.get_device_name() if args.device.startswith('cuda') else ''}), torch {torch.__version__}, "
+          f"{args.preset if not args.heldout else 'byte-small'}, {args.dtype}, {'CUDA graphs' if args.graphs else 'eager'}",
+          flush=True)
+    if args.heldout:
+        rows = run_heldout(args)
+        path = args.json or os.path.join(os.environ.get("EAGLE3_BENCH_OUT", "."), "e2e_heldout.json")
+        with open(path, "w") as f:
+            json.dump(dict(commit=_commit(), device=args.device, dtype=args.dtype, seconds=time.time() - start,
+                           rows=rows), f, indent=1)
+        print(f"rows: {path}")
+        return 0 if all(r["identical"] for r in rows) else 1
     rows = run(args)
     meta = dict(commit=_commit(), preset=args.preset, dtype=args.dtype, device=args.device,
                 device_name=torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
                 torch=torch.__version__, max_new=args.max_new, batch_invariant=args.batch_invariant,
-                eager=not args.graphs, graphs="round" if args.graphs else None,
+                eager=not args.graphs, graphs="round" if args.graphs else None, policy=args.policy,
+                accept_length_reference_steps=REFERENCE_STEPS,
                 drafter="ORACLE (engine/oracle.py): acceptance set by p, not by a trained drafter",
                 seconds=time.time() - start)
     print(_table(rows))
+    if "adaptive" in args.policy:
+        print(policy_table(rows))
     path = args.json or os.path.join(os.environ.get("EAGLE3_BENCH_OUT", "."), "e2e.json")
     with open(path, "w") as f:
         json.dump(dict(meta, rows=rows), f, indent=1)

@@ -117,6 +117,17 @@ def check_args(args) -> None:
                          f"got {args.batch}; with --prompt TEXT any batch repeats TEXT")
     if args.oracle is not None and args.temperature != 0:
         raise UsageError(f"--oracle needs greedy decoding (--temperature 0), got --temperature {args.temperature:g}")
+    length = getattr(args, "accept_length", None)
+    if length is not None:
+        if args.oracle is not None:
+            raise UsageError("--accept-length and --oracle exclude each other (--accept-length L sets the oracle's p)")
+        if args.temperature != 0:
+            raise UsageError(f"--accept-length needs greedy decoding (--temperature 0), got --temperature "
+                             f"{args.temperature:g}")
+        if not 1 <= length <= args.steps + 1:
+            raise UsageError(f"--accept-length must be in [1, {args.steps + 1}] for a chain of --steps {args.steps} "
+                             f"drafts (1 = every draft rejected, {args.steps + 1} = every draft accepted), got "
+                             f"{length:g}")
     if args.graphs:
         if not args.device.startswith("cuda"):
             raise UsageError(f"--graphs needs --device cuda (CUDA graphs), got --device {args.device}")
@@ -331,17 +342,25 @@ def demo(args) -> int:
     target, drafter, label = _load_pair(args.preset, args.device, dtype, args.seed)
     prompts, texts = _prompts(args, target)
     spec = _spec(args)
+    adaptive = getattr(args, "policy", "fixed") == "adaptive"
     if args.batch_invariant:
-        target.batch_invariant_rows = prompts.shape[0] * spec.num_tokens
+        target.batch_invariant_rows = prompts.shape[0] * max(spec.num_tokens, 1 + max(ADAPTIVE_STEPS) if adaptive else 0)
         label += f"\nbatch-invariant target: every step padded to {target.batch_invariant_rows} rows, float64 attention"
-    if args.oracle is not None:
+    p = args.oracle
+    if getattr(args, "accept_length", None) is not None:
+        from .engine.oracle import p_for_acceptance_length
+
+        p = p_for_acceptance_length(args.accept_length, args.steps)
+    if p is not None:
         from .engine.oracle import OracleDrafter
 
         reference, _ = generate_plain(target, prompts, args.max_new)  # the answers the oracle reads
-        drafter = OracleDrafter(drafter, torch.cat([prompts, reference], 1), args.oracle, target.cfg.vocab_size,
+        drafter = OracleDrafter(drafter, torch.cat([prompts, reference], 1), p, target.cfg.vocab_size,
                                 args.seed, start=prompts.shape[1] - 1)
-        label += (f"\nORACLE drafter, p = {args.oracle}: it proposes the target's own greedy tokens, each corrupted "
-                  f"with probability {1 - args.oracle:g}; the drafter's forwards run at their real cost, but the "
+        calibrated = ("" if args.oracle is not None else f" (acceptance length {args.accept_length:g} at {args.steps} "
+                      f"drafts: 1 + p + ... + p^{args.steps} = L)")
+        label += (f"\nORACLE drafter, p = {p:.4f}{calibrated}: it proposes the target's own greedy tokens, each "
+                  f"corrupted with probability {1 - p:.4f}; the drafter's forwards run at their real cost, but the "
                   "acceptance is set by p, not by any trained drafter")
     print(f"models: {label}")
     print(f"target: {target.cfg.name}, {target.cfg.num_layers} layers, hidden {target.cfg.hidden_size}; drafter "
@@ -361,6 +380,13 @@ def demo(args) -> int:
                                    graphs=args.graphs, timer=plain_timer, progress=long_run)
     fast, sstats = generate_speculative(target, drafter, prompts, args.max_new, spec, timer=spec_timer,
                                         graphs=args.graphs, progress=long_run)
+    if adaptive:
+        from .engine.policy import AdaptivePolicy
+
+        generate_speculative(target, drafter, prompts, min(args.max_new, 2 * spec.num_tokens), spec,
+                             graphs=args.graphs, policy=AdaptivePolicy(ADAPTIVE_STEPS))  # warm-up
+        adapt, astats = generate_speculative(target, drafter, prompts, args.max_new, spec, graphs=args.graphs,
+                                             progress=long_run, policy=AdaptivePolicy(ADAPTIVE_STEPS))
     if target.cfg.vocab_size == 256:
         print(f"prompt: {texts[0][-160:]!r}")
         print(f"speculative continuation: {data.decode(fast[0])!r}\n")
@@ -374,6 +400,18 @@ def demo(args) -> int:
     for k, c in enumerate(sstats.accept_hist):
         if k >= 1:
             print(f"  {k} token{'s' if k > 1 else ' '} {c:6d}  {'#' * round(40 * c / total)}")
+    print(f"accept rate (SGLang / vLLM: accepted drafts / drafted tokens): {sstats.accept_rate:.3f}")
+    if adaptive:
+        same = same and torch.equal(plain, adapt)
+        print(f"\nadaptive policy:      {astats.tokens_per_s:8.1f} tok/s ({astats.seconds:.2f} s), "
+              f"{astats.tokens_per_s / max(pstats.tokens_per_s, 1e-9):.2f}x plain, "
+              f"{astats.tokens_per_s / max(sstats.tokens_per_s, 1e-9):.2f}x fixed {spec.steps}/{spec.topk}/"
+              f"{spec.num_tokens}; decode phase {astats.decode_tokens_per_s:.1f} tok/s against "
+              f"{sstats.decode_tokens_per_s:.1f} fixed, {pstats.decode_tokens_per_s:.1f} plain")
+        print(f"  acceptance length {astats.acceptance_length:.2f} tokens per target forward (plain rounds: 1), "
+              f"accept rate {astats.accept_rate:.3f}; identical to plain greedy: "
+              f"{'yes' if torch.equal(plain, adapt) else 'NO'}")
+        print(_decision_table(astats))
     print("time per component (speculative):")
     accounted = sum(sstats.times.values())
     for name, sec in sorted(sstats.times.items(), key=lambda kv: -kv[1]):
@@ -390,6 +428,20 @@ def demo(args) -> int:
         return 0 if same else 1
     print("\n(sampled decoding: outputs differ by design; the distribution is the target's)")
     return 0
+
+
+ADAPTIVE_STEPS = (1, 2, 3, 4, 5)  # the adaptive policy's chains (plain decoding is always a candidate)
+
+
+def _decision_table(stats) -> str:
+    """A policy run's decisions: rounds per shape, as a histogram, with the cost table it chose from."""
+    total = sum(stats.decisions.values()) or 1
+    lines = [f"  decisions over {total} rounds (steps/topk/tokens; the cost table measured at start-up), "
+             f"{stats.resumes} drafter catch-ups after plain rounds ({stats.costs.get('resume', 0) * 1e3:.2f} ms each):"]
+    for name in sorted(stats.decisions, key=lambda k: (k != "plain", k)):
+        c = stats.decisions[name]
+        lines.append(f"  {name:<8} {c:6d}  {stats.costs.get(name, 0) * 1e3:8.2f} ms  {'#' * round(40 * c / total)}")
+    return "\n".join(lines)
 
 
 def diagnose_cmd(args) -> int:
@@ -461,6 +513,13 @@ def parser() -> argparse.ArgumentParser:
     kw = dict(epilog=EXIT_CODES, formatter_class=argparse.RawDescriptionHelpFormatter)
     p = sub.add_parser("demo", help="plain vs speculative decoding with the shipped small pair", **kw)
     _add_decode_args(p)
+    p.add_argument("--policy", choices=["fixed", "adaptive"], default="fixed",
+                   help="fixed: every round --steps/--topk/--tokens; adaptive: also a run whose every round's shape "
+                        "(chains of 1-5 drafts, or a plain decode step) maximises the expected tokens/s "
+                        "(engine/policy.py), compared in the same run, with its decisions' histogram")
+    p.add_argument("--accept-length", type=_float_in(1), default=None, metavar="L",
+                   help="the ORACLE drafter calibrated by acceptance length: p solves 1 + p + ... + p^steps = L "
+                        "(L in [1, steps + 1] for --steps drafts); excludes --oracle; greedy only")
     p = sub.add_parser("diagnose", help="acceptance per plausible wiring: is the configured capture the trained one?",
                        **kw)
     _add_decode_args(p)

@@ -79,6 +79,18 @@ class DecodeStats:
     # waits between them out); 0 otherwise
     round_seconds: float = 0.0
     wiring: Optional[WiringReport] = None  # the serve-time wiring check's (wiring_check=...), else None
+    # draft tokens verified (N - 1 a request a speculative round) and of them accepted, over the requests decoding
+    drafted: int = 0
+    accepted: int = 0
+    # a policy's run (policy=...): rounds per decision ("plain", "3/1/4" = steps/topk/tokens), the drafter's
+    # catch-ups after plain rounds ("resume"), the cost table it chose from (seconds a round per decision), the
+    # device memory its graphs took (bytes reserved, CUDA graphs only), and how often each graph was prepared
+    # (warmed up and captured: once)
+    decisions: dict = field(default_factory=dict)
+    resumes: int = 0
+    costs: dict = field(default_factory=dict)
+    graph_memory: int = 0
+    graph_prepares: dict = field(default_factory=dict)
 
     @property
     def tokens_per_s(self) -> float:
@@ -93,8 +105,14 @@ class DecodeStats:
 
     @property
     def acceptance_length(self) -> float:
+        """Tokens emitted per verify step (accepted drafts + 1; a policy's plain rounds count as steps of 1)."""
         steps = sum(self.accept_hist)
         return sum(k * c for k, c in enumerate(self.accept_hist)) / steps if steps else 0.0
+
+    @property
+    def accept_rate(self) -> float:
+        """SGLang's and vLLM's acceptance rate: accepted draft tokens over draft tokens verified (0 if none)."""
+        return self.accepted / self.drafted if self.drafted else 0.0
 
 
 class Timer:
@@ -421,7 +439,7 @@ def generate_speculative(target, drafter, prompts: Tensor, max_new: int, spec: S
                          timer: Optional[Timer] = None, progress: bool = False,
                          glue: str = "eagle3", graphs: bool | str = False,
                          prefill_cache: Optional[PrefillCache] = None,
-                         wiring_check: Optional[WiringCheck] = None) -> tuple[Tensor, DecodeStats]:
+                         wiring_check: Optional[WiringCheck] = None, policy=None) -> tuple[Tensor, DecodeStats]:
     """Speculative decoding (chain or tree, greedy or sampled). aux_ids: which target layers feed the
     drafter (ours, "output of layer k"; default the drafter's configured ids; eagle3_ops.diagnose
     passes miswirings here). glue: "eagle3" (torch.ops.eagle3) or "torch", the same loop with capture, fc,
@@ -433,41 +451,31 @@ def generate_speculative(target, drafter, prompts: Tensor, max_new: int, spec: S
     needs this mode or eager). prefill_cache: a PrefillCache to fill (first run) or start from (later runs).
     wiring_check: the serve-time wiring check (engine/wiring_check.py: accumulated on the device inside each
     round, read without a host sync; a WiringWarning, or MiswiringError in strict mode, on a likely
-    miswiring; stats.wiring holds its numbers). Returns (tokens [B, max_new] int64, stats)."""
+    miswiring; stats.wiring holds its numbers). policy: None (every round `spec`), or an
+    engine.policy.Policy choosing each round's shape among its candidates, plain decoding included
+    (engine/policy.py; eager or graphs="round", no timer, no wiring check; `spec` gives the temperature and
+    seed). Returns (tokens [B, max_new] int64, stats)."""
     graphs = _graph_mode(graphs)
     _check_graphs(target, graphs)
     g_ops = _glue(glue)
     if glue == "torch" and spec.temperature > 0:
         raise ValueError("glue='torch' has greedy verification only (temperature 0)")
+    if policy is not None:
+        if graphs == "steps" or wiring_check is not None or (timer is not None and timer.enabled):
+            raise ValueError("a policy runs eager or with graphs='round', without a timer or a wiring check")
     with _plain_capture(target, glue == "torch"):
         return _generate_speculative(target, drafter, prompts, max_new, spec, aux_ids, page_size, timer, progress,
-                                     g_ops, graphs, prefill_cache, glue, wiring_check)
+                                     g_ops, graphs, prefill_cache, glue, wiring_check, policy)
 
 
-def _generate_speculative(target, drafter, prompts, max_new, spec, aux_ids, page_size, timer, progress, g_ops,
-                          graphs, prefill_cache=None, glue="eagle3", wiring_check=None):
+def _spec_prefill(target, drafter, prompts, temperature, gen, aux_ids, tkv, dkv, timer, g_ops, prefill_cache,
+                  glue, start):
+    """Steps 1-2: prefill with capture, then the drafter's extend on (embed(x_{i+1}), fc(F_i)), chunk by chunk
+    (each chunk's features go straight to the drafter: the capture buffer is one chunk's), or a kept prefill
+    copied in. Returns (root [B], last_logits [B, V], g [B, Hd]): the loop's state, updated in place each round
+    (a round graph replays against these addresses)."""
     B, T0 = prompts.shape
-    N, dev = spec.num_tokens, prompts.device
-    aux_ids = list(drafter.cfg.aux_ids if aux_ids is None else aux_ids)
-    if len(aux_ids) != drafter.cfg.n_aux:
-        raise ValueError(f"aux_ids must name {drafter.cfg.n_aux} layers (the drafter's fc input), got {aux_ids}")
-    timer = timer or Timer(enabled=False)
-    H, dtype = target.cfg.hidden_size, target.model.embed_tokens.weight.dtype
-    start = time.perf_counter()
-    block = (spec.steps - 1) * spec.topk
-    # A request stops with count <= max_new - 1 + E (a round emits at most E = min(N, steps + 1) tokens) and its
-    # prefix = T0 + count - 1; while others go on, every round still writes its N verify rows (and the drafter
-    # its rows) past that prefix: room for T0 + max_new + E + N - 2 positions
-    cap = T0 + max_new + N + min(N, spec.steps + 1)
-    tkv = target.new_kv(B, cap, page_size=page_size, device=dev)
-    dkv = drafter.new_kv(B, cap + block, page_size=page_size, device=dev)
-    gen = torch.Generator(device=dev).manual_seed(spec.seed) if spec.temperature > 0 else None
-    temperature = torch.full((B,), spec.temperature, dtype=torch.float32, device=dev)
-    seed = torch.arange(B, dtype=torch.int64, device=dev) + spec.seed * 1_000_003
-    offset = torch.zeros(B, dtype=torch.int64, device=dev)
-
-    # 1-2. prefill with capture, then the drafter's extend on (embed(x_{i+1}), fc(F_i)), chunk by chunk (each
-    # chunk's features go straight to the drafter: the capture buffer is one chunk's)
+    dev, H, dtype = prompts.device, target.cfg.hidden_size, target.model.embed_tokens.weight.dtype
     chunks = _prefill_chunks(B, T0)
     cached = prefill_cache.state if prefill_cache is not None else None
     if cached is not None:  # a kept prefill: its caches' rows, first token and drafter state copied in
@@ -483,132 +491,197 @@ def _generate_speculative(target, drafter, prompts, max_new, spec, aux_ids, page
             for c, r in zip(kv.caches, rows):
                 c[page, slot] = r
             kv.prefix_lens.fill_(T0)
-        root, g = cached["root"].clone(), cached["g"].clone()
         hook = getattr(drafter, "after_cached_prefill", None)
         last_logits = (hook(len(chunks), torch.full((B, 1), T0 - 1, dtype=torch.int64, device=dev)) if hook
                        else cached["last_logits"].clone())
-    else:
-        aux_chunk = torch.empty(B * chunks[0][1], len(aux_ids) * H, dtype=dtype, device=dev)
-        for s, n in chunks:
-            final = s + n == T0
-            positions = torch.arange(s, s + n, device=dev).expand(B, n)
-            aux = aux_chunk[:B * n]
-            with timer("target"):
-                logits = target.forward(prompts[:, s:s + n], positions, tkv, _chain_mask(B, n, dev), aux, aux_ids,
-                                        last_only=True)
-                tkv.advance(n)
-            if final:
-                root = _pick(logits, spec.temperature, gen)
-            nxt = torch.cat([prompts[:, s + 1:], root[:, None]], 1) if final else prompts[:, s + 1:s + n + 1]
-            with timer("fc"):
-                hidden = g_ops.project(drafter, aux)
-            with timer("draft"):
-                logits, hidden = drafter.forward(nxt, hidden, positions, dkv, _chain_mask(B, n, dev))
-                dkv.advance(n)
-        # the loop's state, updated in place each round (a round graph replays against these addresses)
-        last_logits = logits.view(B, n, -1)[:, -1].clone()
-        g = hidden.view(B, n, -1)[:, -1].clone()
-        if prefill_cache is not None:
-            rows = {}
-            for name, kv in (("target", tkv), ("drafter", dkv)):
-                page, slot = kv.index(torch.arange(T0, device=dev).expand(B, T0))
-                rows[name] = [c[page, slot] for c in kv.caches]
-            prefill_cache.state = dict(prompts=prompts.clone(), glue=glue, drafter_kind=type(drafter).__name__,
-                                       root=root.clone(), g=g.clone(),
-                                       last_logits=last_logits.clone(), **rows)
-            prefill_cache.prefill_seconds = _elapsed(start, dev)
-    prefill_seconds, prefill_times = _elapsed(start, dev), dict(timer.times)
+        return cached["root"].clone(), last_logits, cached["g"].clone()
+    aux_chunk = torch.empty(B * chunks[0][1], len(aux_ids) * H, dtype=dtype, device=dev)
+    for s, n in chunks:
+        final = s + n == T0
+        positions = torch.arange(s, s + n, device=dev).expand(B, n)
+        aux = aux_chunk[:B * n]
+        with timer("target"):
+            logits = target.forward(prompts[:, s:s + n], positions, tkv, _chain_mask(B, n, dev), aux, aux_ids,
+                                    last_only=True)
+            tkv.advance(n)
+        if final:
+            root = _pick(logits, temperature, gen)
+        nxt = torch.cat([prompts[:, s + 1:], root[:, None]], 1) if final else prompts[:, s + 1:s + n + 1]
+        with timer("fc"):
+            hidden = g_ops.project(drafter, aux)
+        with timer("draft"):
+            logits, hidden = drafter.forward(nxt, hidden, positions, dkv, _chain_mask(B, n, dev))
+            dkv.advance(n)
+    last_logits = logits.view(B, n, -1)[:, -1].clone()
+    g = hidden.view(B, n, -1)[:, -1].clone()
+    if prefill_cache is not None:
+        rows = {}
+        for name, kv in (("target", tkv), ("drafter", dkv)):
+            page, slot = kv.index(torch.arange(T0, device=dev).expand(B, T0))
+            rows[name] = [c[page, slot] for c in kv.caches]
+        prefill_cache.state = dict(prompts=prompts.clone(), glue=glue, drafter_kind=type(drafter).__name__,
+                                   root=root.clone(), g=g.clone(), last_logits=last_logits.clone(), **rows)
+        prefill_cache.prefill_seconds = _elapsed(start, dev)
+    return root, last_logits, g
 
-    out = torch.full((B, max_new + N), -1, dtype=torch.int64, device=dev)
-    out[:, 0] = root
-    count = torch.ones(B, dtype=torch.int64, device=dev)
-    hist = torch.zeros(N + 1, dtype=torch.int64, device=dev)
-    aux = torch.empty(B * N, len(aux_ids) * H, dtype=dtype, device=dev)
-    # the catch-up's inputs, rewritten each round: aux rows, tokens, drafter positions, tokens emitted
-    cu_rows = torch.zeros(B * N, dtype=torch.int64, device=dev)
-    cu_tokens, cu_positions = (torch.zeros(B, N, dtype=torch.int64, device=dev) for _ in range(2))
-    cu_step = torch.zeros(B, dtype=torch.int32, device=dev)
-    chainN = _chain_mask(B, N, dev)
-    drafting = _Drafting(B, spec, g.shape[-1], g.dtype, dev)
+
+class _Loop:
+    """What every round of a run shares, whatever its shape: the models, caches and glue, and the loop's state
+    (updated in place: a round graph replays against these addresses). out has room for the largest shape's
+    N past max_new, hist its N + 1 entries (a round of N tokens counts into hist[:N + 1])."""
+
+    def __init__(self, target, drafter, g_ops, aux_ids, tkv, dkv, max_new, N_max, root, last_logits, g, spec,
+                 graphs, timer, check=None):
+        B, dev = root.shape[0], root.device
+        self.target, self.drafter, self.g_ops, self.aux_ids, self.tkv, self.dkv = target, drafter, g_ops, aux_ids, \
+            tkv, dkv
+        self.max_new, self.graphs, self.check, self.B, self.dev = max_new, graphs, check, B, dev
+        self.root, self.last_logits, self.g = root, last_logits, g
+        self.out = torch.full((B, max_new + N_max), -1, dtype=torch.int64, device=dev)
+        self.out[:, 0] = root
+        self.count = torch.ones(B, dtype=torch.int64, device=dev)
+        self.hist = torch.zeros(N_max + 1, dtype=torch.int64, device=dev)
+        self.temperature = torch.full((B,), spec.temperature, dtype=torch.float32, device=dev)
+        self.seed = torch.arange(B, dtype=torch.int64, device=dev) + spec.seed * 1_000_003
+        self.offset = torch.zeros(B, dtype=torch.int64, device=dev)
+        # what a graph's warm-up calls must leave as they found it: besides the loop's state, the drafter's own
+        # (an oracle's call count, say)
+        self.drafter_state = list(getattr(drafter, "graph_state", lambda: [])())
+        self.pool = new_pool(dev) if graphs else None
+        self.round_events: list = []  # round mode with an events timer: the round's span, per replay
+        self.timer = timer
+        self.timers = [timer]  # [the timer the rounds use]: none while a round graph warms up
+
+    def state(self) -> list:
+        return [self.out, self.count, self.hist, self.root, self.last_logits, self.g, self.offset,
+                self.tkv.prefix_lens, self.dkv.prefix_lens] + self.drafter_state
+
+    def on_warmup(self, on: bool) -> None:
+        self.timers[0] = Timer(enabled=False) if on else self.timer
+
+    def verify(self, logits, tokens, parents, spec):
+        """verify_greedy (temperature 0) or verify_sampling; the sampler's offset advanced in place."""
+        if spec.temperature == 0:
+            return self.g_ops.verify_greedy(logits, tokens, parents)
+        res = ops.verify_sampling(logits, None, None, tokens, parents, self.temperature, self.seed, self.offset)
+        self.offset.add_(1)
+        return res
+
+    def round_fn(self, spec: SpecConfig):
+        """The round of one shape (steps 3-6): its buffers made here, the shared state the loop's. With
+        graphs='steps' its forwards are StepGraphs (returned with it, for their setup time)."""
+        B, N, dev, tkv, dkv = self.B, spec.num_tokens, self.dev, self.tkv, self.dkv
+        target, drafter, g_ops, aux_ids = self.target, self.drafter, self.g_ops, self.aux_ids
+        H, dtype = target.cfg.hidden_size, target.model.embed_tokens.weight.dtype
+        aux = torch.empty(B * N, len(aux_ids) * H, dtype=dtype, device=dev)
+        # the catch-up's inputs, rewritten each round: aux rows, tokens, drafter positions, tokens emitted
+        cu_rows = torch.zeros(B * N, dtype=torch.int64, device=dev)
+        cu_tokens, cu_positions = (torch.zeros(B, N, dtype=torch.int64, device=dev) for _ in range(2))
+        cu_step = torch.zeros(B, dtype=torch.int32, device=dev)
+        chainN = _chain_mask(B, N, dev)
+        drafting = _Drafting(B, spec, self.g.shape[-1], self.g.dtype, dev)
+        hist, check, max_new = self.hist[:N + 1], self.check, self.max_new
+
+        def verify_fwd(tokens, positions, mask):
+            return target.forward(tokens, positions, tkv, mask, aux, aux_ids)
+
+        def draft_fwd(tok, hidden, positions, mask):
+            return drafter.forward(tok, hidden, positions, dkv, mask)
+
+        def fc_rows(rows):
+            return g_ops.project(drafter, aux, rows)
+
+        def catch_up_fwd(tok, hidden, positions):
+            return drafter.forward(tok, hidden, positions, dkv, chainN)
+
+        steps = {}
+        if self.graphs == "steps":
+            verify_fwd, fc_rows = StepGraph(verify_fwd, self.pool), StepGraph(fc_rows, self.pool)
+            draft_fwd = StepGraph(draft_fwd, self.pool, state=self.drafter_state)
+            catch_up_fwd = StepGraph(catch_up_fwd, self.pool, state=self.drafter_state)
+            steps = dict(target=[verify_fwd], draft=[draft_fwd, catch_up_fwd], fc=[fc_rows])
+        round_events, timers = self.round_events, self.timers
+
+        def one_round():
+            """One round; every piece of state it carries to the next is updated in place."""
+            timer = timers[0]
+            if (self.graphs == "round" and timer.enabled and timer.mode == "events" and dev.type == "cuda"
+                    and torch.cuda.is_current_stream_capturing()):
+                timer.new_graph()
+                round_events[:] = [torch.cuda.Event(enable_timing=True, external=True) for _ in range(2)]
+                round_events[0].record()
+            # 3-4. draft, build the tree, verify with capture
+            cand = _draft_candidates(draft_fwd, self.last_logits, self.g, dkv.prefix_lens, spec, timer,
+                                     drafter.to_target_ids, drafting)
+            with timer("build_tree"):
+                tokens, parents, positions, mask = g_ops.build_tree(self.root, *cand, tkv.prefix_lens, num_nodes=N)
+            with timer("target"):
+                logits = verify_fwd(tokens, positions, mask)
+            with timer("verify"):
+                accept_nodes, accept_len, emitted = self.verify(logits, tokens, parents, spec)
+            if check is not None:  # before accept_update: count still says which requests this round served
+                with timer("check"):
+                    check.observe(cand[1], accept_len, self.count < max_new)
+            # 5. accept: compact the target's KV, emit, freeze finished requests (fused.accept_update says how)
+            with timer("kv_accept"):
+                g_ops.kv_accept(tkv.caches, tkv.page_table, tkv.prefix_lens, accept_nodes, accept_len)
+            fused.accept_update(accept_nodes, accept_len, emitted, self.count, self.out, hist, self.root,
+                                tkv.prefix_lens, dkv.prefix_lens, max_new, cu_rows, cu_tokens, cu_positions, cu_step)
+            # 6. catch-up: the drafter re-reads the accepted tokens with the target's features
+            with timer("fc"):
+                hidden = fc_rows(cu_rows)
+            with timer("draft"):
+                logits, hidden = catch_up_fwd(cu_tokens, hidden, cu_positions)
+            fused.accept_finish(logits, hidden, self.last_logits, self.g, cu_step, dkv.prefix_lens)
+            if round_events and torch.cuda.is_current_stream_capturing():
+                round_events[1].record()
+            return accept_len, drafting.scores
+
+        return one_round, steps
+
+
+def _generate_speculative(target, drafter, prompts, max_new, spec, aux_ids, page_size, timer, progress, g_ops,
+                          graphs, prefill_cache=None, glue="eagle3", wiring_check=None, policy=None):
+    B, T0 = prompts.shape
+    dev = prompts.device
+    aux_ids = list(drafter.cfg.aux_ids if aux_ids is None else aux_ids)
+    if len(aux_ids) != drafter.cfg.n_aux:
+        raise ValueError(f"aux_ids must name {drafter.cfg.n_aux} layers (the drafter's fc input), got {aux_ids}")
+    timer = timer or Timer(enabled=False)
+    start = time.perf_counter()
+    shapes = [spec] if policy is None else policy.shapes(spec)
+    N, S = max(s.num_tokens for s in shapes), max(s.steps for s in shapes)
+    block = max((s.steps - 1) * s.topk for s in shapes)
+    # A request stops with count <= max_new - 1 + E (a round emits at most E = min(N, steps + 1) tokens) and its
+    # prefix = T0 + count - 1; while others go on, every round still writes its N verify rows (and the drafter
+    # its rows) past that prefix: room for T0 + max_new + E + N - 2 positions (a policy's resume: R rows more)
+    cap = T0 + max_new + N + min(N, S + 1)
+    tkv = target.new_kv(B, cap, page_size=page_size, device=dev)
+    dkv = drafter.new_kv(B, cap + block + (policy.resume_rows if policy is not None else 0), page_size=page_size,
+                         device=dev)
+    gen = torch.Generator(device=dev).manual_seed(spec.seed) if spec.temperature > 0 else None
+    root, last_logits, g = _spec_prefill(target, drafter, prompts, spec.temperature, gen, aux_ids, tkv, dkv, timer,
+                                         g_ops, prefill_cache, glue, start)
+    prefill_seconds, prefill_times = _elapsed(start, dev), dict(timer.times)
     check = None if wiring_check is None else CheckRun(wiring_check, aux_ids, drafter.cfg.aux_ids,
                                                         target.cfg.num_layers, spec, dev)
-
-    def verify_fwd(tokens, positions, mask):
-        return target.forward(tokens, positions, tkv, mask, aux, aux_ids)
-
-    def draft_fwd(tok, hidden, positions, mask):
-        return drafter.forward(tok, hidden, positions, dkv, mask)
-
-    def fc_rows(rows):
-        return g_ops.project(drafter, aux, rows)
-
-    def catch_up_fwd(tok, hidden, positions):
-        return drafter.forward(tok, hidden, positions, dkv, chainN)
-
-    # what a graph's warm-up calls must leave as they found it: besides the loop's state, the drafter's own (an
-    # oracle's call count, say)
-    drafter_state = list(getattr(drafter, "graph_state", lambda: [])())
-    if graphs == "steps":
-        pool = new_pool(dev)
-        verify_fwd, fc_rows = StepGraph(verify_fwd, pool), StepGraph(fc_rows, pool)
-        draft_fwd = StepGraph(draft_fwd, pool, state=drafter_state)
-        catch_up_fwd = StepGraph(catch_up_fwd, pool, state=drafter_state)
-    round_events: list = []  # round mode with an events timer: the round's span, per replay
-    timers = [timer]  # [the timer one_round uses]: none while a round graph warms up
-
-    def one_round():
-        """One round; every piece of state it carries to the next is updated in place."""
-        timer = timers[0]
-        if (graphs == "round" and timer.enabled and timer.mode == "events" and dev.type == "cuda"
-                and torch.cuda.is_current_stream_capturing()):
-            timer.new_graph()
-            round_events[:] = [torch.cuda.Event(enable_timing=True, external=True) for _ in range(2)]
-            round_events[0].record()
-        # 3-4. draft, build the tree, verify with capture
-        cand = _draft_candidates(draft_fwd, last_logits, g, dkv.prefix_lens, spec, timer, drafter.to_target_ids,
-                                 drafting)
-        with timer("build_tree"):
-            tokens, parents, positions, mask = g_ops.build_tree(root, *cand, tkv.prefix_lens, num_nodes=N)
-        with timer("target"):
-            logits = verify_fwd(tokens, positions, mask)
-        with timer("verify"):
-            if spec.temperature == 0:
-                accept_nodes, accept_len, emitted = g_ops.verify_greedy(logits, tokens, parents)
-            else:
-                accept_nodes, accept_len, emitted = ops.verify_sampling(logits, None, None, tokens, parents,
-                                                                        temperature, seed, offset)
-                offset.add_(1)
-        if check is not None:  # before accept_update: count still says which requests this round served
-            with timer("check"):
-                check.observe(cand[1], accept_len, count < max_new)
-        # 5. accept: compact the target's KV, emit, freeze finished requests (fused.accept_update says how)
-        with timer("kv_accept"):
-            g_ops.kv_accept(tkv.caches, tkv.page_table, tkv.prefix_lens, accept_nodes, accept_len)
-        fused.accept_update(accept_nodes, accept_len, emitted, count, out, hist, root, tkv.prefix_lens,
-                            dkv.prefix_lens, max_new, cu_rows, cu_tokens, cu_positions, cu_step)
-        # 6. catch-up: the drafter re-reads the accepted tokens with the target's features
-        with timer("fc"):
-            hidden = fc_rows(cu_rows)
-        with timer("draft"):
-            logits, hidden = catch_up_fwd(cu_tokens, hidden, cu_positions)
-        fused.accept_finish(logits, hidden, last_logits, g, cu_step, dkv.prefix_lens)
-        if round_events and torch.cuda.is_current_stream_capturing():
-            round_events[1].record()
-
+    loop = _Loop(target, drafter, g_ops, aux_ids, tkv, dkv, max_new, N, root, last_logits, g, spec, graphs, timer,
+                 check)
+    if policy is not None:
+        return policy.run(loop, shapes, spec, start, prefill_seconds, prefill_times, progress)
+    one_round, step_graphs = loop.round_fn(spec)
     run_round = one_round
     if graphs == "round":
         if timer.enabled and timer.mode == "fence" and dev.type == "cuda":
             raise ValueError("a fenced Timer cannot time inside a round graph: use graphs='steps'")
-        run_round = RoundGraph(one_round, [out, count, hist, root, last_logits, g, offset, tkv.prefix_lens,
-                                           dkv.prefix_lens] + drafter_state + (check.state() if check else []),
-                               new_pool(dev),
-                               on_warmup=lambda on: timers.__setitem__(0, Timer(enabled=False) if on else timer))
+        run_round = RoundGraph(one_round, loop.state() + (check.state() if check else []), loop.pool,
+                               on_warmup=loop.on_warmup)
     # The stop test syncs the host, which then waits for the round to finish before it launches the next one
     # (and the device idles while it does). No request can be done before `first_test` rounds (a round emits at
     # most min(N, steps + 1) tokens a request), so the test starts there: until then the host launches round
     # r + 1 while the device runs round r, and at full acceptance the rounds run back to back.
     first_test = -(-(max_new - 1) // min(N, spec.steps + 1))
-    rounds, round_seconds = 0, 0.0
+    rounds, round_seconds, count, round_events = 0, 0.0, loop.count, loop.round_events
     bar = _progress(progress, max_new, "speculative")
     while rounds < first_test or bool((count < max_new).any()):  # the host sync, from round first_test on
         rounds += 1
@@ -627,11 +700,13 @@ def _generate_speculative(target, drafter, prompts, max_new, spec, aux_ids, page
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start
     if graphs == "steps":
-        setup = _setup_seconds(timer, dict(target=[verify_fwd], draft=[draft_fwd, catch_up_fwd], fc=[fc_rows]))
+        setup = _setup_seconds(timer, step_graphs)
     else:
         setup = run_round.setup_seconds if graphs == "round" else 0.0
-    stats = DecodeStats(tokens=B * max_new, seconds=seconds, rounds=rounds, accept_hist=hist.tolist(),
+    stats = DecodeStats(tokens=B * max_new, seconds=seconds, rounds=rounds, accept_hist=loop.hist.tolist(),
                         times=dict(timer.times), prefill_seconds=prefill_seconds,
                         prefill_times=prefill_times, batch=B, setup_seconds=setup, round_seconds=round_seconds,
                         wiring=check.finish(rounds) if check is not None else None)
-    return out[:, :max_new], stats
+    steps_run = sum(stats.accept_hist)
+    stats.drafted, stats.accepted = steps_run * (N - 1), sum(k * c for k, c in enumerate(stats.accept_hist)) - steps_run
+    return loop.out[:, :max_new], stats

@@ -107,20 +107,23 @@ class RoundGraph:
     write scratch memory that the next real round overwrites before it reads it (the caches' rows past
     prefix_lens). Every call is one round.
 
-    The first call warms fn up on a side stream with ``state`` saved before and restored after (so the
-    warm-up rounds leave the decode where it was), captures it, then replays it; that time is
-    setup_seconds. On the CPU the first call runs the same warm-up and restore (its time the setup_seconds),
-    then every call runs fn eagerly, so the CPU tests check that the warm-up leaves no trace.
+    prepare() (the first call makes it) warms fn up on a side stream with ``state`` saved before and restored
+    after (so the warm-up rounds leave the decode where it was), then captures it; that time is
+    setup_seconds. On the CPU, or with capture=False (an eager round that still wants the same seam: the
+    adaptive loop's eager mode), prepare runs the same warm-up and restore, then every call runs fn eagerly,
+    so the CPU tests check that the warm-up leaves no trace. prepares counts prepare()'s calls (1 at most: a
+    graph is captured once, whatever the rounds around it replay).
     """
 
     def __init__(self, fn: Callable[[], None], state: list, pool=None, warmup: int = 2,
-                 on_warmup: Optional[Callable[[bool], None]] = None):
-        self.fn, self.state, self.pool, self.warmup = fn, state, pool, warmup
+                 on_warmup: Optional[Callable[[bool], None]] = None, capture: bool = True):
+        self.fn, self.state, self.pool, self.warmup, self.capture = fn, state, pool, warmup, capture
         self.on_warmup = on_warmup  # called with True before the warm-up rounds, False after (e.g. timers off)
         self.graph: Optional[torch.cuda.CUDAGraph] = None
         self.ready = False
         self.setup_seconds = 0.0
         self.replays = 0
+        self.prepares = 0
 
     def _warm(self) -> None:
         if self.on_warmup:
@@ -131,32 +134,63 @@ class RoundGraph:
             if self.on_warmup:
                 self.on_warmup(False)
 
-    def __call__(self) -> None:
-        cuda = self.state[0].is_cuda
-        if not self.ready:
-            if cuda:
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                stream = torch.cuda.Stream()
-                stream.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(stream):
-                    self._warm()
-                torch.cuda.current_stream().wait_stream(stream)
-                self.graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(self.graph, pool=self.pool):
-                    self.fn()
-                torch.cuda.synchronize()
-                self.setup_seconds = time.perf_counter() - t0
-            else:
-                t0 = time.perf_counter()
+    def prepare(self) -> None:
+        """Warm up and (on CUDA) capture, once; runs no round."""
+        if self.ready:
+            return
+        self.prepares += 1
+        if self.state[0].is_cuda and self.capture:
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
                 self._warm()
-                self.setup_seconds = time.perf_counter() - t0
-            self.ready = True
+            torch.cuda.current_stream().wait_stream(stream)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph, pool=self.pool):
+                self.fn()
+            torch.cuda.synchronize()
+            self.setup_seconds = time.perf_counter() - t0
+        else:
+            t0 = time.perf_counter()
+            self._warm()
+            self.setup_seconds = time.perf_counter() - t0
+        self.ready = True
+
+    def __call__(self) -> None:
+        self.prepare()
         if self.graph is not None:
             self.graph.replay()
             self.replays += 1
         else:
             self.fn()
+
+    def measure(self, reps: int = 5) -> float:
+        """Median seconds of one round (a replay, or the eager round), timed `reps` times after prepare(), with
+        ``state`` saved before and restored after (the decode is left where it was); the device is drained
+        around each round. Not counted in replays."""
+        self.prepare()
+        cuda = self.state[0].is_cuda
+        saved = [s.clone() for s in self.state]
+        times = []
+        if self.on_warmup:
+            self.on_warmup(True)
+        try:
+            for _ in range(reps):
+                if cuda:
+                    torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                self.graph.replay() if self.graph is not None else self.fn()
+                if cuda:
+                    torch.cuda.synchronize()
+                times.append(time.perf_counter() - t0)
+        finally:
+            for s, v in zip(self.state, saved):
+                s.copy_(v)
+            if self.on_warmup:
+                self.on_warmup(False)
+        return sorted(times)[len(times) // 2]
 
 
 def new_pool(device) -> Optional[object]:

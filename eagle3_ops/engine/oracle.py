@@ -130,4 +130,29 @@ class OracleDrafter:
         return logits
 
 
-__all__ = ["OracleDrafter"]
+def acceptance_length(p: float, steps: int = 3) -> float:
+    """The oracle's expected acceptance length (tokens a round emits, accepted drafts + 1) for a chain of
+    `steps` drafts under greedy verification: L(p) = 1 + p + p^2 + ... + p^steps = (1 - p^(steps + 1)) / (1 - p).
+    Its accept rate as SGLang and vLLM report it (accepted drafts / drafted tokens) is (L - 1) / steps."""
+    if not 0.0 <= p <= 1.0 or steps < 1:
+        raise ValueError(f"need p in [0, 1] and steps >= 1, got p={p}, steps={steps}")
+    return 1.0 + sum(p ** s for s in range(1, steps + 1))
+
+
+def p_for_acceptance_length(length: float, steps: int = 3) -> float:
+    """The p at which the oracle's chain of `steps` drafts has acceptance length `length` (the inverse of
+    acceptance_length: L(p) rises strictly from 1 at p = 0 to steps + 1 at p = 1, so the root is unique; found
+    by bisection to 1e-12). The seed deployment's "acceptance ~47%" at 3 steps is L = 1 + 3 x 0.47 = 2.41,
+    p ~ 0.70, not p = 0.47."""
+    if not 1.0 <= length <= steps + 1:
+        raise ValueError(f"an acceptance length of a {steps}-draft chain is in [1, {steps + 1}], got {length}")
+    if length in (1.0, steps + 1.0):
+        return 0.0 if length == 1.0 else 1.0
+    lo, hi = 0.0, 1.0
+    while hi - lo > 1e-12:
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if acceptance_length(mid, steps) < length else (lo, mid)
+    return (lo + hi) / 2
+
+
+__all__ = ["OracleDrafter", "acceptance_length", "p_for_acceptance_length"]
