@@ -393,47 +393,56 @@ def adaptive_rows(args, target, drafter, prompts, reference, plain, profile, ful
     V, glue, rows = target.cfg.vocab_size, args.glue[0], []
     spec = SpecConfig()  # the temperature (greedy) and seed; the shapes are the policy's
 
-    def run(ref, p, n):
+    def run(ref, p, n, costs=None):
         oracle = OracleDrafter(drafter, torch.cat([prompts, ref], 1), p, V, start=prefix - 1)
         return generate_speculative(target, oracle, prompts, n, spec, glue=glue, graphs=args.graphs,
-                                    prefill_cache=cache, policy=AdaptivePolicy(ADAPTIVE_STEPS))
+                                    prefill_cache=cache, policy=AdaptivePolicy(ADAPTIVE_STEPS, costs=costs))
+
+    def forward_key(name):  # the target forward a round of this decision runs
+        return "decode" if name == "plain" else f"verify_{int(name.split('/')[2])}"
+
+    def full_delta_s(name):  # the full model's forward less the slice's, a round of this decision
+        key = forward_key(name)
+        return (_full_forward_ms(profile[key], full_cfg) - profile[key]["forward_ms"]) / 1e3
 
     run(reference, max(args.p), min(12, args.max_new))  # warm-up at these shapes (compilations, allocator)
-    ref = reference
+    plain_step = _full_forward_ms(profile["decode"], full_cfg)
     for p in sorted(args.p, reverse=True):
+        ref = reference
         for passes in range(1, max(args.fixpoint, 1) + 1):
             out, st = run(ref, p, args.max_new)
             converged = bool(torch.equal(out, ref))
             if converged or passes >= max(args.fixpoint, 1):
                 break
             ref = out
-        decode_s = st.seconds - st.prefill_seconds - st.setup_seconds
-        shapes = {k: v for k, v in st.decisions.items()}
-        extra = 0.0  # the full model's forwards less the slice's, over the decisions
-        for name, c in shapes.items():
-            key = "decode" if name == "plain" else f"verify_{int(name.split('/')[2])}"
-            extra += c * (_full_forward_ms(profile[key], full_cfg) - profile[key]["forward_ms"]) / 1e3
-        plain_step = _full_forward_ms(profile["decode"], full_cfg)
-        full_s = decode_s + extra
-        row = dict(batch=B, prefix=prefix, spec="adaptive", p=p, accept_length_target=args.lengths.get(p),
-                   glue=glue, drafter="ORACLE", plain_tok_s=plain.decode_tokens_per_s, spec_tok_s=st.decode_tokens_per_s,
-                   speedup=st.decode_tokens_per_s / max(plain.decode_tokens_per_s, 1e-12),
-                   accept_len=st.acceptance_length, accept_rate=st.accept_rate, rounds=st.rounds,
-                   step_ms=decode_s / max(st.rounds, 1) * 1e3, graph_setup_ms=st.setup_seconds * 1e3,
-                   identical=bool(torch.equal(out, reference)), first_diff=_first_diff(out, reference),
-                   oracle_reference="plain" if ref is reference else "the run's own output", fixpoint_passes=passes,
-                   matches_oracle_reference=converged, decisions=st.decisions, resumes=st.resumes,
-                   costs_ms={k: v * 1e3 for k, v in st.costs.items()}, graph_memory_bytes=st.graph_memory,
-                   graph_prepares=st.graph_prepares, forward_profile=profile,
-                   extrapolated=dict(layers=full_cfg.num_layers, plain_step_ms=plain_step,
-                                     plain_tok_s=B / plain_step * 1e3,
-                                     spec_tok_s=(st.tokens - B) / full_s if full_s > 0 else 0.0,
-                                     speedup=((st.tokens - B) / full_s) / (B / plain_step * 1e3) if full_s > 0 else 0.0))
-        rows.append(row)
-        print(f"  adaptive     p {p:<6.4f} glue {glue:<6} {row['spec_tok_s']:8.1f} tok/s {row['speedup']:5.2f}x  accept "
-              f"{row['accept_len']:.2f} (rate {row['accept_rate']:.3f})  identical {'yes' if row['identical'] else 'NO'}"
-              f"  decisions {st.decisions}  resumes {st.resumes}  graphs {st.graph_memory / 2**20:.0f} MiB  "
-              f"EXTRAPOLATED {row['extrapolated']['speedup']:.2f}x", flush=True)
+        variants = [("adaptive", out, st)]
+        if args.full_costs:  # the decisions it would make on the full model: the cost table's forwards scaled
+            full = {k: v + (full_delta_s(k) if k != "resume" else 0.0) for k, v in st.costs.items()}
+            o2, s2 = run(ref, p, args.max_new, costs=full)
+            variants.append((f"adaptive, {full_cfg.num_layers}-layer costs", o2, s2))
+        for name, o, r in variants:
+            decode_s = r.seconds - r.prefill_seconds - r.setup_seconds
+            full_s = decode_s + sum(c * full_delta_s(k) for k, c in r.decisions.items())
+            full_tok_s = (r.tokens - B) / full_s if full_s > 0 else 0.0
+            row = dict(batch=B, prefix=prefix, spec=name, p=p, accept_length_target=args.lengths.get(p),
+                       glue=glue, drafter="ORACLE", plain_tok_s=plain.decode_tokens_per_s,
+                       spec_tok_s=r.decode_tokens_per_s,
+                       speedup=r.decode_tokens_per_s / max(plain.decode_tokens_per_s, 1e-12),
+                       accept_len=r.acceptance_length, accept_rate=r.accept_rate, rounds=r.rounds,
+                       step_ms=decode_s / max(r.rounds, 1) * 1e3, graph_setup_ms=r.setup_seconds * 1e3,
+                       identical=bool(torch.equal(o, reference)), first_diff=_first_diff(o, reference),
+                       oracle_reference="plain" if ref is reference else "the run's own output",
+                       fixpoint_passes=passes, matches_oracle_reference=converged, decisions=r.decisions,
+                       resumes=r.resumes, costs_ms={k: v * 1e3 for k, v in r.costs.items()},
+                       graph_memory_bytes=r.graph_memory, graph_prepares=r.graph_prepares, forward_profile=profile,
+                       extrapolated=dict(layers=full_cfg.num_layers, plain_step_ms=plain_step,
+                                         plain_tok_s=B / plain_step * 1e3, spec_tok_s=full_tok_s,
+                                         speedup=full_tok_s / (B / plain_step * 1e3)))
+            rows.append(row)
+            print(f"  {name:<12} p {p:<6.4f} glue {glue:<6} {row['spec_tok_s']:8.1f} tok/s {row['speedup']:5.2f}x  "
+                  f"accept {row['accept_len']:.2f} (rate {row['accept_rate']:.3f})  identical "
+                  f"{'yes' if row['identical'] else 'NO'}  decisions {r.decisions}  resumes {r.resumes}  graphs "
+                  f"{r.graph_memory / 2**20:.0f} MiB  EXTRAPOLATED {row['extrapolated']['speedup']:.2f}x", flush=True)
     return rows
 
 
@@ -545,23 +554,26 @@ def policy_table(rows: list[dict]) -> str:
     lines = [head, "|" + "---|" * (8 + len(specs))]
     for key in sorted({(r["batch"], r["prefix"], r["p"]) for r in ours}):
         at = {r["spec"]: r for r in ours if (r["batch"], r["prefix"], r["p"]) == key}
-        a = at.get("adaptive")
-        if a is None:
-            continue
-        fixed = [at[k] for k in specs if k in at]
-        best = max(fixed, key=lambda r: r["spec_tok_s"]) if fixed else None
-        best_x = max(fixed, key=lambda r: r["extrapolated"]["spec_tok_s"]) if fixed else None
-        L = a.get("accept_length_target")
-        cells = [f"{at[k]['spec_tok_s']:.1f}, {at[k]['accept_len']:.2f}, {at[k]['accept_rate']:.3f}" if k in at else "-"
-                 for k in specs]
-        ext = a["extrapolated"]
-        vs_best = f"{a['spec_tok_s'] / best['spec_tok_s']:.3f} ({best['spec']})" if best else "-"
-        vs_best_x = f"{ext['spec_tok_s'] / best_x['extrapolated']['spec_tok_s']:.3f}" if best_x else "-"
-        lines.append(f"| {key[0]} | {key[1]} | {'-' if L is None else f'{L:g}'} ({key[2]:.4f}) | {a['plain_tok_s']:.1f} | "
-                     + " | ".join(cells) + f" | {a['spec_tok_s']:.1f}, {a['accept_len']:.2f}, {a['accept_rate']:.3f} | "
-                     f"{a['speedup']:.3f} | {vs_best} | {ext['speedup']:.3f}, {vs_best_x} | "
-                     + ", ".join(f"{k} {v}" for k, v in sorted(a["decisions"].items())) + " |")
+        for a in [r for name, r in at.items() if name.startswith("adaptive")]:
+            lines.append(_policy_line(key, a, at, specs))
     return "\n".join(lines)
+
+
+def _policy_line(key, a: dict, at: dict, specs: list) -> str:
+    """One adaptive row of policy_table, against the fixed rows at its batch, prefix and p."""
+    fixed = [at[k] for k in specs if k in at]
+    best = max(fixed, key=lambda r: r["spec_tok_s"]) if fixed else None
+    best_x = max(fixed, key=lambda r: r["extrapolated"]["spec_tok_s"]) if fixed else None
+    L = a.get("accept_length_target")
+    cells = [f"{at[k]['spec_tok_s']:.1f}, {at[k]['accept_len']:.2f}, {at[k]['accept_rate']:.3f}" if k in at else "-"
+             for k in specs]
+    ext = a["extrapolated"]
+    vs_best = f"{a['spec_tok_s'] / best['spec_tok_s']:.3f} ({best['spec']})" if best else "-"
+    vs_best_x = f"{ext['spec_tok_s'] / best_x['extrapolated']['spec_tok_s']:.3f}" if best_x else "-"
+    return (f"| {key[0]} | {key[1]} | {'-' if L is None else f'{L:g}'} ({key[2]:.4f}) | {a['plain_tok_s']:.1f} | "
+            + " | ".join(cells) + f" | {a['spec']}: {a['spec_tok_s']:.1f}, {a['accept_len']:.2f}, "
+            f"{a['accept_rate']:.3f} | {a['speedup']:.3f} | {vs_best} | {ext['speedup']:.3f}, {vs_best_x} | "
+            + ", ".join(f"{k} {v}" for k, v in sorted(a["decisions"].items())) + " |")
 
 
 def plot(path: str) -> str:
@@ -618,6 +630,9 @@ def main(argv=None) -> int:
                          f"(1 + p + ... + p^{REFERENCE_STEPS} = L, a chain of {REFERENCE_STEPS} drafts; L in "
                          f"[1, {REFERENCE_STEPS + 1}])")
     ap.add_argument("--spec", nargs="+", default=DEFAULT_SPECS, choices=list(SPECS))
+    ap.add_argument("--full-costs", action="store_true",
+                    help="adaptive: also a run whose cost table is the measured one with each forward scaled to --full "
+                         "(the decisions it would make on the full model; its EXTRAPOLATED column is the figure)")
     ap.add_argument("--policy", nargs="+", default=["fixed"], choices=["fixed", "adaptive"],
                     help="fixed: a row per --spec; adaptive: a row per p with the adaptive policy (engine/policy.py: "
                          "chains of 1-5 drafts or plain decoding, each round; our glue), and the policy table")

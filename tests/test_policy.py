@@ -206,3 +206,29 @@ def test_oracle_reaches_the_calibrated_acceptance_length():
             acc += 1
         total, i, rounds = total + acc + 1, i + acc + 1, rounds + 1
     assert total / rounds == pytest.approx(L, abs=0.08)
+
+
+@pytest.mark.gpu
+def test_gpu_policy_graphs_match_the_eager_loop():
+    """On CUDA (bf16, the shipped pair): the scripted decisions replayed from captured round graphs (plain, resume
+    and every chain, each captured once) give the eager loop's tokens; the graphs' memory is reported; the
+    adaptive policy runs through the pinned snapshots and events."""
+    from eagle3_ops import data
+    from eagle3_ops.cli import _load_pair
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU (run with -m gpu on the H200)")
+    target, drafter, _ = _load_pair("byte-small", "cuda", torch.bfloat16)
+    enc = [data.encode(p) for p in data.load_heldout_prompts()[:4]]
+    n = min(len(e) for e in enc)
+    prompts = torch.stack([e[-n:] for e in enc]).cuda()
+    script = SCRIPTS["switch"] + SCRIPTS["plain-and-back"]
+    eager, _ = generate_speculative(target, drafter, prompts, 48, SpecConfig(), policy=Scripted(script, resume_rows=3))
+    graphed, st = generate_speculative(target, drafter, prompts, 48, SpecConfig(), graphs=True,
+                                       policy=Scripted(script, resume_rows=3))
+    assert torch.equal(eager, graphed)
+    assert set(st.graph_prepares.values()) == {1} and len(st.graph_prepares) == 7 and st.graph_memory > 0
+    # (in bf16 another shape's verify GEMMs can flip a near-tie, so the adaptive run is held to its own decisions)
+    adaptive, st = generate_speculative(target, drafter, prompts, 48, SpecConfig(), graphs=True,
+                                        policy=AdaptivePolicy())
+    assert sum(st.decisions.values()) == st.rounds and ((adaptive >= 0) & (adaptive < 256)).all()

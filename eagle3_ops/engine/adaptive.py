@@ -7,8 +7,8 @@ replayed, whatever the sequence of decisions (RoundGraph.prepares stays 1):
 - one speculative round per candidate shape (decode._Loop.round_fn: drafting, build_tree, verify forward,
   verify, kv_accept, bookkeeping, the drafter's catch-up), each with its own [B, N] buffers;
 - the plain round: the target's forward on the root alone with capture, verify at N = 1 (verify_greedy's
-  argmax, or verify_sampling's sample at the temperature: the same pick as plain decoding), kv_accept and the
-  bookkeeping; the drafter does not run: the token and its target features are kept in a pending buffer
+  argmax, or verify_sampling's sample at the temperature: the same pick as plain decoding), the prefix advanced
+  by one (kv_accept's effect at N = 1) and the bookkeeping; the drafter does not run: the token and its target features are kept in a pending buffer
   ([B, R] tokens, [B, R, n_aux * H] features) and ``lag`` counts them;
 - the resume: the drafter's catch-up on the pending rows (fc over the R rows, one drafter forward of R rows,
   the last pending row's logits and hidden state kept: fused.accept_finish with step = lag), before the first
@@ -73,7 +73,7 @@ class _PolicyGraphs:
             root1.copy_(loop.root[:, None])
             logits = target.forward(root1, tkv.prefix_lens[:, None].long(), tkv, mask1, aux1, aux_ids)
             accept_nodes, accept_len, emitted = loop.verify(logits, root1, parents1, spec)
-            g_ops.kv_accept(tkv.caches, tkv.page_table, tkv.prefix_lens, accept_nodes, accept_len)
+            tkv.prefix_lens.add_(1)  # kv_accept at N = 1: node 0 stays where it is, the prefix grows by one
             fused.accept_update(accept_nodes, accept_len, emitted, loop.count, loop.out, hist1, loop.root,
                                 tkv.prefix_lens, dkv.prefix_lens, loop.max_new, cu_rows1, cu_tok1, cu_pos1, cu_step1)
             # the drafter's pair for this position (EAGLE-3's shift: the emitted token with the root's features),
@@ -126,7 +126,7 @@ def run_policy(loop, policy, shapes, spec, start, prefill_seconds, prefill_times
     policy.start(B, costs, shapes)
     by_label = {label(s): s for s in shapes}
     setup = time.perf_counter() - t0
-    ring = [torch.zeros_like(pg.snap, device="cpu", pin_memory=cuda) for _ in range(3)]
+    ring = [torch.zeros(pg.snap.shape, dtype=pg.snap.dtype, pin_memory=cuda) for _ in range(3)]
     inflight: deque = deque()  # (spec or None, resumed, host buffer, event)
     count, decisions, rounds, resumes, lag = [1] * B, Counter(), 0, 0, 0
     drafted = accepted = 0

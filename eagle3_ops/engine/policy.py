@@ -61,7 +61,7 @@ class Policy:
     outcome; choose(active, lag): the next round's shape, None for a plain decode step. resume_rows: plain
     rounds after which the drafter must catch up (the pending features' buffer, R rows a request)."""
 
-    resume_rows = 32
+    resume_rows = 64
 
     def run(self, loop, shapes, spec, start, prefill_seconds, prefill_times, progress):
         """generate_speculative's rounds under this policy (engine/adaptive.run_policy)."""
@@ -104,7 +104,7 @@ class AdaptivePolicy(Policy):
     """
 
     def __init__(self, steps: Sequence[int] = (1, 2, 3, 4, 5), prior: float = 1.0, prior_weight: float = 1.0,
-                 forget: float = 0.995, resume_rows: int = 32, costs: Optional[dict] = None):
+                 forget: float = 0.995, resume_rows: int = 64, costs: Optional[dict] = None):
         if not steps or min(steps) < 1:
             raise ValueError(f"steps must be chain lengths >= 1, got {list(steps)}")
         if not (0 < prior <= 1 and prior_weight > 0 and 0 < forget <= 1 and resume_rows >= 1):
