@@ -417,7 +417,7 @@ def adaptive_rows(args, target, drafter, prompts, reference, plain, profile, ful
             ref = out
         variants = [("adaptive", out, st)]
         if args.full_costs:  # the decisions it would make on the full model: the cost table's forwards scaled
-            full = {k: v + (full_delta_s(k) if k != "resume" else 0.0) for k, v in st.costs.items()}
+            full = {k: v + (0.0 if k.startswith("resume") else full_delta_s(k)) for k, v in st.costs.items()}
             o2, s2 = run(ref, p, args.max_new, costs=full)
             variants.append((f"adaptive, {full_cfg.num_layers}-layer costs", o2, s2))
         for name, o, r in variants:
@@ -459,7 +459,7 @@ def _table(rows: list[dict]) -> str:
             "EXTRAPOLATED full model: plain / spec tok/s |")
     lines = [head, "|" + "---|" * 14]
     for r in rows:
-        if r["spec"] == "adaptive":
+        if r["spec"].startswith("adaptive"):
             continue  # (policy_table)
         t = r["timed_step_ms"]
         parts = " / ".join(f"{t.get(k, 0.0):.2f}" for k in ("target", "draft", "fc", "build_tree", "verify",

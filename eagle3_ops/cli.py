@@ -437,7 +437,10 @@ def _decision_table(stats) -> str:
     """A policy run's decisions: rounds per shape, as a histogram, with the cost table it chose from."""
     total = sum(stats.decisions.values()) or 1
     lines = [f"  decisions over {total} rounds (steps/topk/tokens; the cost table measured at start-up), "
-             f"{stats.resumes} drafter catch-ups after plain rounds ({stats.costs.get('resume', 0) * 1e3:.2f} ms each):"]
+             f"{stats.resumes} drafter catch-ups after plain rounds ("
+             + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in stats.costs.items() if k.startswith("resume")) + ")"
+             + (f"; its {len(stats.graph_prepares)} CUDA graphs, each captured once, took "
+                f"{stats.graph_memory / 2**20:.0f} MiB" if stats.graph_memory else "") + ":"]
     for name in sorted(stats.decisions, key=lambda k: (k != "plain", k)):
         c = stats.decisions[name]
         lines.append(f"  {name:<8} {c:6d}  {stats.costs.get(name, 0) * 1e3:8.2f} ms  {'#' * round(40 * c / total)}")

@@ -48,3 +48,26 @@ def test_step_floor_bytes_counts_weights_experts_and_caches():
     assert E > 0 and abs(a["plain"] - (dense + routed * (1 - (1 - k / E)) )) < 1
     assert b["plain"] - a["plain"] == cfg.num_layers * 100 * cfg.kv_dim * target.lm_head.weight.element_size()
     assert a["plain"] < a["spec"] < c["spec"]
+
+
+def test_bench_e2e_policy_rows_and_table(tmp_path, capsys):
+    """--policy fixed adaptive with --accept-length: an adaptive row (and one with the full model's costs) per
+    length, lossless, with its decisions, cost table and accept rate; the policy table states both acceptance
+    figures."""
+    import bench_e2e
+
+    path = tmp_path / "e2e.json"
+    rc = bench_e2e.main(["--preset", "tiny", "--device", "cpu", "--dtype", "float32", "--batch", "1", "--prefix", "10",
+                         "--accept-length", "1.0", "4.0", "--spec", "chain 3/1/4", "--glue", "eagle3", "--max-new", "12",
+                         "--policy", "fixed", "adaptive", "--full-costs", "--json", str(path)])
+    assert rc == 0
+    rows = json.loads(path.read_text())["rows"]
+    adaptive = [r for r in rows if r["spec"].startswith("adaptive")]
+    assert len(adaptive) == 4 and {r["accept_length_target"] for r in rows} == {1.0, 4.0}
+    for r in adaptive:
+        assert r["identical"] and sum(r["decisions"].values()) == r["rounds"]
+        assert set(r["costs_ms"]) == {"plain", "resume/8", "resume/64", "1/1/2", "2/1/3", "3/1/4", "4/1/5", "5/1/6"}
+        assert set(r["graph_prepares"].values()) == {1}
+        assert r["accept_rate"] == (0.0 if r["p"] == 0.0 else r["accept_rate"])
+    out = capsys.readouterr().out
+    assert "adaptive / best fixed" in out and "chain 3/1/4: tok/s, L, rate" in out

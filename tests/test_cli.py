@@ -49,6 +49,12 @@ MISTAKES = [  # argv, what the one line must name
     (["demo", "--temperature", "nan"], "--temperature: must be a finite number >= 0"),
     (["demo", "--oracle", "1.5"], "--oracle: must be a finite number in [0, 1], got 1.5"),
     (["demo", "--oracle", "0.9", "--temperature", "1"], "--oracle needs greedy decoding (--temperature 0)"),
+    (["demo", "--policy", "greedy"], "--policy: invalid choice: 'greedy' (choose from 'fixed', 'adaptive')"),
+    (["demo", "--accept-length", "0.5"], "--accept-length: must be a finite number >= 1, got 0.5"),
+    (["demo", "--accept-length", "4.5"], "--accept-length must be in [1, 4] for a chain of --steps 3 drafts"),
+    (["demo", "--steps", "5", "--tokens", "6", "--accept-length", "6.5"], "--accept-length must be in [1, 6]"),
+    (["demo", "--accept-length", "2.4", "--oracle", "0.7"], "--accept-length and --oracle exclude each other"),
+    (["demo", "--accept-length", "2.4", "--temperature", "1"], "--accept-length needs greedy decoding"),
     (["demo", "--seed", "-1"], "--seed: must be >= 0, got -1"),
     (["demo", "--threads", "0"], "--threads: must be >= 1, got 0"),
     (["demo", "--batch", "x"], "--batch: must be an integer >= 1, got 'x'"),
@@ -80,6 +86,17 @@ def test_usage_error_is_one_line_exit_2(argv, says, capsys, no_models):
     assert err.count("\n") == 1 and says in err, err
     assert "Traceback" not in err
     assert time.perf_counter() - t0 < 1.0, "checked before anything heavy"
+
+
+def test_demo_adaptive_policy_with_a_calibrated_oracle(capsys):
+    """demo --policy adaptive --accept-length 2.4: the oracle's p solved (0.6646), the adaptive run lossless, its
+    decisions' histogram and both acceptance figures printed."""
+    rc = cli.main(["demo", "--batch", "2", "--max-new", "12", "--policy", "adaptive", "--accept-length", "2.4"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "p = 0.6646 (acceptance length 2.4 at 3 drafts" in out
+    assert "adaptive policy:" in out and "decisions over" in out and "identical to plain greedy: yes" in out
+    assert out.count("accept rate") >= 2
 
 
 def test_with_prompt_any_batch_is_allowed(capsys):

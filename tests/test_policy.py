@@ -89,9 +89,9 @@ def test_switching_shape_never_prepares_a_graph_again(pair, monkeypatch):
                                       graphs=True)
     assert torch.equal(out, plain)
     assert len(set(policy.made)) >= 6  # every chain and plain were replayed, several times each
-    # one preparation per graph (5 chains, plain, resume), all at start-up, none after
+    # one preparation per graph (5 chains, plain, the resume: one size at R 3), all at start-up, none after
     assert len(calls) == len(set(calls)) == 7
-    assert stats.graph_prepares == {k: 1 for k in ["plain", "resume", "1/1/2", "2/1/3", "3/1/4", "4/1/5", "5/1/6"]}
+    assert stats.graph_prepares == {k: 1 for k in ["plain", "resume/3", "1/1/2", "2/1/3", "3/1/4", "4/1/5", "5/1/6"]}
 
 
 @pytest.mark.parametrize("p", [0.0, 0.5, 1.0])
@@ -100,7 +100,7 @@ def test_adaptive_policy_is_lossless_with_the_oracle(pair, p):
     oracle = OracleDrafter(drafter, torch.cat([prompts, plain], 1), p, CFG.vocab_size, start=prompts.shape[1] - 1)
     # costs as on the H200 at B 1 (ms: a verify forward ~1.7x a decode step at N 4): the decisions do not depend
     # on this machine's timings
-    costs = {"plain": 2.2, "resume": 0.8, **{f"{s}/1/{s + 1}": 2.2 + 0.5 * s + 0.8 * s for s in range(1, 6)}}
+    costs = {"plain": 2.2, "resume/8": 0.8, "resume/64": 0.9, **{f"{s}/1/{s + 1}": 2.2 + 0.5 * s + 0.8 * s for s in range(1, 6)}}
     out, stats = generate_speculative(target, oracle, prompts, plain.shape[1], SpecConfig(),
                                       policy=AdaptivePolicy(costs=costs))
     assert torch.equal(out, plain)
@@ -135,7 +135,7 @@ def test_policy_refuses_what_it_cannot_run(pair):
 def test_model_by_hand():
     """Two requests, chain costs 2.0 (plain), 3.0 (1 draft), 3.5 (2 drafts): the evidence, E_b(S), the rate."""
     pol = AdaptivePolicy(steps=(1, 2), prior=1.0, prior_weight=1.0, forget=1.0)
-    costs = {PLAIN: 2.0, "resume": 0.5, "1/1/2": 3.0, "2/1/3": 3.5}
+    costs = {PLAIN: 2.0, "resume/8": 0.5, "resume/64": 0.7, "1/1/2": 3.0, "2/1/3": 3.5}
     specs = pol.shapes(SpecConfig())
     pol.start(2, costs, specs)
     assert pol.rate(None, [True, True], 0) == 1.0 and pol.choose([True, True], 0) == specs[1]  # 6 / 3.5 > 1
@@ -151,6 +151,7 @@ def test_model_by_hand():
     e1 = pol.expected_tokens(0, 1) + pol.expected_tokens(1, 1)
     assert pol.rate(specs[0], [True, True], 0) == pytest.approx(e1 / 3.0)
     assert pol.rate(specs[0], [True, True], 2) == pytest.approx(e1 / 3.5)  # after plain rounds: the resume too
+    assert pol.rate(specs[0], [True, True], 9) == pytest.approx(e1 / 3.7)  # 9 pending rows: the 64-row resume
     assert pol.rate(specs[0], [True, False], 0) == pytest.approx(pol.expected_tokens(0, 1) / 3.0)
 
 
@@ -158,7 +159,7 @@ def test_forgetting_brings_a_failed_request_back():
     """At p = 0 the policy falls back to plain decoding, and the decaying evidence makes it probe again later."""
     pol = AdaptivePolicy(steps=(1,), forget=0.9)
     specs = pol.shapes(SpecConfig())
-    pol.start(1, {PLAIN: 1.0, "resume": 0.1, "1/1/2": 1.5}, specs)
+    pol.start(1, {PLAIN: 1.0, "resume/8": 0.1, "resume/64": 0.1, "1/1/2": 1.5}, specs)
     assert pol.choose([True], 0) == specs[0]
     pol.observe(specs[0], [True], [0], [[0.0]], None)
     for _ in range(2):

@@ -10,9 +10,10 @@ replayed, whatever the sequence of decisions (RoundGraph.prepares stays 1):
   argmax, or verify_sampling's sample at the temperature: the same pick as plain decoding), the prefix advanced
   by one (kv_accept's effect at N = 1) and the bookkeeping; the drafter does not run: the token and its target features are kept in a pending buffer
   ([B, R] tokens, [B, R, n_aux * H] features) and ``lag`` counts them;
-- the resume: the drafter's catch-up on the pending rows (fc over the R rows, one drafter forward of R rows,
-  the last pending row's logits and hidden state kept: fused.accept_finish with step = lag), before the first
-  speculative round after plain ones, or when R plain rounds are pending.
+- the resume, in two sizes r (resume_sizes: 8 rows and R): the drafter's catch-up on the pending rows (fc over
+  r rows a request, one drafter forward of r rows, the last pending row's logits and hidden state kept:
+  fused.accept_finish with step = lag), the smallest that holds the lag, before the first speculative round
+  after plain ones, or when R plain rounds are pending.
 
 Every graph ends by writing a small snapshot [B, 2 + S] float64 (count, accepted drafts, the chain's cumulative
 log-probabilities; the resume writes d_1's top-1 log-probability) that the host copies into pinned memory
@@ -40,6 +41,17 @@ from .graphs import RoundGraph
 PLAIN = "plain"
 
 COST_REPS = 5  # timed rounds per graph in the start-up cost table (the median)
+SHORT_RESUME = 8  # the small resume's rows: a short plain stretch's catch-up costs little even where rows do (CPU)
+
+
+def resume_sizes(R: int) -> list[int]:
+    """The resume graphs' row counts for a pending buffer of R rows."""
+    return sorted({min(SHORT_RESUME, R), R})
+
+
+def resume_label(lag: int, R: int) -> str:
+    """The cost table's key of the resume that catches up `lag` pending rows: the smallest that holds them."""
+    return f"resume/{next(r for r in resume_sizes(R) if r >= lag)}"
 
 
 def label(spec) -> str:
@@ -66,7 +78,7 @@ class _PolicyGraphs:
         cu_rows1, cu_step1 = torch.zeros(B, dtype=torch.int64, device=dev), torch.zeros(B, dtype=torch.int32,
                                                                                        device=dev)
         cu_tok1, cu_pos1 = (torch.zeros(B, 1, dtype=torch.int64, device=dev) for _ in range(2))
-        maskR, arangeR, arangeB = _chain_mask(B, R, dev), torch.arange(R, device=dev), torch.arange(B, device=dev)
+        arangeR, arangeB = torch.arange(R, device=dev), torch.arange(B, device=dev)
         snap, lag, hist1 = self.snap, self.lag, loop.hist[:2]
 
         def plain_round():
@@ -85,13 +97,18 @@ class _PolicyGraphs:
             snap[:, 0].copy_(loop.count)
             snap[:, 1].zero_()
 
-        def resume():
-            hidden = g_ops.project(drafter, pend_aux.view(B * R, -1))
-            positions = dkv.prefix_lens[:, None].long() + arangeR
-            logits, hidden = drafter.forward(pend_tok, hidden, positions, dkv, maskR)
-            fused.accept_finish(logits, hidden, loop.last_logits, loop.g, lag, dkv.prefix_lens)
-            lag.zero_()
-            snap[:, 2].copy_(fused.top_logprobs(loop.last_logits, 1)[0][:, 0])
+        def resume(r):
+            rows = (arangeB[:, None] * R + arangeR[:r]).view(-1)  # each request's first r pending rows
+            mask = _chain_mask(B, r, dev)
+
+            def run():
+                hidden = g_ops.project(drafter, pend_aux.view(B * R, -1), rows)
+                positions = dkv.prefix_lens[:, None].long() + arangeR[:r]
+                logits, hidden = drafter.forward(pend_tok[:, :r].contiguous(), hidden, positions, dkv, mask)
+                fused.accept_finish(logits, hidden, loop.last_logits, loop.g, lag, dkv.prefix_lens)
+                lag.zero_()
+                snap[:, 2].copy_(fused.top_logprobs(loop.last_logits, 1)[0][:, 0])
+            return run
 
         def spec_round(one_round, steps):
             def run():
@@ -107,7 +124,9 @@ class _PolicyGraphs:
         def graph(fn):
             return RoundGraph(fn, state, loop.pool, on_warmup=loop.on_warmup, capture=capture)
 
-        self.graphs = {PLAIN: graph(plain_round), "resume": graph(resume)}
+        self.graphs = {PLAIN: graph(plain_round)}
+        for r in resume_sizes(R):
+            self.graphs[f"resume/{r}"] = graph(resume(r))
         for s in shapes:
             self.graphs[label(s)] = graph(spec_round(loop.round_fn(s)[0], s.steps))
 
@@ -124,7 +143,6 @@ def run_policy(loop, policy, shapes, spec, start, prefill_seconds, prefill_times
     graph_memory = torch.cuda.memory_reserved(dev) - reserved if cuda else 0
     costs = {name: g.measure(COST_REPS) for name, g in pg.graphs.items()}
     policy.start(B, costs, shapes)
-    by_label = {label(s): s for s in shapes}
     setup = time.perf_counter() - t0
     ring = [torch.zeros(pg.snap.shape, dtype=pg.snap.dtype, pin_memory=cuda) for _ in range(3)]
     inflight: deque = deque()  # (spec or None, resumed, host buffer, event)
@@ -158,7 +176,7 @@ def run_policy(loop, policy, shapes, spec, start, prefill_seconds, prefill_times
         s = policy.choose([c < max_new for c in count], lag)
         resumed = bool(lag) and (s is not None or lag >= R)
         if resumed:
-            pg.graphs["resume"]()
+            pg.graphs[resume_label(lag, R)]()
             resumes, lag = resumes + 1, 0
         pg.graphs[label(s)]()
         lag += s is None
@@ -192,4 +210,4 @@ def run_policy(loop, policy, shapes, spec, start, prefill_seconds, prefill_times
     return loop.out[:, :max_new], stats
 
 
-__all__ = ["PLAIN", "label", "run_policy"]
+__all__ = ["PLAIN", "label", "resume_label", "resume_sizes", "run_policy"]

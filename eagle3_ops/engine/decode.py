@@ -16,7 +16,9 @@ Shapes are static within a round (N verify tokens, (steps - 1) * topk draft-bloc
 rows); finished requests are frozen rather than removed. The host syncs are the loop's stopping test
 between rounds (none before the first round any request could finish in), one after the prefill (its
 time, DecodeStats.prefill_seconds), and the optional timer's; the optional wiring check adds none
-(engine/wiring_check.py).
+(engine/wiring_check.py). With a policy (engine/policy.py) each round's shape is chosen between rounds,
+plain decode steps included, and the rounds run in engine/adaptive.py: every shape's round is _Loop.round_fn's
+over the same state.
 """
 
 from __future__ import annotations
@@ -83,7 +85,7 @@ class DecodeStats:
     drafted: int = 0
     accepted: int = 0
     # a policy's run (policy=...): rounds per decision ("plain", "3/1/4" = steps/topk/tokens), the drafter's
-    # catch-ups after plain rounds ("resume"), the cost table it chose from (seconds a round per decision), the
+    # catch-ups after plain rounds ("resume/r"), the cost table it chose from (seconds a round per decision), the
     # device memory its graphs took (bytes reserved, CUDA graphs only), and how often each graph was prepared
     # (warmed up and captured: once)
     decisions: dict = field(default_factory=dict)

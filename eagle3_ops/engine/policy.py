@@ -26,8 +26,9 @@ AdaptivePolicy's model, per request b and draft depth j (a chain drafts one toke
   it relaxes halfway to m_bj, so one low reading does not keep a request in plain decoding until the next
   resume reads d_1 again.
 - T, the cost table run_policy measures at start-up: one round of each shape, the plain round and the
-  drafter's catch-up after plain rounds ("resume"), each replayed from its own CUDA graph (on the CPU,
-  and eager runs, timed eagerly); a shape chosen after plain rounds pays the resume on top.
+  drafter's catch-up after plain rounds ("resume/8", "resume/R": 8 or R pending rows), each replayed from its
+  own CUDA graph (on the CPU, and eager runs, timed eagerly); a shape chosen after plain rounds pays the
+  smallest resume that holds them on top.
 
 The chosen shape is the argmax of rate over the candidates: a further draft step is taken exactly when the
 tokens it is expected to add are worth more than its cost at the rate without it (for a request b: E_b(S + 1)
@@ -47,7 +48,7 @@ import math
 from dataclasses import replace
 from typing import Optional, Sequence
 
-from .adaptive import PLAIN, label, run_policy
+from .adaptive import PLAIN, label, resume_label, run_policy
 from .decode import SpecConfig
 
 MEAN_WEIGHT = 0.2  # of a new confidence reading in its running mean
@@ -56,7 +57,7 @@ RELAX = 0.5  # a round without a reading keeps this part of the last reading's d
 
 class Policy:
     """The interface run_policy drives. shapes(spec): the candidate SpecConfigs (spec's temperature and seed);
-    start(B, costs, shapes): the cost table ({label: seconds a round}, with "resume") and the candidates run_policy
+    start(B, costs, shapes): the cost table ({label: seconds a round}, with "resume/r") and the candidates run_policy
     built a graph for (shapes(spec), in order); observe(...): one round's
     outcome; choose(active, lag): the next round's shape, None for a plain decode step. resume_rows: plain
     rounds after which the drafter must catch up (the pending features' buffer, R rows a request)."""
@@ -99,7 +100,7 @@ class AdaptivePolicy(Policy):
     resume_rows : int
         Plain rounds after which the drafter catches up on them (one drafter forward of this many rows).
     costs : dict, optional
-        {label: seconds a round} (labels "plain", "resume", "3/1/4", ...) to use instead of the table measured at
+        {label: seconds a round} (labels "plain", "resume/8", "resume/64", "3/1/4", ...) to use instead of the table measured at
         start-up (an engine's own profile; the tests' fixed numbers).
     """
 
@@ -172,7 +173,8 @@ class AdaptivePolicy(Policy):
     def rate(self, spec: Optional[SpecConfig], active: Sequence[bool], lag: int) -> float:
         """Expected tokens per second of the next round with this shape (None: plain), over the requests still
         decoding."""
-        cost = self.costs[label(spec)] + (self.costs["resume"] if lag and spec is not None else 0.0)
+        cost = self.costs[label(spec)] + (self.costs[resume_label(lag, self.resume_rows)] if lag and spec is not None
+                                          else 0.0)
         steps = 0 if spec is None else spec.steps
         return sum(self.expected_tokens(b, steps) for b in range(self.B) if active[b]) / cost
 
