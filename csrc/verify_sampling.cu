@@ -89,6 +89,9 @@ __device__ __forceinline__ uint32_t ordered(float x) {
 //   ws_d [B, 4 + N] f64:  max of the final row, 1 / T, Z (sum exp((l - max) / T)), -, then per rejection
 //                         1 / residual mass (0: that rejection left p unchanged) (draft_probs path)
 constexpr int kWsI = 8, kWsD = 4;
+// The walk keeps one double per node in dynamic shared memory: 128 KB at the cap, past the 48 KB a launch
+// gets by default (N > 6144), so the launcher raises the kernel's limit (the cap as verify_greedy's).
+constexpr int64_t kMaxNodes = 16384;
 
 // p_j(v) from p(v), q(v) after j rejections on the draft_probs path.
 __device__ __forceinline__ double residual_prob(double pv, double qv, const double* inv, int j) {
@@ -449,6 +452,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_sampling_cuda(
                     "), got ", logits.sizes());
   TORCH_CHECK_VALUE(V >= 1 && V < (int64_t{1} << 31), "logits must have 1 <= V < 2**31, got V = ", V);
   TORCH_CHECK_VALUE(B * N < (int64_t{1} << 31), "B * N must be < 2**31 (a Philox row), got ", B * N);
+  TORCH_CHECK_VALUE(N <= kMaxNodes, "tokens must have N <= ", kMaxNodes,
+                    " nodes on CUDA (the walk keeps the tree in shared memory), got ", N);
   int64_t Vd = V;
   if (draft_probs) {
     const at::Tensor& dp = *draft_probs;
@@ -514,7 +519,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_sampling_cuda(
     const at::ScalarType prob_type = draft_probs ? draft_probs->scalar_type() : at::kFloat;
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, prob_type, "verify_sampling_q", [&] {
       const scalar_t* dp = draft_probs ? draft_probs->data_ptr<scalar_t>() : nullptr;
-      walk_kernel<logit_t, scalar_t><<<static_cast<unsigned>(B), kThreads, N * sizeof(double), stream>>>(
+      const size_t smem = static_cast<size_t>(N) * sizeof(double);
+      if (smem > 48 * 1024) {  // not a stream operation: safe while capturing
+        const cudaError_t e = cudaFuncSetAttribute(walk_kernel<logit_t, scalar_t>,
+                                                   cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+        if (e != cudaSuccess) {
+          (void)cudaGetLastError();  // clear it: the refusal below is the error
+          TORCH_CHECK_VALUE(false, "tokens has N = ", N, " nodes: the walk needs ", smem,
+                            " bytes of shared memory, more than this GPU gives a block (", cudaGetErrorString(e), ")");
+        }
+      }
+      walk_kernel<logit_t, scalar_t><<<static_cast<unsigned>(B), kThreads, smem, stream>>>(
           lg, ld, V, dp, draft_probs ? draft_probs->stride(0) : 0, Vd, d2t ? d2t->data_ptr<int64_t>() : nullptr,
           tokens.data_ptr<int64_t>(), parents.data_ptr<int32_t>(), static_cast<int>(N), temperature.data_ptr<float>(),
           seed.data_ptr<int64_t>(), offset.data_ptr<int64_t>(), part_m, part_a, part_s, G,

@@ -244,6 +244,8 @@ def verify_sampling(logits, draft_probs, d2t, tokens, parents, temperature, seed
     B, N = _tree(tokens, parents, logits, "logits")
     V = logits.shape[1]
     tensor(logits, "logits", shape=(("B * N", B * N), ("V", V)))
+    if V == 0:
+        raise ValueError("logits must have 1 <= V < 2**31, got V = 0")
     like = dict(like=logits, like_name="logits")
     Vd = V
     if draft_probs is not None:

@@ -652,6 +652,8 @@ def _bad_sampling_args(case):
         args["draft_probs"] = torch.softmax(torch.randn(B * N - 1, V), -1)
     elif case == "logits_rows":
         args["logits"] = args["logits"][:-1]
+    elif case == "empty_vocab":
+        args["logits"] = args["logits"][:, :0]
     return args
 
 
@@ -665,6 +667,7 @@ def _bad_sampling_args(case):
     ("vd_without_d2t", ValueError, "d2t"),
     ("d2t_out_of_range", Eagle3InputError, r"^verify_sampling: d2t\[4\] = 7 is out of range \(valid: -4\.\.6\)$"),
     ("draft_probs_rows", ValueError, "draft_probs must have shape"),
+    ("empty_vocab", ValueError, r"logits must have 1 <= V < 2\*\*31, got V = 0"),
 ])
 def test_sampling_bad_input(case, error, match):
     args = _bad_sampling_args(case)
@@ -915,6 +918,26 @@ def test_cuda_sampling_matches_reference_draws(B, N, kind, q):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("N", [6145, 16384])  # past the 48 KB of shared memory a launch gets by default; the cap
+def test_cuda_sampling_many_nodes(N):
+    # The walk keeps a double per node in dynamic shared memory: 6145 nodes need the raised limit.
+    # Request 0 greedy (exact), request 1 sampled (the walk's structure is checked; draws may differ by a rounding).
+    logits, tokens, parents = planted(N, 2, N, 64, "wide", p_plant=0.6)
+    temperature, seed, offset = torch.tensor([0.0, 0.8]), torch.tensor([5, 6]), torch.tensor([9, 10])
+    got, want, same = _sampling_cuda_vs_reference(logits, tokens, parents, temperature, seed, offset, None, None)
+    assert bool(same[0]), "the greedy request differs from the reference"
+
+
+@pytest.mark.gpu
+def test_cuda_sampling_refuses_more_nodes_than_the_cap():
+    logits, tokens, parents = planted(1, 1, 16385, 8, "chain")
+    args = [logits.cuda(), None, None, tokens.cuda(), parents.cuda(), torch.ones(1, device="cuda"),
+            torch.zeros(1, dtype=torch.int64, device="cuda"), torch.zeros(1, dtype=torch.int64, device="cuda")]
+    with pytest.raises(ValueError, match="tokens must have N <= 16384 nodes on CUDA"):
+        torch.ops.eagle3.verify_sampling(*args)
+
+
+@pytest.mark.gpu
 def test_cuda_sampling_one_hot_target_is_deterministic():
     parents, tokens = i32([[-1, 0, 0, 0, 1, 2]]), i64([[7, 3, 5, 6, 8, 9]])
     V, B = 12, 64
@@ -1042,6 +1065,7 @@ def test_cuda_sampling_never_materialises_fp32_probabilities():
     ("vd_without_d2t", ValueError, "d2t"),
     ("draft_probs_rows", ValueError, "draft_probs must have shape"),
     ("logits_rows", ValueError, "logits must have shape"),
+    ("empty_vocab", ValueError, r"logits must have 1 <= V < 2\*\*31, got V = 0"),
 ])
 def test_cuda_sampling_bad_input(case, error, match):
     args = _bad_sampling_args(case)
