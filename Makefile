@@ -27,6 +27,10 @@ DEPS := $(VENV)/.deps-installed
 TEST_DEPS := $(VENV)/.test-deps-installed
 TORCH_USED := $(VENV)/.torch
 BUILT := $(VENV)/.eagle3-built
+# The build-time switches setup.py reads from the environment: a build made under other values is rebuilt.
+FLAGS_USED := $(VENV)/.build-flags
+BUILD_FLAGS := EAGLE3_DEV_BUILD=$(EAGLE3_DEV_BUILD) EAGLE3_DEVICE_CHECKS=$(EAGLE3_DEVICE_CHECKS) DEBUG=$(DEBUG) \
+  TORCH_CUDA_ARCH_LIST=$(TORCH_CUDA_ARCH_LIST)
 SOURCES := setup.py $(wildcard csrc/*.cpp csrc/*.cu csrc/include/eagle3/*)
 SHELL := /bin/bash
 .SHELLFLAGS := -o pipefail -c
@@ -65,9 +69,17 @@ $(TORCH_USED): $(DEPS) FORCE
 	  $(PY) -m pip install "$(TORCH)" && echo "$(TORCH)" > $@; \
 	fi
 
+# The switches the last build ran under. A .venv built before this stamp existed is taken to match it.
+$(FLAGS_USED): $(DEPS) FORCE
+	@if [ ! -e $@ ]; then echo "$(BUILD_FLAGS)" > $@; if [ -e $(BUILT) ]; then touch -r $(BUILT) $@; fi; \
+	elif [ "$$(cat $@)" != "$(BUILD_FLAGS)" ]; then \
+	  echo "eagle3_ops: the build switches changed ($$(cat $@) -> $(BUILD_FLAGS)): rebuilding"; \
+	  echo "$(BUILD_FLAGS)" > $@; \
+	fi
+
 # pip -v shows the build as it goes; of it, the terminal gets the compile steps (one line each) and setup.py's
 # own lines (once each), flushed line by line, and .venv/build.log the whole, printed if the build fails.
-$(BUILT): $(TORCH_USED) $(SOURCES)
+$(BUILT): $(TORCH_USED) $(FLAGS_USED) $(SOURCES)
 	@echo "eagle3_ops: building the extension against $$(cat $(TORCH_USED)) with MAX_JOBS=$(JOBS) (JOBS=N):" \
 	  "the C++ op table, plus every CUDA kernel for sm_90a when torch is a CUDA build and nvcc exists (minutes)"
 	@echo "MAX_JOBS=$(JOBS) $(PY) -m pip install -v --no-build-isolation --no-deps -e . > $(VENV)/build.log"
