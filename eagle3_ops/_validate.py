@@ -229,21 +229,25 @@ def _tree(tokens, parents, like, like_name) -> tuple[int, int]:
     return B, N
 
 
-def verify_greedy(logits, tokens, parents) -> dict:
+def _verify_logits(logits, tokens, parents) -> tuple[int, int, int]:
+    """The verify ops' shared checks: logits [B * N, V] (float, last dim contiguous) of the tree (tokens,
+    parents); (B, N, V)."""
     tensor(logits, "logits", dtypes=FLOATS, dim=2, last_contiguous=True)
     B, N = _tree(tokens, parents, logits, "logits")
     V = logits.shape[1]
     tensor(logits, "logits", shape=(("B * N", B * N), ("V", V)))
+    return B, N, V
+
+
+def verify_greedy(logits, tokens, parents) -> dict:
+    B, N, V = _verify_logits(logits, tokens, parents)
     if V == 0:
         raise ValueError("logits must have V >= 1")
     return dict(B=B, N=N, V=V)
 
 
 def verify_sampling(logits, draft_probs, d2t, tokens, parents, temperature, seed, offset) -> dict:
-    tensor(logits, "logits", dtypes=FLOATS, dim=2, last_contiguous=True)
-    B, N = _tree(tokens, parents, logits, "logits")
-    V = logits.shape[1]
-    tensor(logits, "logits", shape=(("B * N", B * N), ("V", V)))
+    B, N, V = _verify_logits(logits, tokens, parents)
     if V == 0:
         raise ValueError("logits must have 1 <= V < 2**31, got V = 0")
     like = dict(like=logits, like_name="logits")
