@@ -426,7 +426,7 @@ def verify_greedy(logits: Tensor, tokens: Tensor, parents: Tensor) -> tuple[Tens
     ----------
     logits : Tensor [B * N, V] bf16 | fp16 | fp32
         Target logits at every tree node, node-major per request.
-    tokens : Tensor [B, N] int64
+    tokens : Tensor [B, N] int64  (N <= 16384 on CUDA: the walk keeps the tree in shared memory)
         Draft token per node; node 0 is the root (the last verified token).
     parents : Tensor [B, N] int32
         Canonical parents: -1 for the root, 0 <= parents[b, j] < j for the others.
@@ -500,7 +500,7 @@ def verify_sampling(logits: Tensor, draft_probs: Optional[Tensor], d2t: Optional
         Draft distribution each node's children were sampled from, over the draft vocabulary.
     d2t : Tensor [Vd] int64, optional
         Draft-to-target id offsets; required when Vd != V, only with draft_probs.
-    tokens : Tensor [B, N] int64
+    tokens : Tensor [B, N] int64  (N <= 16384 on CUDA: the walk keeps the tree in shared memory)
         Draft token per node (target vocabulary); node 0 is the root.
     parents : Tensor [B, N] int32
         Canonical parents: -1 for the root, 0 <= parents[b, j] < j for the others.
