@@ -2,7 +2,7 @@
 
 Importing this module puts the checkout's root (its eagle3_ops, built in place, and tests/) and bench/ (common.py,
 the benchmarks) at the front of sys.path, so a tool runs as `python3 bench/dev/<tool>.py` from anywhere. The MLA
-tools (sweep_mla, ceiling_mla, profile_mla, trace_mla, peer_flashmla) time Kimi's attention: 64 heads over one
+tools (sweep_mla, ceiling_mla, profile_mla, trace_mla) time Kimi's attention: 64 heads over one
 576-dim latent head, V its first 512 dims, softmax scale 0.130861, on paged KV with random page ids.
 """
 
