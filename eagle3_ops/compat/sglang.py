@@ -6,22 +6,28 @@ An SGLang EAGLE worker swaps ``from sgl_kernel import ...`` for ``from eagle3_op
 (sgl-kernel's speculative.py, and its eagle_utils.cu, speculative_sampling.cuh, packbit.cu and ngram_utils.cu
 read as the specification; argument names keep sgl-kernel's ``retrive_*``).
 
-How each runs. The tree walks and the tree build run in our native ops; what differs from SGLang is
-adapted around them with O(B * N) index ops on the caller's device (no host sync on CUDA, fixed shapes,
-CUDA-graph capturable; no [B, N, N] intermediate except where the output itself has that size):
+How each runs. On CUDA tensors each function is one or two Triton launches (triton_kernels/compat_sglang.py:
+the build, the walks, the packing and the reconstruction each fused, no host sync, fixed grids, CUDA-graph
+capturable). On CPU tensors it runs the tensor-op path below, which is the specification the kernels are
+tested against (tests/test_compat_sglang.py runs both on random inputs, the kernels under TRITON_INTERPRET=1);
+``kernels`` = "triton" sends CPU tensors to the kernels too, "torch" keeps CUDA tensors on the tensor ops:
 
 * ``build_tree_kernel_efficient`` calls ``torch.ops.eagle3.build_tree`` on SGLang's candidate layout
   (depth d's candidates as row d of a [depth, topk * topk] block, the selected ones scored -index so that
   our ranking keeps SGLang's ascending node order), then writes SGLang's lists from our parents, its
-  positions from ours, and its mask layout from our ancestor bits.
+  positions from ours, and its mask layout from our ancestor bits. The kernel computes the same ranking
+  (selected candidates whose ancestors are all selected by index, then build_tree's -inf candidates by
+  flat index) in one program per request.
 * ``verify_tree_greedy`` and ``tree_speculative_sampling_target_only`` turn SGLang's linked lists into
   parents (pointer doubling), decide at every node which child SGLang's walk would take there (the first
   in list order whose token is the target's argmax, resp. which passes SGLang's threshold rule with that
   node's coin), and let ``torch.ops.eagle3.verify_greedy`` walk the tree on those flags; the outputs are
   SGLang's ``predicts`` / ``accept_index`` / ``accept_token_num``, and for sampling the bonus token is drawn
-  from relu(target_probs - draft_probs) at the last accepted node with SGLang's final coin.
+  from relu(target_probs - draft_probs) at the last accepted node with SGLang's final coin. The kernels
+  walk the lists as SGLang's kernels do (one program per request; sampling in two launches over
+  (request, vocabulary chunk), the second drawing the bonus by inverse CDF over the chunks' masses).
 * ``segment_packbits`` and ``reconstruct_indices_from_tree_mask`` are layout conversions with no native
-  op behind them: vectorised index ops.
+  op behind them: vectorised index ops, one kernel each.
 
 Conventions kept from SGLang: node i >= 1 of request b is candidate ``selected_index[b, i - 1]``; a
 candidate's parent is ``parent_list[b, candidate // topk]`` (slot 0: the root); ``retrive_index[b, i] =
@@ -50,8 +56,10 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .. import _validate, tree
+from .. import _validate, errors, tree
 from ..errors import check_range, input_error
+
+kernels = "auto"  # "auto": Triton kernels on CUDA tensors; "triton": on any tensors (interpreted on CPU); "torch"
 
 __all__ = ["TreeMaskMode", "build_tree_kernel_efficient", "verify_tree_greedy", "tree_speculative_sampling_target_only",
            "segment_packbits", "reconstruct_indices_from_tree_mask"]
@@ -79,6 +87,18 @@ def _numel(t: Tensor, name: str, n: int, what: str, shapes=None) -> None:
     if t.numel() != n or (shapes is not None and tuple(t.shape) not in shapes):
         allowed = " or ".join(str(s) for s in shapes) if shapes else f"{n} elements"
         raise ValueError(f"{name} must have {what} = {n} elements ({allowed}), got shape {tuple(t.shape)}")
+
+
+def _kernels(t: Tensor) -> bool:
+    if kernels not in ("auto", "torch", "triton"):
+        raise ValueError(f"eagle3_ops.compat.sglang.kernels must be 'auto', 'torch' or 'triton', got {kernels!r}")
+    return kernels == "triton" or (kernels == "auto" and t.is_cuda)
+
+
+def _k():
+    from ..triton_kernels import compat_sglang
+
+    return compat_sglang
 
 
 def _mask_bytes(N: int) -> int:
@@ -169,6 +189,10 @@ def build_tree_kernel_efficient(parent_list: Tensor, selected_index: Tensor, ver
             raise ValueError(f"tree_mask must have sum(verified_seq_len) * N + B * N * N = "
                              f"{int(verified_seq_len.sum()) * N + B * N * N} elements, got {tree_mask.numel()}")
     if B == 0:
+        return
+    if _kernels(parent_list) and _k().fits(N, depth * M):
+        _k().build(parent_list, sel, verified_seq_len, tree_mask, positions, retrive_index, retrive_next_token,
+                   retrive_next_sibling, topk, depth, N, int(mode), errors.error_word(parent_list.device))
         return
     dev = parent_list.device
     # Flat SGLang index f -> our flat index d * M + m (f < topk: row 0; then topk**2 per depth).
@@ -388,6 +412,12 @@ def verify_tree_greedy(predicts: Tensor, accept_index: Tensor, accept_token_num:
     _t(target_predict, "target_predict", I64, candidates, shape=(("B", B), ("N", N)))
     if B == 0:
         return
+    if _kernels(candidates) and _k().fits(N):
+        if candidates.device.type == "cpu":  # what the tensor path refuses here, the kernel path refuses too
+            _Lists(retrive_next_token, retrive_next_sibling, "verify_tree_greedy")
+        _k().verify_greedy(predicts, accept_index, accept_token_num, candidates, retrive_index, retrive_next_token,
+                           retrive_next_sibling, target_predict)
+        return
     lists = _Lists(retrive_next_token, retrive_next_sibling, "verify_tree_greedy")
     target = target_predict.view(-1)
     parent_row = retrive_index.gather(1, lists.parent.clamp(min=0)).clamp(0, B * N - 1)
@@ -450,11 +480,17 @@ def tree_speculative_sampling_target_only(predicts: Tensor, accept_index: Tensor
         _t(draft_probs, "draft_probs", (torch.float32,), candidates, shape=tuple(("", s) for s in target_probs.shape))
     if B == 0:
         return
-    lists = _Lists(retrive_next_token, retrive_next_sibling, "tree_speculative_sampling_target_only")
     if candidates.device.type == "cpu":
-        tried = lists.ok
-        check_range(torch.where(tried, candidates, 0), 0, V - 1, "tree_speculative_sampling_target_only",
+        lists = _Lists(retrive_next_token, retrive_next_sibling, "tree_speculative_sampling_target_only")
+        check_range(torch.where(lists.ok, candidates, 0), 0, V - 1, "tree_speculative_sampling_target_only",
                     "candidates")
+    if _kernels(candidates) and _k().fits(N):
+        _k().verify_sampling(predicts, accept_index, accept_token_num, candidates, retrive_index, retrive_next_token,
+                             retrive_next_sibling, uniform_samples, uniform_samples_for_final_sampling,
+                             target_probs, draft_probs, float(threshold_single), max(float(threshold_acc), 1e-9))
+        return
+    if candidates.device.type != "cpu":
+        lists = _Lists(retrive_next_token, retrive_next_sibling, "tree_speculative_sampling_target_only")
     dev = candidates.device
     probs = target_probs.view(B * N, V)
     parent_row = lists.parent.clamp(min=0) + N * torch.arange(B, device=dev)[:, None]     # local rows
@@ -530,6 +566,9 @@ def segment_packbits(x: Tensor, input_indptr: Tensor, output_indptr: Tensor, y: 
         check_range(output_indptr, 0, y.numel(), "segment_packbits", "output_indptr")
     if n == 0 or y.numel() == 0:
         return
+    if _kernels(x):
+        _k().segment_packbits(x, input_indptr, output_indptr, y, n)
+        return
     out_ptr, in_ptr = output_indptr.long(), input_indptr.long()
     t = torch.arange(y.numel(), device=y.device)
     s = (torch.searchsorted(out_ptr, t, right=True) - 1).clamp(0, n - 1)
@@ -561,7 +600,8 @@ def reconstruct_indices_from_tree_mask(tree_mask: Tensor, verified_seq_len: Tens
     batch_size, draft_token_num : int
         B, N.
 
-    The input is [B, N, N]; the comparisons here are too (no native op behind this conversion).
+    The input is [B, N, N]; the comparisons here are too (no native op behind this conversion); on CUDA one
+    program per request (N <= 256; larger N take the tensor ops).
     """
     B, N = int(batch_size), int(draft_token_num)
     _t(tree_mask, "tree_mask", (torch.bool,), tree_mask)
@@ -573,6 +613,10 @@ def reconstruct_indices_from_tree_mask(tree_mask: Tensor, verified_seq_len: Tens
                     ("retrive_next_sibling", retrive_next_sibling)):
         _t(t, name, I64 + I32, tree_mask, shape=(("B", B), ("N", N)))
     if B == 0 or N == 0:
+        return
+    if _kernels(tree_mask) and _k().fits(N):
+        _k().reconstruct(tree_mask, verified_seq_len, positions, retrive_index, retrive_next_token,
+                         retrive_next_sibling, B, N)
         return
     dev = tree_mask.device
     m = tree_mask.view(B, N, N)
