@@ -6,7 +6,7 @@ Both peers come from vLLM 0.33.0's wheel (`pip download vllm==0.33.0 --no-deps`)
     _flashmla_extension_C.abi3.so   FlashMLA's dense fp8 kernel (fwd_kvcache_mla_fp8: fp8 q and cache, per-tensor
                                     descales), vLLM's FLASHMLA backend with an fp8 KV cache
     _vllm_fa3_C.abi3.so[.xz]        vLLM's FlashAttention-3 (FLASH_ATTN_MLA, vLLM's default MLA backend on Hopper);
-                                    172 MB, so it travels xz-compressed (11.6 MB) and is unpacked beside itself here
+                                    172 MB, so it travels xz-compressed (11.6 MB) and is unpacked under $TMPDIR here
     unzip -j vllm-0.33.0-*.whl vllm/_flashmla_C.abi3.so vllm/_flashmla_extension_C.abi3.so \
         vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so -d .peers && xz -T2 -6 .peers/_vllm_fa3_C.abi3.so
 A peer that does not load (built against another torch than this one, no GPU) is reported with the loader's
@@ -46,6 +46,7 @@ import lzma
 import os
 import shutil
 import sys
+import tempfile
 import time
 
 import torch
@@ -71,15 +72,20 @@ REL_TOL = 1e-2  # bf16 rounding (tests/conftest.py TOLERANCES[bf16])
 
 
 def _unpacked(folder: str, name: str) -> str:
-    """Path of folder/name, unpacked from folder/name.xz first where only that is there."""
+    """Path of folder/name, or where only folder/name.xz is there, of its copy unpacked under the temporary
+    folder (not beside it: the folder must stay small enough to carry)."""
     path = os.path.join(folder, name)
-    if not os.path.exists(path) and os.path.exists(path + ".xz"):
+    if os.path.exists(path) or not os.path.exists(path + ".xz"):
+        return path
+    dst_path = os.path.join(tempfile.gettempdir(), "eagle3_peers", name)
+    if not os.path.exists(dst_path) or os.path.getmtime(dst_path) < os.path.getmtime(path + ".xz"):
         t0 = time.time()
-        with lzma.open(path + ".xz") as src, open(path + ".part", "wb") as dst:
+        os.makedirs(os.path.dirname(dst_path), exist_ok=True)
+        with lzma.open(path + ".xz") as src, open(dst_path + ".part", "wb") as dst:
             shutil.copyfileobj(src, dst, 16 << 20)
-        os.replace(path + ".part", path)
-        print(f"unpacked {path}.xz in {time.time() - t0:.1f} s", flush=True)
-    return path
+        os.replace(dst_path + ".part", dst_path)
+        print(f"unpacked {path}.xz to {dst_path} in {time.time() - t0:.1f} s", flush=True)
+    return dst_path
 
 
 def load_peers(folder: str) -> dict:
