@@ -402,7 +402,10 @@ class _Eagle3Glue:
         return drafter.project(aux, rows)
 
 
-def _glue(name: str):
+def _glue(name):
+    """"eagle3" or "torch", or a glue object itself (eagle3_ops.parallel.TPGlue: the same five calls)."""
+    if not isinstance(name, str):
+        return name
     if name == "eagle3":
         return _Eagle3Glue
     if name == "torch":
@@ -565,7 +568,8 @@ class _Loop:
         """verify_greedy (temperature 0) or verify_sampling; the sampler's offset advanced in place."""
         if spec.temperature == 0:
             return self.g_ops.verify_greedy(logits, tokens, parents)
-        res = ops.verify_sampling(logits, None, None, tokens, parents, self.temperature, self.seed, self.offset)
+        sample = getattr(self.g_ops, "verify_sampling", ops.verify_sampling)  # (parallel.TPGlue's gathers the logits)
+        res = sample(logits, None, None, tokens, parents, self.temperature, self.seed, self.offset)
         self.offset.add_(1)
         return res
 
