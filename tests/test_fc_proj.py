@@ -311,6 +311,112 @@ def test_triton_interpreted_out_of_range_rows_give_nan_rows(gen, path):
     _check(out[good], _truth64(aux, weight, None, None, 1e-6, "fc_norm", rows[good]))
 
 
+# ---- an fp8 weight at R >= FP8_MM_MIN_ROWS: the rows quantised to e4m3 (one Triton kernel), torch._scaled_mm ------
+
+FP8_MM_MIN_ROWS = 16  # triton_kernels/fc_proj.py's (the module needs triton; this file runs without it)
+FP8_ACT_RULE = 0.04  # rel err from the unquantised product, Gaussian rows: e4m3 rounding measured at 2.5-2.9%
+
+
+def _quantised_rows(aux, norm_weight, eps, norm_mode, rows, n_aux=3):
+    """(e4m3 rows [R, K], fp32 scales [R, 1]) as _fp8_mm makes them: norm(aux[rows]) * nw in fp32, each row times
+    448 / max(amax, 1e-30) rounded by torch's cast (to nearest even), its scale amax / 448."""
+    a = (aux if rows is None else aux[rows.long()]).float()
+    if norm_mode != "none":
+        n = 1 if norm_mode == "norm_before_fc" else n_aux
+        c = a.view(a.shape[0], n, -1)
+        a = (c * torch.rsqrt(c.pow(2).mean(-1, keepdim=True) + eps)).reshape(a.shape)
+    if norm_weight is not None:
+        a = a * norm_weight.float().reshape(1, -1)
+    amax = a.abs().amax(1, keepdim=True).clamp_min(1e-30)
+    return (a * (448 / amax)).to(FP8), amax / 448
+
+
+def _check_fp8_mm(out, aux, w8, scale, norm_weight, eps, norm_mode, rows, what, n_aux=3):
+    """The fp8 rule: out is the float64 product of the rows quantised as _quantised_rows does (within the bf16
+    rule: the output's rounding, and a rare e4m3 step where the kernel's fp32 rsqrt / product order rounds the other
+    way), and within FP8_ACT_RULE of the unquantised reference."""
+    q8, qs = _quantised_rows(aux, norm_weight, eps, norm_mode, rows, n_aux)
+    truth_q = F.linear(q8.double() * qs.double(), w8.double() * scale.double()[:, None])
+    err = rel_err(out, truth_q)
+    assert err <= TOLERANCES[torch.bfloat16], f"{what}: rel err {err:.3g} from the quantised rows' product"
+    truth = _truth64(aux, w8.float(), scale, norm_weight, eps, norm_mode, None if rows is None else rows.cpu(), n_aux)
+    err = rel_err(out, truth)  # (on the inputs' device: float64 on the GPU at Kimi's shape)
+    assert err <= FP8_ACT_RULE, f"{what}: rel err {err:.3g} from the unquantised reference > {FP8_ACT_RULE}"
+
+
+def _fp8_case(gen, T, H, Hd, dtype, norm_mode, device="cpu"):
+    aux, w = _make(gen, T, H, Hd, torch.float32)
+    scale = (w.abs().amax(dim=1) / 448).float()
+    w8 = (w / scale[:, None]).to(FP8)
+    nw = _norm_weight(gen, norm_mode, 3, H, dtype)
+    return (aux.to(dtype).to(device), w8.to(device), scale.to(device), None if nw is None else nw.to(device))
+
+
+@pytest.mark.skipif(not INTERPRET or FP8 is None, reason="the Triton interpreter runs the kernels on CPU tensors")
+@pytest.mark.parametrize("norm_mode", ["none", "norm_before_fc", "fc_norm"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("block", [16, None])  # 16: a chunk of 40 columns in three blocks, the last partial
+def test_triton_interpreted_fp8_quantised_rows(gen, norm_mode, dtype, block):
+    # _quant_rows_kernel alone: gathered rows (repeated, one out of range), strided aux, per-chunk norms; its
+    # scales equal amax / 448 of the fp32 rows, its e4m3 values torch's rounding of the same products (the
+    # kernel's own rounding, _round_e4m3: the interpreter's cast gets the carries wrong)
+    from eagle3_ops.triton_kernels import fc_proj as kernels
+
+    T, H = 21, 40
+    wide = (2 * torch.randn(T, 3 * H + 5, generator=gen)).to(dtype)
+    aux = wide[:, 5:]
+    nw = _norm_weight(gen, norm_mode, 3, H, dtype)
+    rows = torch.tensor([20, 3, 3, 0, T, 7], dtype=torch.int32)
+    err = eagle3_ops.errors.error_word(aux.device)
+    cfg = kernels.QUANT_CONFIG if block is None else (block, 4)
+    q8, qs = kernels.quantised_rows(aux, None if nw is None else nw.reshape(-1), 1e-6, kernels._NORM_CODE[norm_mode],
+                                    3 if norm_mode == "fc_norm" else 1, rows, 6, err, cfg)
+    with pytest.raises(Eagle3InputError, match=r"^fc_proj: rows\[4\] = 21 is out of range \(valid: 0\.\.20\)$"):
+        eagle3_ops.check_errors("cpu")
+    assert torch.isnan(qs[4]).all()
+    good = torch.arange(6) != 4
+    want8, want_s = _quantised_rows(aux, nw, 1e-6, norm_mode, rows[good])
+    assert float((qs[good] / want_s - 1).abs().max()) <= 1e-6
+    got, want = q8[good].float(), want8.float()
+    off = got != want  # a product on the other side of a rounding boundary: one e4m3 step at most, rarely
+    assert int(off.sum()) <= 0.01 * off.numel(), f"{int(off.sum())} of {off.numel()} e4m3 values differ"
+    assert bool(((got - want).abs() <= want.abs() / 8 + 2**-9)[off].all())
+    assert float(want.abs().amax()) == 448.0  # each row's largest value lands on e4m3's largest
+
+
+@pytest.mark.skipif(not INTERPRET or FP8 is None, reason="the Triton interpreter runs the kernels on CPU tensors")
+@pytest.mark.parametrize("norm_mode", ["none", "fc_norm"])
+@pytest.mark.parametrize("R", [15, 16, 70])  # below the fp8 matmul's threshold (stream-K), at it, a prefill size
+@pytest.mark.parametrize("strided_out", [False, True])
+def test_triton_interpreted_fp8_mm(gen, monkeypatch, norm_mode, R, strided_out):
+    # the whole launcher on CPU tensors (torch._scaled_mm has a CPU kernel): R >= 16 rows of an fp8 weight with a
+    # bf16 out take _fp8_mm, quantised activations and the fp8 rule; 15 rows the stream-K kernel and the bf16 rule;
+    # a strided out goes through a temporary; a bad row index gives a NaN row, reported
+    from eagle3_ops.triton_kernels import fc_proj as kernels
+
+    calls = []
+    real = kernels._fp8_mm
+    monkeypatch.setattr(kernels, "_fp8_mm", lambda *a: calls.append(1) or real(*a))
+    T, H, Hd = 30, 32, 48
+    aux, w8, scale, nw = _fp8_case(gen, T, H, Hd, torch.float32, norm_mode)
+    rows = torch.randint(0, T, (R,), generator=gen)
+    rows[R // 2] = -1
+    buf = torch.full((R, Hd + 16), -777.0, dtype=torch.bfloat16)
+    out = poison_(buf[:, 8:8 + Hd] if strided_out else buf[:, :Hd].contiguous())
+    _triton_fc(aux, w8, scale, nw, 1e-6, norm_mode, rows, out)
+    with pytest.raises(Eagle3InputError, match=rf"^fc_proj: rows\[{R // 2}\] = -1 is out of range"):
+        eagle3_ops.check_errors("cpu")
+    assert len(calls) == (R >= kernels.FP8_MM_MIN_ROWS)
+    assert torch.isnan(out[R // 2].float()).all()
+    good = torch.arange(R) != R // 2
+    if calls:
+        _check_fp8_mm(out[good], aux, w8, scale, nw, 1e-6, norm_mode, rows[good], f"R {R} {norm_mode}")
+    else:
+        _check(out[good], _truth64(aux, w8.float(), scale, nw, 1e-6, norm_mode, rows[good]), f"R {R} {norm_mode}")
+    if strided_out:
+        assert bool((buf[:, :8] == -777).all() and (buf[:, 8 + Hd:] == -777).all()), "written outside out"
+
+
 KIMI_H, KIMI_HD = 7168, 7168
 
 
@@ -344,7 +450,10 @@ def test_cuda_kimi_shape_against_float64(gen, T, norm_mode, wdt, with_rows):
     out = poison_(torch.empty(R or T, KIMI_HD, dtype=torch.bfloat16, device="cuda"))
     torch.ops.eagle3.fc_proj(aux, w, scale, nw, 1e-6, norm_mode, rows, out)
     truth = _truth64(aux, w.float(), scale, nw, 1e-6, norm_mode, None if rows is None else rows.cpu())  # on the GPU
-    _check(out, truth, f"T={T} {norm_mode} {wdt}")
+    if wdt == "fp8" and (R or T) >= FP8_MM_MIN_ROWS:  # activations quantised (_fp8_mm): the fp8 rule
+        _check_fp8_mm(out, aux, w, scale, nw, 1e-6, norm_mode, rows, f"T={T} {norm_mode} fp8")
+    else:
+        _check(out, truth, f"T={T} {norm_mode} {wdt}")
 
 
 @pytest.mark.gpu
@@ -371,9 +480,12 @@ def test_cuda_out_of_range_rows_give_nan_rows(gen):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("T", [4, 64])
-def test_cuda_graph_replay_with_new_values(gen, T):
-    aux, w, scale, nw, rows = _gpu_case(gen, T, T, "fc_norm", "bf16", False)
+# fp8 at 16 / 32 / 64 rows: issue 23's rows, through _fp8_mm (the activations quantised, then torch._scaled_mm)
+@pytest.mark.parametrize("T, wdt", [(4, "bf16"), (64, "bf16"), (16, "fp8"), (32, "fp8"), (64, "fp8")])
+def test_cuda_graph_replay_with_new_values(gen, T, wdt):
+    from eagle3_ops.triton_kernels import fc_proj as kernels
+
+    aux, w, scale, nw, rows = _gpu_case(gen, T, T, "fc_norm", wdt, False)
     out = torch.empty(T, KIMI_HD, dtype=torch.bfloat16, device="cuda")
     call = lambda: torch.ops.eagle3.fc_proj(aux, w, scale, nw, 1e-6, "fc_norm", rows, out)  # noqa: E731
     graph, _ = capture_graph(call)
@@ -382,7 +494,26 @@ def test_cuda_graph_replay_with_new_values(gen, T):
         rows.copy_(torch.randint(0, T, (T,), generator=gen))
         poison_(out)
         graph.replay()
-        _check(out, _truth64(aux, w.float(), None, nw, 1e-6, "fc_norm", rows.cpu()))
+        if wdt == "fp8":
+            _check_fp8_mm(out, aux, w, scale, nw, 1e-6, "fc_norm", rows, f"graph T={T}")
+        else:
+            _check(out, _truth64(aux, w.float(), None, nw, 1e-6, "fc_norm", rows.cpu()))
+    eagle3_ops.check_errors()
+    if wdt == "fp8":  # the stream-K kernel (fp8_mm_min_rows None) on the same inputs: within the fp8 rule of it
+        streamed = poison_(torch.empty_like(out))
+        kernels._fc_proj(aux, w, scale, nw, 1e-6, "fc_norm", rows, streamed, fp8_mm_min_rows=None)
+        assert rel_err(out, streamed) <= FP8_ACT_RULE
+
+
+@pytest.mark.gpu
+def test_cuda_fp8_mm_strided_out(gen):
+    # out a column slice of a wider buffer (row stride 300, base 40 bytes in): through a temporary, nothing outside
+    aux, w8, scale, nw = _fp8_case(gen, 24, 64, 256, torch.bfloat16, "norm_before_fc", "cuda")
+    buf = torch.full((24, 300), -777.0, dtype=torch.bfloat16, device="cuda")
+    out = poison_(buf[:, 20:276])
+    torch.ops.eagle3.fc_proj(aux, w8, scale, nw, 1e-6, "norm_before_fc", None, out)
+    _check_fp8_mm(out, aux, w8, scale, nw, 1e-6, "norm_before_fc", None, "strided out")
+    assert bool((buf[:, :20] == -777).all() and (buf[:, 276:] == -777).all()), "written outside out"
 
 
 @pytest.mark.gpu

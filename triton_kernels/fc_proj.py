@@ -17,6 +17,14 @@ rsqrt is computed first by a small kernel over aux [R, K]; a K split never strad
 split's partial is multiplied by its chunk's rsqrt in fp32. A norm weight is applied to the aux tile on
 the fly (prepare_fc_weight folds it into the weight columns once, at load, so it is usually absent).
 
+An fp8 e4m3 weight at R >= FP8_MM_MIN_ROWS (16) with a bf16 out (K and Hd multiples of 16, a CUDA device of
+compute capability 8.9+) takes cuBLAS's fp8 GEMM instead, at every R from there up: one kernel (_quant_rows_kernel)
+gathers the rows, applies the norm and rounds each row to e4m3 with its own scale amax / 448, and
+torch._scaled_mm multiplies that by the weight with rowwise scales (the rows' and weight_scale). The activations
+are quantised there, as vLLM's and SGLang's fp8 linear layers quantise theirs per token; the accuracy rule is
+in _fp8_mm's docstring. Measured on the H200 (issue 23): the stream-K kernel took 66 us at T = 64 against
+torch._scaled_mm's 40.7 us (per-tensor scales, fp8 activations).
+
 Large R (prefill) uses cuBLAS through torch.mm on aux (normalised rows written once when a norm mode
 is on); an fp8 weight there is first dequantised to aux's dtype (cuBLAS has no bf16 x fp8 product); fp32
 or mixed dtypes use the Triton kernel as a tiled GEMM.
@@ -55,6 +63,10 @@ from ._errors import arg_id, op_id, report_range
 
 # R up to this many rows: weight streaming; above: cuBLAS (or the tiled GEMM)
 STREAM_MAX_ROWS = 64
+# an fp8 weight at R from this many rows up: the activations quantised to e4m3, then torch._scaled_mm (_fp8_mm)
+FP8_MM_MIN_ROWS = 16
+# _quant_rows_kernel's (largest BLOCK, num_warps): each row read twice (amax, then quantise), one program a row
+QUANT_CONFIG = (8192, 16)
 _NORM_CODE = {"none": 0, "norm_before_fc": 1, "fc_norm": 2}
 # the error word's ids (eagle3_ops/errors.py)
 _OP_FC_PROJ = tl.constexpr(op_id("fc_proj"))
@@ -276,13 +288,8 @@ def _fc_fixup_kernel(part, rows, T, R, Hd, ipn, ITERS, scale, out, stride_o, err
 
 
 @triton.jit
-def _normalise_rows_kernel(aux, stride_a, rows, T, K, CHUNK, n_chunks, rstd, nw, dst, err,
-                           HAS_ROWS: tl.constexpr, NORM: tl.constexpr, HAS_NW: tl.constexpr, BLOCK: tl.constexpr):
-    """dst[r] = norm(aux[rows[r]]) in dst's dtype (the prefill path's one pass before cuBLAS); NaN rows for indices
-    outside [0, T), reported to err."""
-    r = tl.program_id(0)
-    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    ok = offs < K
+def _checked_row(rows, r, T, err, HAS_ROWS: tl.constexpr):
+    """(the aux row of output row r, whether it lies in [0, T)); an index outside is reported to err."""
     if HAS_ROWS:
         src = tl.load(rows + r).to(tl.int64)
     else:
@@ -291,6 +298,18 @@ def _normalise_rows_kernel(aux, stride_a, rows, T, K, CHUNK, n_chunks, rstd, nw,
     if HAS_ROWS:
         if not valid:
             _report_row(err, r, src, T)
+    return src, valid
+
+
+@triton.jit
+def _normalise_rows_kernel(aux, stride_a, rows, T, K, CHUNK, n_chunks, rstd, nw, dst, err,
+                           HAS_ROWS: tl.constexpr, NORM: tl.constexpr, HAS_NW: tl.constexpr, BLOCK: tl.constexpr):
+    """dst[r] = norm(aux[rows[r]]) in dst's dtype (the prefill path's one pass before cuBLAS); NaN rows for indices
+    outside [0, T), reported to err."""
+    r = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < K
+    src, valid = _checked_row(rows, r, T, err, HAS_ROWS)
     a = tl.load(aux + tl.where(valid, src, 0) * stride_a + offs, mask=ok & valid, other=0.0).to(tl.float32)
     if NORM != 0:
         a *= tl.load(rstd + r * n_chunks + offs // CHUNK, mask=ok, other=0.0)
@@ -298,6 +317,69 @@ def _normalise_rows_kernel(aux, stride_a, rows, T, K, CHUNK, n_chunks, rstd, nw,
         a *= tl.load(nw + offs, mask=ok, other=0.0).to(tl.float32)
     a = tl.where(valid, a, float("nan"))
     tl.store(dst + r.to(tl.int64) * K + offs, a.to(dst.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _round_e4m3(x):
+    """x (fp32, |x| <= 448 up to rounding) rounded to nearest even on e4m3's grid, in fp32: 3 mantissa bits from
+    2^-6 up (the fp32 mantissa rounded at bit 20, a carry moving into the exponent), steps of 2^-9 below (adding
+    and subtracting 1.5 * 2^14 rounds there), at most 448; NaN stays NaN. The cast to e4m3 that follows is then
+    exact, on the GPU and in the interpreter alike (whose own fp32 -> e4m3 cast drops the carry: 124.3 -> 64)."""
+    ax = tl.abs(x)
+    bits = ax.to(tl.uint32, bitcast=True)
+    bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & 0xFFF00000
+    r = tl.where(ax < 0.015625, (ax + 24576.0) - 24576.0, bits.to(tl.float32, bitcast=True))
+    r = tl.where(r > 448.0, 448.0, r)
+    return tl.where(x < 0, -r, r)
+
+
+@triton.jit
+def _quant_rows_kernel(aux, stride_a, rows, T, K, CHUNK, n_chunks, nw, eps, q8, qscale, err,
+                       HAS_ROWS: tl.constexpr, NORM: tl.constexpr, HAS_NW: tl.constexpr, NC: tl.constexpr,
+                       BLOCK: tl.constexpr):
+    """The rowwise fp8 operand of torch._scaled_mm: v = norm(aux[rows[r]]) * nw in fp32 (as _normalise_rows_kernel),
+    qscale[r] = max(amax(|v|), 1e-30) / 448 and q8[r] = e4m3(v * 448 / max(amax, 1e-30)) (_round_e4m3: to nearest
+    even; the largest |v| lands on 448, e4m3's largest finite value). NaN scale (so a NaN out row) for an index outside
+    [0, T), reported to err.
+
+    aux [T, K] (row stride stride_a); rows [R]; nw [K]; q8 [R, K] e4m3 contiguous; qscale [R] fp32. The row is
+    n_chunks chunks of CHUNK columns (fc_norm: one rsqrt each; otherwise one chunk of K). The first pass sums
+    squares and |aux * nw| maxima per chunk (rsqrt_c * max_c |aux * nw| is the chunk's amax), the second reads the
+    row again (from L2) and quantises it; NC is n_chunks rounded up to a power of two."""
+    r = tl.program_id(0)
+    src, valid = _checked_row(rows, r, T, err, HAS_ROWS)
+    base = aux + tl.where(valid, src, 0) * stride_a
+    cols = tl.arange(0, BLOCK)
+    chunk_ids = tl.arange(0, NC)
+    rstd = tl.full([NC], 1.0, tl.float32)
+    amax = 0.0
+    for c in range(0, n_chunks):
+        ss = tl.zeros([BLOCK], dtype=tl.float32)
+        am = tl.zeros([BLOCK], dtype=tl.float32)
+        for k in range(0, CHUNK, BLOCK):
+            ok = (k + cols < CHUNK) & valid
+            a = tl.load(base + c * CHUNK + k + cols, mask=ok, other=0.0).to(tl.float32)
+            ss += a * a
+            if HAS_NW:
+                a *= tl.load(nw + c * CHUNK + k + cols, mask=ok, other=0.0).to(tl.float32)
+            am = tl.maximum(am, tl.abs(a))
+        rc = 1.0
+        if NORM != 0:
+            rc = 1.0 / tl.sqrt(tl.sum(ss, axis=0) / CHUNK + eps)
+        rstd = tl.where(chunk_ids == c, rc, rstd)
+        amax = tl.maximum(amax, tl.max(am, axis=0) * rc)
+    amax = tl.maximum(amax, 1e-30)
+    inv = 448.0 / amax
+    tl.store(qscale + r, tl.where(valid, amax / 448.0, float("nan")))
+    dst = q8 + r.to(tl.int64) * K
+    for c in range(0, n_chunks):
+        mult = tl.sum(tl.where(chunk_ids == c, rstd, 0.0), axis=0) * inv
+        for k in range(0, CHUNK, BLOCK):
+            ok = k + cols < CHUNK
+            a = tl.load(base + c * CHUNK + k + cols, mask=ok & valid, other=0.0).to(tl.float32)
+            if HAS_NW:
+                a *= tl.load(nw + c * CHUNK + k + cols, mask=ok, other=0.0).to(tl.float32)
+            tl.store(dst + c * CHUNK + k + cols, _round_e4m3(a * mult).to(q8.dtype.element_ty), mask=ok)
 
 
 def _compute_dtype(aux: Tensor, weight: Tensor) -> torch.dtype:
@@ -488,7 +570,8 @@ def fc_proj(aux: Tensor, weight: Tensor, weight_scale: Optional[Tensor], norm_we
 
 def _fc_proj(aux: Tensor, weight: Tensor, weight_scale: Optional[Tensor], norm_weight: Optional[Tensor], eps: float,
              norm_mode: str, rows: Optional[Tensor], out: Tensor, *, config: Optional[str] = None,
-             stream_max_rows: int = STREAM_MAX_ROWS) -> None:
+             stream_max_rows: int = STREAM_MAX_ROWS, fp8_mm_min_rows: Optional[int] = FP8_MM_MIN_ROWS,
+             quant_config: tuple = QUANT_CONFIG) -> None:
     """fc_proj's launcher with its choices made explicit, for tuning runs and tests (the op passes the defaults).
 
     config : str, optional
@@ -496,6 +579,10 @@ def _fc_proj(aux: Tensor, weight: Tensor, weight_scale: Optional[Tensor], norm_w
         kernels instead of stream_config's tiles (not cut to fit shared memory: a tuning run wants its own error).
     stream_max_rows : int
         R up to this many rows streams the weight; above, cuBLAS or the tiled GEMM (0: always the latter).
+    fp8_mm_min_rows : int, optional
+        An fp8 weight at R >= this many rows takes _fp8_mm where it applies (_fp8_mm_applies); None: never.
+    quant_config : (int, int)
+        _quant_rows_kernel's largest BLOCK and num_warps.
     """
     for name, t in (("aux", aux), ("weight", weight), ("norm_weight", norm_weight), ("out", out)):
         if t is not None and t.dtype == torch.float64:
@@ -516,9 +603,64 @@ def _fc_proj(aux: Tensor, weight: Tensor, weight_scale: Optional[Tensor], norm_w
         if K == 0 or Hd == 0:  # nothing to multiply: zeros (the empty sum), still checking rows
             _reduced(out, rows, T, R, Hd, None, out, 0, err)
         else:
-            _launch(aux, weight, weight_scale, nw, eps, norm, n_chunks, rows, out, T, R, K, Hd, err, config,
-                    stream_max_rows)
+            if fp8_mm_min_rows is not None and R >= fp8_mm_min_rows and _fp8_mm_applies(weight, weight_scale, out):
+                _fp8_mm(aux, weight, weight_scale, nw, eps, norm, n_chunks, rows, out, R, err, quant_config)
+            else:
+                _launch(aux, weight, weight_scale, nw, eps, norm, n_chunks, rows, out, T, R, K, Hd, err, config,
+                        stream_max_rows)
     errors.after_launch(aux.device)
+
+
+_FP8_MM_DEVICES: dict = {}
+
+
+def _fp8_mm_applies(weight: Tensor, weight_scale: Optional[Tensor], out: Tensor) -> bool:
+    """Whether _fp8_mm takes this call: an e4m3 weight with its scale, a bf16 out, K and Hd multiples of 16
+    (torch._scaled_mm's rule), the weight 16-byte aligned, and fp8 tensor cores (CUDA capability 8.9+; the CPU
+    tensors of the interpreter's tests run torch._scaled_mm's CPU kernel)."""
+    Hd, K = weight.shape
+    if not (weight.dtype == getattr(torch, "float8_e4m3fn", None) and weight_scale is not None
+            and weight_scale.is_contiguous() and out.dtype == torch.bfloat16 and K % 16 == 0 and Hd % 16 == 0
+            and weight.data_ptr() % 16 == 0):
+        return False
+    dev = weight.device
+    if dev.type == "cuda" and dev.index not in _FP8_MM_DEVICES:
+        _FP8_MM_DEVICES[dev.index] = torch.cuda.get_device_capability(dev) >= (8, 9)
+    return dev.type != "cuda" or _FP8_MM_DEVICES[dev.index]
+
+
+def _fp8_mm(aux, weight, weight_scale, nw, eps, norm, n_chunks, rows, out, R, err, quant_config):
+    """out = (q8 @ weight^T) * qscale[:, None] * weight_scale[None, :], q8 / qscale = _quant_rows_kernel's e4m3 rows
+    of norm(aux[rows]) * nw and their scales: one Triton launch, then torch._scaled_mm (rowwise scales; cuBLAS
+    on sm90 with CUDA 12.9+), written into out where it is contiguous, else through a temporary and a copy.
+
+    Accuracy rule (the activation quantisation): each element of v = norm(aux[rows]) * nw is rounded to e4m3
+    (3 mantissa bits) after scaling its row by 448 / amax(|v|): a relative error of at most 2^-4 where the scaled
+    value is normal (|v| >= 2^-6 * amax / 448), an absolute error of at most 2^-10 * amax / 448 below that. The
+    output is the float64 product of those rounded rows with the dequantised weight, within the bf16 rule
+    (tests/test_fc_proj.py test_triton_interpreted_fp8_mm: against the rows quantised the same way; a random
+    Kimi-shaped row set lands at ~2.5% relative error from the unquantised reference, test_fp8_mm_error)."""
+    q8, qscale = quantised_rows(aux, nw, eps, norm, n_chunks, rows, R, err, quant_config)
+    dst = out if out.is_contiguous() else torch.empty(R, out.shape[1], dtype=out.dtype, device=out.device)
+    torch._scaled_mm(q8, weight.t(), scale_a=qscale, scale_b=weight_scale.view(1, -1), out_dtype=out.dtype, out=dst)
+    if dst is not out:
+        out.copy_(dst)
+
+
+def quantised_rows(aux: Tensor, nw: Optional[Tensor], eps: float, norm: int, n_chunks: int, rows: Optional[Tensor],
+                   R: int, err: Tensor, quant_config: tuple = QUANT_CONFIG) -> tuple[Tensor, Tensor]:
+    """(q8 [R, K] e4m3, qscale [R, 1] fp32): _quant_rows_kernel's rows of norm(aux[rows]) * nw (norm a _NORM_CODE,
+    n_chunks the fc_norm chunks or 1), for _fp8_mm and the tests."""
+    T, K = aux.shape
+    q8 = torch.empty(R, K, dtype=torch.float8_e4m3fn, device=aux.device)
+    qscale = torch.empty(R, 1, dtype=torch.float32, device=aux.device)
+    chunk = K // n_chunks
+    _quant_rows_kernel[(R,)](
+        aux, aux.stride(0), rows if rows is not None else aux, T, K, chunk, n_chunks, nw if nw is not None else aux,
+        eps, q8, qscale, err, HAS_ROWS=rows is not None, NORM=norm, HAS_NW=nw is not None,
+        NC=triton.next_power_of_2(n_chunks), BLOCK=min(quant_config[0], triton.next_power_of_2(chunk)),
+        num_warps=quant_config[1])
+    return q8, qscale
 
 
 def _launch(aux, weight, weight_scale, nw, eps, norm, n_chunks, rows, out, T, R, K, Hd, err, config, stream_max_rows):
