@@ -6,7 +6,8 @@ chunk, cat, F.linear).
 The fp8 table (bench "fc fp8"; issue 23: >= 1.0x torch._scaled_mm at T = 16, 32, 64, the activation
 quantisation included): eagle3 (the op: at T >= 16 its activations quantised by one Triton kernel, then
 torch._scaled_mm with rowwise scales; below, the stream-K kernel), eagle3.stream (the stream-K kernel forced,
-fp8_mm_min_rows None), torch (the baseline: per-tensor activation scale amax / 448, the cast, and
+fp8_mm_min_rows None), eagle3.rowwise (torch._scaled_mm's rowwise scales instead of the fp32 product and
+_fp8_scale_kernel), eagle3.quantise (the activation quantisation kernel alone: its share), torch (the baseline: per-tensor activation scale amax / 448, the cast, and
 torch._scaled_mm with per-tensor scales, eager), torch.compile (the same compiled: the quantisation fused,
 T 16 / 32 / 64), torch.prequantised (per-tensor torch._scaled_mm alone on activations quantised outside the timed
 call: issue 23's 40.7 us at T = 64), torch.rowwise.prequantised (rowwise scales, quantised outside: flatters it),
@@ -24,7 +25,7 @@ import torch.nn.functional as F
 
 from common import graph_time_us
 
-import eagle3_ops  # noqa: F401
+from eagle3_ops import errors
 from eagle3_ops.ops import prepare_fc_weight
 
 H, HD, N_AUX = 7168, 7168, 3
@@ -68,6 +69,11 @@ def _case(T, provider):
         return lambda: torch.ops.eagle3.fc_proj(aux, w8, scale, None, 1e-6, "none", None, out), w8
     if provider == "eagle3.stream fp8":  # the stream-K kernel at every T (the launcher, as the op calls it)
         return lambda: kernels._fc_proj(aux, w8, scale, None, 1e-6, "none", None, out, fp8_mm_min_rows=None), w8
+    if provider == "eagle3.rowwise fp8":
+        return lambda: kernels._fc_proj(aux, w8, scale, None, 1e-6, "none", None, out, fp8_mm_mode="rowwise"), w8
+    if provider == "eagle3.quantise fp8":
+        err = errors.error_word(aux.device)
+        return lambda: kernels.quantised_rows(aux, None, 1e-6, 0, 1, None, T, err), w8
     if provider in ("torch", "torch.bf16 fp8"):
         return lambda: F.linear(aux, W["bf16"]), W["bf16"]
     if provider == "torch.compile":
@@ -87,7 +93,7 @@ def _case(T, provider):
     raise ValueError(provider)
 
 
-FP8_PROVIDERS = ["eagle3 fp8", "eagle3.stream fp8", "torch fp8", "torch.compile fp8", "torch.prequantised fp8",
+FP8_PROVIDERS = ["eagle3 fp8", "eagle3.stream fp8", "eagle3.rowwise fp8", "eagle3.quantise fp8", "torch fp8", "torch.compile fp8", "torch.prequantised fp8",
                  "torch.rowwise.prequantised fp8", "torch.bf16 fp8"]
 
 
@@ -96,14 +102,17 @@ FP8_PROVIDERS = ["eagle3 fp8", "eagle3.stream fp8", "torch fp8", "torch.compile 
 def test_fc(benchmark, recorder, provider, T):
     if provider == "torch.compile" and T not in (1, 64, 4096):
         pytest.skip("torch.compile of F.linear is cuBLAS again: three sizes suffice")
-    if provider in ("torch.compile fp8", "eagle3.stream fp8") and T not in (16, 32, 64):
+    if provider in ("torch.compile fp8", "eagle3.stream fp8", "eagle3.rowwise fp8", "eagle3.quantise fp8") and \
+            T not in (16, 32, 64):
         pytest.skip("issue 23's fp8 rows (T 16, 32, 64) only")
     fn, w = _case(T, provider)
     us = graph_time_us([fn], reps=20)
     benchmark.pedantic(fn, rounds=20, warmup_rounds=3)
-    nbytes = w.numel() * w.element_size() + T * K * 2 + T * HD * 2
+    nbytes, flops = w.numel() * w.element_size() + T * K * 2 + T * HD * 2, 2 * T * K * HD
+    if provider == "eagle3.quantise fp8":  # aux read twice (the second from L2: counted once), e4m3 rows written
+        nbytes, flops = T * K * 3, 0
     bench = "fc fp8" if provider.endswith(" fp8") else "fc bf16"  # "torch fp8": the baseline column of its table
-    recorder.add(bench, f"T={T}", provider.replace(" fp8", ""), us, nbytes, 2 * T * K * HD,
+    recorder.add(bench, f"T={T}", provider.replace(" fp8", ""), us, nbytes, flops,
                  weight_bytes=w.numel() * w.element_size())
 
 

@@ -219,13 +219,18 @@ def _norm_weight(gen, norm_mode, n_aux, H, dtype):
     return None
 
 
+def _validate_fc(*args):
+    from eagle3_ops._validate import fc_proj as check
+
+    check(*args)
+
+
 def _triton_fc(*args, config=None, prefill=False):
     """The Triton launcher, checked as the op checks; config: _fc_proj's tiles; prefill: cuBLAS / the tiled GEMM
     at any R (stream_max_rows 0)."""
-    from eagle3_ops._validate import fc_proj as check
     from eagle3_ops.triton_kernels import fc_proj as kernels
 
-    check(*args)
+    _validate_fc(*args)
     kernels._fc_proj(*args, config=config, stream_max_rows=0 if prefill else kernels.STREAM_MAX_ROWS)
 
 
@@ -371,6 +376,8 @@ def test_triton_interpreted_fp8_quantised_rows(gen, norm_mode, dtype, block):
     cfg = kernels.QUANT_CONFIG if block is None else (block, 4)
     q8, qs = kernels.quantised_rows(aux, None if nw is None else nw.reshape(-1), 1e-6, kernels._NORM_CODE[norm_mode],
                                     3 if norm_mode == "fc_norm" else 1, rows, 6, err, cfg)
+    assert float(qs[6]) == 1.0  # torch._scaled_mm's unit per-tensor scale
+    qs = qs[:6]
     with pytest.raises(Eagle3InputError, match=r"^fc_proj: rows\[4\] = 21 is out of range \(valid: 0\.\.20\)$"):
         eagle3_ops.check_errors("cpu")
     assert torch.isnan(qs[4]).all()
@@ -388,10 +395,12 @@ def test_triton_interpreted_fp8_quantised_rows(gen, norm_mode, dtype, block):
 @pytest.mark.parametrize("norm_mode", ["none", "fc_norm"])
 @pytest.mark.parametrize("R", [15, 16, 70])  # below the fp8 matmul's threshold (stream-K), at it, a prefill size
 @pytest.mark.parametrize("strided_out", [False, True])
-def test_triton_interpreted_fp8_mm(gen, monkeypatch, norm_mode, R, strided_out):
+@pytest.mark.parametrize("mode", ["tensorwise", "rowwise"])
+def test_triton_interpreted_fp8_mm(gen, monkeypatch, norm_mode, R, strided_out, mode):
     # the whole launcher on CPU tensors (torch._scaled_mm has a CPU kernel): R >= 16 rows of an fp8 weight with a
     # bf16 out take _fp8_mm, quantised activations and the fp8 rule; 15 rows the stream-K kernel and the bf16 rule;
-    # a strided out goes through a temporary; a bad row index gives a NaN row, reported
+    # a strided out is written at its stride (tensorwise) or through a temporary (rowwise); a bad row index gives a
+    # NaN row, reported
     from eagle3_ops.triton_kernels import fc_proj as kernels
 
     calls = []
@@ -403,7 +412,8 @@ def test_triton_interpreted_fp8_mm(gen, monkeypatch, norm_mode, R, strided_out):
     rows[R // 2] = -1
     buf = torch.full((R, Hd + 16), -777.0, dtype=torch.bfloat16)
     out = poison_(buf[:, 8:8 + Hd] if strided_out else buf[:, :Hd].contiguous())
-    _triton_fc(aux, w8, scale, nw, 1e-6, norm_mode, rows, out)
+    _validate_fc(aux, w8, scale, nw, 1e-6, norm_mode, rows, out)
+    kernels._fc_proj(aux, w8, scale, nw, 1e-6, norm_mode, rows, out, fp8_mm_mode=mode)
     with pytest.raises(Eagle3InputError, match=rf"^fc_proj: rows\[{R // 2}\] = -1 is out of range"):
         eagle3_ops.check_errors("cpu")
     assert len(calls) == (R >= kernels.FP8_MM_MIN_ROWS)

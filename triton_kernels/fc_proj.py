@@ -19,8 +19,9 @@ the fly (prepare_fc_weight folds it into the weight columns once, at load, so it
 
 An fp8 e4m3 weight at R >= FP8_MM_MIN_ROWS (16) with a bf16 out (K and Hd multiples of 16, a CUDA device of
 compute capability 8.9+) takes cuBLAS's fp8 GEMM instead, at every R from there up: one kernel (_quant_rows_kernel)
-gathers the rows, applies the norm and rounds each row to e4m3 with its own scale amax / 448, and
-torch._scaled_mm multiplies that by the weight with rowwise scales (the rows' and weight_scale). The activations
+gathers the rows, applies the norm and rounds each row to e4m3 with its own scale amax / 448, torch._scaled_mm
+multiplies that by the weight into fp32 (unit per-tensor scales: cuBLAS's fast path at these sizes), and a small
+kernel applies the rows' and the weight's scales and writes out. The activations
 are quantised there, as vLLM's and SGLang's fp8 linear layers quantise theirs per token; the accuracy rule is
 in _fp8_mm's docstring. Measured on the H200 (issue 23): the stream-K kernel took 66 us at T = 64 against
 torch._scaled_mm's 40.7 us (per-tensor scales, fp8 activations).
@@ -67,6 +68,11 @@ STREAM_MAX_ROWS = 64
 FP8_MM_MIN_ROWS = 16
 # _quant_rows_kernel's (largest BLOCK, num_warps): each row read twice (amax, then quantise), one program a row
 QUANT_CONFIG = (8192, 16)
+# how _fp8_mm applies the rows' and the weight's scales: "tensorwise" (torch._scaled_mm with unit per-tensor scales
+# into fp32, then _fp8_scale_kernel) or "rowwise" (torch._scaled_mm's rowwise scales, straight into out). Rowwise
+# took 71.1 / 77.0 / 62.6 us at T = 16 / 32 / 64 on the H200 at 6501455 (torch 2.11; docs/kernels/fc_proj.md),
+# per-tensor 40.7 us at T = 64 (issue 23)
+FP8_MM_MODE = "tensorwise"
 _NORM_CODE = {"none": 0, "norm_before_fc": 1, "fc_norm": 2}
 # the error word's ids (eagle3_ops/errors.py)
 _OP_FC_PROJ = tl.constexpr(op_id("fc_proj"))
@@ -334,7 +340,7 @@ def _round_e4m3(x):
 
 
 @triton.jit
-def _quant_rows_kernel(aux, stride_a, rows, T, K, CHUNK, n_chunks, nw, eps, q8, qscale, err,
+def _quant_rows_kernel(aux, stride_a, rows, T, R, K, CHUNK, n_chunks, nw, eps, q8, qscale, err,
                        HAS_ROWS: tl.constexpr, NORM: tl.constexpr, HAS_NW: tl.constexpr, NC: tl.constexpr,
                        BLOCK: tl.constexpr):
     """The rowwise fp8 operand of torch._scaled_mm: v = norm(aux[rows[r]]) * nw in fp32 (as _normalise_rows_kernel),
@@ -342,7 +348,8 @@ def _quant_rows_kernel(aux, stride_a, rows, T, K, CHUNK, n_chunks, nw, eps, q8, 
     even; the largest |v| lands on 448, e4m3's largest finite value). NaN scale (so a NaN out row) for an index outside
     [0, T), reported to err.
 
-    aux [T, K] (row stride stride_a); rows [R]; nw [K]; q8 [R, K] e4m3 contiguous; qscale [R] fp32. The row is
+    aux [T, K] (row stride stride_a); rows [R]; nw [K]; q8 [R, K] e4m3 contiguous; qscale [R + 1] fp32, its last
+    element 1.0 (torch._scaled_mm's unit per-tensor scale, written by program 0). The row is
     n_chunks chunks of CHUNK columns (fc_norm: one rsqrt each; otherwise one chunk of K). The first pass sums
     squares and |aux * nw| maxima per chunk (rsqrt_c * max_c |aux * nw| is the chunk's amax), the second reads the
     row again (from L2) and quantises it; NC is n_chunks rounded up to a power of two."""
@@ -371,6 +378,8 @@ def _quant_rows_kernel(aux, stride_a, rows, T, K, CHUNK, n_chunks, nw, eps, q8, 
     amax = tl.maximum(amax, 1e-30)
     inv = 448.0 / amax
     tl.store(qscale + r, tl.where(valid, amax / 448.0, float("nan")))
+    if r == 0:
+        tl.store(qscale + R, 1.0)
     dst = q8 + r.to(tl.int64) * K
     for c in range(0, n_chunks):
         mult = tl.sum(tl.where(chunk_ids == c, rstd, 0.0), axis=0) * inv
@@ -571,7 +580,7 @@ def fc_proj(aux: Tensor, weight: Tensor, weight_scale: Optional[Tensor], norm_we
 def _fc_proj(aux: Tensor, weight: Tensor, weight_scale: Optional[Tensor], norm_weight: Optional[Tensor], eps: float,
              norm_mode: str, rows: Optional[Tensor], out: Tensor, *, config: Optional[str] = None,
              stream_max_rows: int = STREAM_MAX_ROWS, fp8_mm_min_rows: Optional[int] = FP8_MM_MIN_ROWS,
-             quant_config: tuple = QUANT_CONFIG) -> None:
+             quant_config: tuple = QUANT_CONFIG, fp8_mm_mode: str = FP8_MM_MODE) -> None:
     """fc_proj's launcher with its choices made explicit, for tuning runs and tests (the op passes the defaults).
 
     config : str, optional
@@ -583,6 +592,8 @@ def _fc_proj(aux: Tensor, weight: Tensor, weight_scale: Optional[Tensor], norm_w
         An fp8 weight at R >= this many rows takes _fp8_mm where it applies (_fp8_mm_applies); None: never.
     quant_config : (int, int)
         _quant_rows_kernel's largest BLOCK and num_warps.
+    fp8_mm_mode : str
+        "tensorwise" or "rowwise" (FP8_MM_MODE).
     """
     for name, t in (("aux", aux), ("weight", weight), ("norm_weight", norm_weight), ("out", out)):
         if t is not None and t.dtype == torch.float64:
@@ -604,7 +615,8 @@ def _fc_proj(aux: Tensor, weight: Tensor, weight_scale: Optional[Tensor], norm_w
             _reduced(out, rows, T, R, Hd, None, out, 0, err)
         else:
             if fp8_mm_min_rows is not None and R >= fp8_mm_min_rows and _fp8_mm_applies(weight, weight_scale, out):
-                _fp8_mm(aux, weight, weight_scale, nw, eps, norm, n_chunks, rows, out, R, err, quant_config)
+                _fp8_mm(aux, weight, weight_scale, nw, eps, norm, n_chunks, rows, out, R, err, quant_config,
+                        fp8_mm_mode)
             else:
                 _launch(aux, weight, weight_scale, nw, eps, norm, n_chunks, rows, out, T, R, K, Hd, err, config,
                         stream_max_rows)
@@ -629,37 +641,58 @@ def _fp8_mm_applies(weight: Tensor, weight_scale: Optional[Tensor], out: Tensor)
     return dev.type != "cuda" or _FP8_MM_DEVICES[dev.index]
 
 
-def _fp8_mm(aux, weight, weight_scale, nw, eps, norm, n_chunks, rows, out, R, err, quant_config):
+def _fp8_mm(aux, weight, weight_scale, nw, eps, norm, n_chunks, rows, out, R, err, quant_config, mode):
     """out = (q8 @ weight^T) * qscale[:, None] * weight_scale[None, :], q8 / qscale = _quant_rows_kernel's e4m3 rows
-    of norm(aux[rows]) * nw and their scales: one Triton launch, then torch._scaled_mm (rowwise scales; cuBLAS
-    on sm90 with CUDA 12.9+), written into out where it is contiguous, else through a temporary and a copy.
+    of norm(aux[rows]) * nw and their scales: one Triton launch, torch._scaled_mm (cuBLAS), and in the
+    "tensorwise" mode (FP8_MM_MODE) _fp8_scale_kernel applying both scales to its fp32 product and writing out at
+    any row stride; "rowwise" gives the scales to torch._scaled_mm (out written there where it is contiguous,
+    else through a temporary and a copy).
 
     Accuracy rule (the activation quantisation): each element of v = norm(aux[rows]) * nw is rounded to e4m3
     (3 mantissa bits) after scaling its row by 448 / amax(|v|): a relative error of at most 2^-4 where the scaled
     value is normal (|v| >= 2^-6 * amax / 448), an absolute error of at most 2^-10 * amax / 448 below that. The
     output is the float64 product of those rounded rows with the dequantised weight, within the bf16 rule
-    (tests/test_fc_proj.py test_triton_interpreted_fp8_mm: against the rows quantised the same way; a random
-    Kimi-shaped row set lands at ~2.5% relative error from the unquantised reference, test_fp8_mm_error)."""
+    (tests/test_fc_proj.py _check_fp8_mm: against the rows quantised the same way; Gaussian rows land at 2.5-2.9%
+    relative error from the unquantised reference, the tests allow 4%)."""
     q8, qscale = quantised_rows(aux, nw, eps, norm, n_chunks, rows, R, err, quant_config)
-    dst = out if out.is_contiguous() else torch.empty(R, out.shape[1], dtype=out.dtype, device=out.device)
-    torch._scaled_mm(q8, weight.t(), scale_a=qscale, scale_b=weight_scale.view(1, -1), out_dtype=out.dtype, out=dst)
-    if dst is not out:
-        out.copy_(dst)
+    if mode == "rowwise":
+        dst = out if out.is_contiguous() else torch.empty(R, out.shape[1], dtype=out.dtype, device=out.device)
+        torch._scaled_mm(q8, weight.t(), scale_a=qscale[:R], scale_b=weight_scale.view(1, -1), out_dtype=out.dtype,
+                         out=dst)
+        if dst is not out:
+            out.copy_(dst)
+        return
+    one = qscale[R:]
+    acc = torch._scaled_mm(q8, weight.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
+    Hd, block = out.shape[1], 1024
+    _fp8_scale_kernel[(R, triton.cdiv(Hd, block))](acc, qscale, weight_scale, out, out.stride(0), Hd, err,
+                                                    BLOCK=block)
+
+
+@triton.jit
+def _fp8_scale_kernel(acc, qscale, scale, out, stride_o, Hd, err, BLOCK: tl.constexpr):
+    """out[r, n] = acc[r, n] * qscale[r] * scale[n], rounded once (acc [R, Hd] fp32 contiguous; a NaN qscale: the
+    bad row _quant_rows_kernel reported, NaN)."""
+    r = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < Hd
+    a = tl.load(acc + r.to(tl.int64) * Hd + offs, mask=ok, other=0.0) * tl.load(qscale + r)
+    _store_row(a, r, offs, ok, acc, 0, scale, out, stride_o, err, False, True)
 
 
 def quantised_rows(aux: Tensor, nw: Optional[Tensor], eps: float, norm: int, n_chunks: int, rows: Optional[Tensor],
                    R: int, err: Tensor, quant_config: tuple = QUANT_CONFIG) -> tuple[Tensor, Tensor]:
-    """(q8 [R, K] e4m3, qscale [R, 1] fp32): _quant_rows_kernel's rows of norm(aux[rows]) * nw (norm a _NORM_CODE,
-    n_chunks the fc_norm chunks or 1), for _fp8_mm and the tests."""
+    """(q8 [R, K] e4m3, qscale [R + 1, 1] fp32, the last 1.0): _quant_rows_kernel's rows of norm(aux[rows]) * nw
+    (norm a _NORM_CODE, n_chunks the fc_norm chunks or 1), for _fp8_mm and the tests."""
     T, K = aux.shape
     q8 = torch.empty(R, K, dtype=torch.float8_e4m3fn, device=aux.device)
-    qscale = torch.empty(R, 1, dtype=torch.float32, device=aux.device)
+    qscale = torch.empty(R + 1, 1, dtype=torch.float32, device=aux.device)
     chunk = K // n_chunks
     _quant_rows_kernel[(R,)](
-        aux, aux.stride(0), rows if rows is not None else aux, T, K, chunk, n_chunks, nw if nw is not None else aux,
-        eps, q8, qscale, err, HAS_ROWS=rows is not None, NORM=norm, HAS_NW=nw is not None,
-        NC=triton.next_power_of_2(n_chunks), BLOCK=min(quant_config[0], triton.next_power_of_2(chunk)),
-        num_warps=quant_config[1])
+        aux, aux.stride(0), rows if rows is not None else aux, T, R, K, chunk, n_chunks,
+        nw if nw is not None else aux, eps, q8, qscale, err, HAS_ROWS=rows is not None, NORM=norm,
+        HAS_NW=nw is not None, NC=triton.next_power_of_2(n_chunks),
+        BLOCK=min(quant_config[0], triton.next_power_of_2(chunk)), num_warps=quant_config[1])
     return q8, qscale
 
 
