@@ -6,13 +6,20 @@ the plain-PyTorch path, in one run (and sgl-kernel's own kernel where its wheel 
                 eagle3   torch.ops.eagle3.build_tree at the same B / topk / depth / N (it selects too)
                 torch    SGLang's preprocess + build in plain PyTorch (engine/torch_glue.build_tree_into)
     verify      compat   logits.argmax(-1) + verify_tree_greedy, what SGLang's greedy verify runs
+                compat-walk  verify_tree_greedy alone (target_predict made beforehand): the compat function
                 eagle3   torch.ops.eagle3.verify_greedy on the same logits
                 torch    argmax + the walk as tensor ops (engine/torch_glue.verify_greedy)
     sampling    compat   tree_speculative_sampling_target_only on target_probs [B, N, V] fp32
                 eagle3   torch.ops.eagle3.verify_sampling on the logits (softmax inside, no draft probs)
     packbits    compat   segment_packbits over B segments of N * (seq + N) mask bits
                 torch    one pad + weighted sum per segment (a host loop), what a caller without the kernel writes
+    every one   compat-torch  the same compat call on compat.sglang's tensor-op path (kernels = "torch"): the
+                         PyTorch path the fused Triton kernels replace
     sgl_kernel  the same call into sgl_kernel, when `import sgl_kernel` works here (else one row says why not)
+
+The last case prints the done-when table (issue 22), per function, shape and timing (graph / eager): compat,
+the native op, the PyTorch path it replaces (compat-torch), compat / native (target <= 1.2) and compat /
+compat-torch (target < 1); written to $EAGLE3_BENCH_OUT/compat_ratios.txt too.
 
 Two figures per case: device time of CUDA-graph replays of back-to-back calls over rotated input sets
 (graph_time_us) and wall time per eager call with the host launch cost (eager_time_us, bench "<name>/eager").
@@ -20,6 +27,9 @@ Bytes: what the call must read and write once (the logits / probabilities domina
 """
 
 from __future__ import annotations
+
+import os
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -44,7 +54,22 @@ except Exception as e:  # noqa: BLE001 - any failure to load is the reason recor
     SGL, SGL_WHY = None, f"{type(e).__name__}: {e}"[:200]
 
 
+@contextmanager
+def _path(provider):
+    """compat-torch: compat.sglang's tensor ops on the CUDA tensors (what its kernels replace)."""
+    compat.kernels = "torch" if provider.endswith("torch") and provider.startswith("compat") else "auto"
+    try:
+        yield
+    finally:
+        compat.kernels = "auto"
+
+
 def _time(recorder, bench, shape, provider, calls, nbytes, **extra):
+    with _path(provider):
+        _timed(recorder, bench, shape, provider, calls, nbytes, **extra)
+
+
+def _timed(recorder, bench, shape, provider, calls, nbytes, **extra):
     recorder.add(bench, shape, provider, graph_time_us(calls), nbytes, **extra)
     recorder.add(f"{bench}/eager", shape, provider, eager_time_us(calls, EAGER_CALLS), nbytes, **extra)
 
@@ -93,10 +118,11 @@ def native_outs(B, N):
             torch.empty(B, N, (N + 31) // 32, dtype=torch.int32, device="cuda"))
 
 
-@pytest.mark.parametrize("provider", ["compat-bitpacked", "compat-full", "eagle3", "torch", "sgl_kernel"])
+@pytest.mark.parametrize("provider", ["compat-bitpacked", "compat-full", "compat-bitpacked-torch", "compat-full-torch",
+                                      "eagle3", "torch", "sgl_kernel"])
 @pytest.mark.parametrize("B,topk,depth,N", BUILD_SHAPES, ids=[f"B{b}-topk{k}-depth{d}-N{n}" for b, k, d, n in BUILD_SHAPES])
 def test_build(recorder, provider, B, topk, depth, N):
-    if N > 32 and provider == "compat-bitpacked":
+    if N > 32 and provider.startswith("compat-bitpacked"):
         pytest.skip("the packed mask holds N <= 32")
     g = torch.Generator(device="cuda").manual_seed(B * N)
     C = depth * topk * topk
@@ -108,7 +134,7 @@ def test_build(recorder, provider, B, topk, depth, N):
     elif provider == "torch":
         calls = [lambda s=s, o=native_outs(B, N): torch_glue.build_tree_into(*s[3], *o) for s in sets]
     else:
-        mode = compat.TreeMaskMode.FULL_MASK if provider in ("compat-full", "sgl_kernel") else 2
+        mode = compat.TreeMaskMode.FULL_MASK if provider.startswith(("compat-full", "sgl_kernel")) else 2
         if provider == "sgl_kernel" and SGL is None:
             recorder.add("build", shape, "sgl_kernel", float("nan"), nbytes, why_not=SGL_WHY)
             pytest.skip(f"sgl_kernel does not load here: {SGL_WHY}")
@@ -143,12 +169,16 @@ def greedy_call(provider, s):
         return lambda: torch.ops.eagle3.verify_greedy(s["logits"], s["tokens"], s["parents"])
     if provider == "torch":
         return lambda: torch_glue.verify_greedy(s["logits"], s["tokens"], s["parents"])
-    fn = compat.verify_tree_greedy if provider == "compat" else SGL.verify_tree_greedy
+    fn = compat.verify_tree_greedy if provider.startswith("compat") else SGL.verify_tree_greedy
     B, N = s["tokens"].shape
+    if provider.startswith("compat-walk"):  # the compat function alone, on a target_predict made beforehand
+        s["target"] = s["logits"].argmax(-1).view(B, N)
+        return lambda: fn(*s["out"], s["tokens"], *s["lists"], s["target"])
     return lambda: fn(*s["out"], s["tokens"], *s["lists"], s["logits"].argmax(-1).view(B, N))
 
 
-@pytest.mark.parametrize("provider", ["compat", "eagle3", "torch", "sgl_kernel"])
+@pytest.mark.parametrize("provider", ["compat", "compat-torch", "compat-walk", "compat-walk-torch", "eagle3", "torch",
+                                      "sgl_kernel"])
 @pytest.mark.parametrize("B,N,kind", VERIFY_SHAPES, ids=[f"B{b}-N{n}-{k}" for b, n, k in VERIFY_SHAPES])
 def test_verify(recorder, provider, B, N, kind):
     nbytes = B * N * V * 2 + B * N * (8 * 4 + 4) + B * 8
@@ -166,7 +196,7 @@ def test_verify(recorder, provider, B, N, kind):
     _time(recorder, "verify", shape, provider, [greedy_call(provider, s) for s in sets], nbytes)
 
 
-@pytest.mark.parametrize("provider", ["compat", "eagle3", "sgl_kernel"])
+@pytest.mark.parametrize("provider", ["compat", "compat-torch", "eagle3", "sgl_kernel"])
 @pytest.mark.parametrize("B,N,kind", VERIFY_SHAPES, ids=[f"B{b}-N{n}-{k}" for b, n, k in VERIFY_SHAPES])
 def test_sampling(recorder, provider, B, N, kind):
     shape = f"B={B} N={N} {kind} V={V}"
@@ -184,7 +214,7 @@ def test_sampling(recorder, provider, B, N, kind):
             calls.append(lambda s=s, t=t, seed=seed, off=off: torch.ops.eagle3.verify_sampling(
                 s["logits"], None, None, s["tokens"], s["parents"], t, seed, off))
         else:
-            fn = compat.tree_speculative_sampling_target_only if provider == "compat" else \
+            fn = compat.tree_speculative_sampling_target_only if provider.startswith("compat") else \
                 SGL.tree_speculative_sampling_target_only
             draft = torch.zeros_like(s["probs"])
             calls.append(lambda s=s, d=draft: fn(*s["out"], s["tokens"], *s["lists"], s["coins"], s["final"],
@@ -205,7 +235,7 @@ def packbits_torch(x, input_indptr, output_indptr, y, batch_size):
         y[op[s]:op[s + 1]] = (seg * weights).sum(-1, dtype=torch.uint8)
 
 
-@pytest.mark.parametrize("provider", ["compat", "torch", "sgl_kernel"])
+@pytest.mark.parametrize("provider", ["compat", "compat-torch", "torch", "sgl_kernel"])
 @pytest.mark.parametrize("B,N,seq", [(64, 64, 4096), (1, 64, 32768), (64, 8, 1024)])
 def test_packbits(recorder, provider, B, N, seq):
     lengths = torch.full((B,), N * (seq + N), dtype=torch.int32)
@@ -218,9 +248,53 @@ def test_packbits(recorder, provider, B, N, seq):
     if provider == "sgl_kernel" and SGL is None:
         recorder.add("packbits", shape, "sgl_kernel", float("nan"), nbytes, why_not=SGL_WHY)
         pytest.skip(f"sgl_kernel does not load here: {SGL_WHY}")
-    fn = {"compat": compat.segment_packbits, "torch": packbits_torch}.get(provider) or SGL.segment_packbits
+    fn = {"compat": compat.segment_packbits, "compat-torch": compat.segment_packbits,
+          "torch": packbits_torch}.get(provider) or SGL.segment_packbits
     if provider == "torch":  # host reads: eager only
         recorder.add("packbits/eager", shape, provider, eager_time_us([lambda: fn(x, in_ptr, out_ptr, y, B)], 10),
                      nbytes)
         return
     _time(recorder, "packbits", shape, provider, [lambda: fn(x, in_ptr, out_ptr, y, B)], nbytes)
+
+
+# ---- the done-when table ---------------------------------------------------------------------------------------
+
+NATIVE = {"build": "eagle3", "verify": "eagle3", "sampling": "eagle3", "packbits": None}
+
+
+def ratio_table(rows, native: dict, torch_of=lambda p: f"{p}-torch",
+                targets: str = "compat / native <= 1.2, compat / torch path < 1") -> str:
+    """Per (bench, shape) and compat provider: its time, the native op's, the PyTorch path's (provider
+    torch_of(compat provider)), and the two ratios; graph rows first, then the eager ones."""
+    us = {(r.bench, r.shape, r.provider): r.us for r in rows}
+    out = [f"done-when ({targets}); us per call",
+           f"{'bench':<16} {'shape':<34} {'compat':<18} {'us':>8} {'native':>8} {'torch':>8} {'/native':>8} "
+           f"{'/torch':>8}  ok"]
+    for timing in ("graph", "eager"):
+        for (bench, shape, provider), t in us.items():
+            base = bench.split("/")[0]
+            if (timing == "eager") != bench.endswith("/eager") or not provider.startswith("compat") or \
+                    provider.endswith("-torch") or base not in native:
+                continue
+            nat = us.get((bench, shape, native[base])) if native[base] else None
+            tor = us.get((bench, shape, torch_of(provider)))
+            r_nat = t / nat if nat else float("nan")
+            r_tor = t / tor if tor else float("nan")
+            ok = (r_nat <= 1.2 or nat is None) and (r_tor < 1 or tor is None)
+            out.append(f"{bench:<16} {shape:<34} {provider:<18} {t:>8.2f} {nat or float('nan'):>8.2f} "
+                       f"{tor or float('nan'):>8.2f} {r_nat:>8.2f} {r_tor:>8.2f}  {'yes' if ok else 'NO'}")
+    return "\n".join(out)
+
+
+def print_ratios(recorder, capsys, native: dict, name: str, **kw) -> None:
+    table = ratio_table(recorder.rows, native, **kw)
+    with capsys.disabled():
+        print("\n" + table)
+    folder = os.environ.get("EAGLE3_BENCH_OUT")
+    if folder:
+        with open(os.path.join(folder, f"{name}.txt"), "w") as f:
+            f.write(table + "\n")
+
+
+def test_zz_ratios(recorder, capsys):
+    print_ratios(recorder, capsys, NATIVE, "compat_ratios")

@@ -17,7 +17,9 @@ compat path passes vLLM's logits to the op uncopied), and the same batch ragged 
 0 repeated: prefills and short ngram matches among decodes, the gathered path). Modes: all greedy; all random
 at temperature 1 without draft_probs (EAGLE proposing by argmax, ngram); random with fp32 draft_probs.
 
-Device time of CUDA-graph replays of back-to-back calls over input sets rotated past L2 (graph_time_us).
+Device time of CUDA-graph replays of back-to-back calls over input sets rotated past L2 (graph_time_us), and
+the wall time of eager calls (bench "compat_vllm/eager"); the last case prints compat / eagle3 and
+compat / torch for both (written to $EAGLE3_BENCH_OUT/compat_vllm_ratios.txt too).
 Bytes: the logits read once (+ draft_probs when given). Targets (issue 22): compat within 1.2x of eagle3, and
 faster than torch, at the same shape.
 """
@@ -29,7 +31,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from common import graph_time_us, rotation
+from bench_compat import print_ratios
+from common import eager_time_us, graph_time_us, rotation
 
 import eagle3_ops  # noqa: F401
 from eagle3_ops.compat.vllm import PLACEHOLDER_TOKEN_ID, RejectionSampler
@@ -144,3 +147,9 @@ def test_compat_vllm(benchmark, recorder, provider, mode, shape):
     benchmark.pedantic(calls[0], rounds=20, warmup_rounds=3)
     host_us = benchmark.stats.stats.median * 1e6
     recorder.add("compat_vllm", f"B={B} {shape} {mode} V={V}", provider, us, nbytes, host_us=host_us)
+    recorder.add("compat_vllm/eager", f"B={B} {shape} {mode} V={V}", provider, eager_time_us(calls, 40), nbytes)
+
+
+def test_zz_ratios(recorder, capsys):
+    """The done-when table: compat against the native op and against vLLM's path restated in PyTorch."""
+    print_ratios(recorder, capsys, {"compat_vllm": "eagle3"}, "compat_vllm_ratios", torch_of=lambda p: "torch")

@@ -846,3 +846,188 @@ def test_gpu_sglang_layouts_and_graph_replay():
         for a, b in zip(got, (mask, pos, lists, *out_g, *out_s)):
             assert_equal(a.cpu().long() if a.dtype == torch.uint32 else a.cpu(),
                          b.cpu().long() if b.dtype == torch.uint32 else b.cpu(), "replay vs eager")
+
+
+# ---- the fused kernels (triton_kernels/compat_sglang.py) == the tensor-op path -------------------------------
+# compat.sglang.kernels = "triton" runs the kernels on CPU tensors (TRITON_INTERPRET=1, as `make test` sets;
+# on a GPU machine the same tests run them on CUDA tensors); every output compared exactly with the tensor-op
+# path, which is the specification.
+
+import os  # noqa: E402
+
+from eagle3_ops.compat import sglang as compat  # noqa: E402
+
+KERNEL_DEVICE = "cuda" if torch.cuda.is_available() else ("cpu" if os.environ.get("TRITON_INTERPRET") == "1" else None)
+needs_kernels = pytest.mark.skipif(KERNEL_DEVICE is None, reason="the Triton kernels need a GPU or TRITON_INTERPRET=1")
+
+
+def kernels_match_tensor_path(fn, args, outs):
+    """fn(*args) on the tensor-op path and on the kernels, on copies of the same tensors (on KERNEL_DEVICE):
+    the arguments in `outs` equal afterwards. Returns the kernels' copies."""
+    runs = []
+    for path in ("torch", "triton"):
+        copies = [a.clone().to(KERNEL_DEVICE) if isinstance(a, torch.Tensor) else a for a in args]
+        compat.kernels = path
+        try:
+            fn(*copies)
+        finally:
+            compat.kernels = "auto"
+        runs.append(copies)
+    for i in outs:
+        assert_equal(runs[1][i].cpu(), runs[0][i].cpu(), f"{fn.__name__} argument {i} (kernels vs tensor ops)")
+    return runs[1]
+
+
+def _build_case(g, B, topk, depth, N, mode, seq_max=9):
+    parent_list, selected = eagle_selection(g, B, topk, depth, N)
+    if depth == 1:
+        parent_list = parent_list[:, :0]
+    seq = torch.randint(0, seq_max, (B,), generator=g)
+    if mode == TreeMaskMode.FULL_MASK:
+        mask = torch.rand(int(seq.sum()) * N + B * N * N, generator=g) < 0.5  # the prefix entries must stay
+    elif mode == TreeMaskMode.QLEN_ONLY:
+        mask = torch.rand(B * N * N, generator=g) < 0.5
+    else:
+        nb = 1 if N <= 8 else (2 if N <= 16 else 4)
+        mask = torch.randint(0, 256, (B * N, nb), generator=g, dtype=torch.uint8)  # bytes 1.. are OR-ed into
+    return [parent_list, selected, seq, mask, torch.full((B * N,), -7), torch.full((B, N), -7),
+            torch.full((B, N), -1), torch.full((B, N), -1), topk, depth, N, mode]
+
+
+# (B, topk, depth, N): B 1 and a big B, N 1 (root only), topk 1 (a chain), depth 1 (one step, parent_list [B, 0]),
+# every packed width, N past 32 (FULL / QLEN only), the bench's Kimi-like 8 x 6 x 64
+BUILD_KERNEL_SHAPES = [(1, 1, 1, 1), (3, 1, 4, 5), (2, 3, 1, 4), (1, 2, 3, 7), (5, 4, 3, 16), (2, 4, 3, 17),
+                       (2, 8, 3, 33), (65, 2, 3, 6), (2, 8, 6, 64)]
+
+
+@needs_kernels
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("B,topk,depth,N", BUILD_KERNEL_SHAPES)
+def test_build_kernel_matches_tensor_path(B, topk, depth, N, mode):
+    if mode == TreeMaskMode.QLEN_ONLY_BITPACKING and N > 32:
+        pytest.skip("the packed mask holds N <= 32")
+    g = torch.Generator().manual_seed(B * 1000 + N)
+    kernels_match_tensor_path(build_tree_kernel_efficient, _build_case(g, B, topk, depth, N, mode), (3, 4, 5, 6, 7))
+
+
+@needs_kernels
+@pytest.mark.parametrize("selected", [[0, 8], [8, 0], [6, 0, 1, 2, 2], [9, 7, 5], [9, 8, 7, 6]])
+@pytest.mark.parametrize("mode", MODES)
+def test_build_kernel_unselected_parents_unsorted_and_duplicates(selected, mode):
+    # outside SGLang's contract (its kernel leaves such nodes unlinked): the kernel ranks them as build_tree does
+    B, N = 1, len(selected) + 1
+    args = _build_case(torch.Generator().manual_seed(2), B, 2, 3, N, mode)
+    args[0], args[1] = torch.tensor([GOLDEN_PARENT_LIST[0]]), torch.tensor([selected])
+    args[2] = torch.tensor([3])
+    if mode == TreeMaskMode.FULL_MASK:
+        args[3] = torch.ones(3 * N + N * N, dtype=torch.bool)
+    kernels_match_tensor_path(build_tree_kernel_efficient, args, (3, 4, 5, 6, 7))
+
+
+def _walk_case(g, B, N, kind, V, shuffled):
+    parents = tree.random_parents(B, N, g, kind)
+    target = torch.randint(0, V, (B, N), generator=g)
+    plant = torch.rand(B, N, generator=g) < 0.7  # deep walks, some stopped early
+    tokens = torch.where(plant, target.gather(1, parents.long().clamp(min=0)), torch.randint(0, V, (B, N), generator=g))
+    if shuffled:
+        r_index, r_next, r_sib = shuffled_lists(parents, g)
+    else:
+        _, r_index, r_next, r_sib = tree.to_sglang(tokens, parents)
+    return tokens, target, r_index, r_next, r_sib
+
+
+# (B, N, kind, S): B 1 / N 1, S 1 (no draft step), S past N, a big B, a wide tree, N 64
+WALK_SHAPES = [(1, 1, "chain", 1), (1, 1, "chain", 4), (3, 8, "beam", 5), (2, 7, "wide", 3), (4, 16, "bushy", 16),
+               (65, 4, "chain", 4), (2, 64, "bushy", 70)]
+
+
+@needs_kernels
+@pytest.mark.parametrize("shuffled", [False, True])
+@pytest.mark.parametrize("B,N,kind,S", WALK_SHAPES)
+def test_greedy_kernel_matches_tensor_path(B, N, kind, S, shuffled):
+    g = torch.Generator().manual_seed(B * 100 + N)
+    tokens, target, r_index, r_next, r_sib = _walk_case(g, B, N, kind, 9, shuffled)
+    outs = [torch.full((B * N + 1,), -9, dtype=torch.int32), torch.full((B, S), -9, dtype=torch.int32),
+            torch.full((B,), -9, dtype=torch.int32)]
+    kernels_match_tensor_path(verify_tree_greedy, [*outs, tokens, r_index, r_next, r_sib, target], (0, 1, 2))
+
+
+@needs_kernels
+@pytest.mark.parametrize("with_draft", [False, True])
+@pytest.mark.parametrize("thresholds", [(1.0, 1.0), (0.3, 0.6), (0.0, 0.0)])
+@pytest.mark.parametrize("B,N,kind,S,V", [(1, 1, "chain", 1, 7), (3, 8, "beam", 5, 50), (2, 7, "wide", 8, 111),
+                                          (65, 4, "chain", 4, 13), (2, 16, "bushy", 6, 9000)])  # V 9000: 3 chunks
+def test_sampling_kernel_matches_tensor_path(B, N, kind, S, V, thresholds, with_draft):
+    g = torch.Generator().manual_seed(B * 100 + N + V)
+    tokens, _, r_index, r_next, r_sib = _walk_case(g, B, N, kind, V, shuffled=True)
+    probs = torch.softmax(torch.randn(B, N, V, generator=g) * 4, -1)
+    draft = torch.softmax(torch.randn(B, N, V, generator=g), -1) * 0.5 if with_draft else None
+    outs = [torch.full((B * N + 1,), -9, dtype=torch.int32), torch.full((B, S), -9, dtype=torch.int32),
+            torch.full((B,), -9, dtype=torch.int32)]
+    for _ in range(3):  # fresh coins (the first coin 1.0 too: the draw past the mass takes the last token)
+        coins, final = torch.rand(B, N, generator=g), torch.rand(B, generator=g)
+        final[0] = 1.0
+        args = [*outs, tokens, r_index, r_next, r_sib, coins, final, probs, draft, *thresholds]
+        kernels_match_tensor_path(tree_speculative_sampling_target_only, args, (0, 1, 2) + ((10,) if with_draft else ()))
+
+
+@needs_kernels
+@pytest.mark.parametrize("lengths", [[0], [1], [7, 8, 9], [0, 13, 0, 64, 3], list(range(0, 300, 7))])
+def test_packbits_kernel_matches_tensor_path(lengths):
+    g = torch.Generator().manual_seed(len(lengths))
+    L = torch.tensor(lengths)
+    in_ptr = torch.cat([torch.zeros(1, dtype=torch.int32), L.cumsum(0).int()])
+    out_ptr = torch.cat([torch.zeros(1, dtype=torch.int32), ((L + 7) // 8).cumsum(0).int()])
+    x = torch.rand(int(in_ptr[-1]), generator=g) < 0.5
+    y = torch.full((int(out_ptr[-1]) + 3,), 77, dtype=torch.uint8)  # bytes outside every segment left as they are
+    kernels_match_tensor_path(segment_packbits, [x, in_ptr, out_ptr, y, len(lengths)], (3,))
+
+
+@needs_kernels
+@pytest.mark.parametrize("B,N,kind", [(1, 1, "chain"), (3, 9, "bushy"), (2, 17, "beam"), (65, 4, "wide"),
+                                      (1, 64, "bushy")])
+def test_reconstruct_kernel_matches_tensor_path(B, N, kind):
+    g = torch.Generator().manual_seed(B + N)
+    parents = tree.random_parents(B, N, g, kind)
+    mask = tree.mask_to_dense(tree.tree_mask(parents), N).reshape(-1)
+    outs = [torch.full((B * N,), -7), torch.full((B, N), -7), torch.full((B, N), -7), torch.full((B, N), -7)]
+    kernels_match_tensor_path(reconstruct_indices_from_tree_mask, [mask, torch.randint(0, 99, (B,), generator=g), *outs,
+                                                                   B, N], (2, 3, 4, 5))
+
+
+@pytest.mark.gpu
+def test_gpu_kernels_at_bench_shapes_and_in_one_graph():
+    # the bench's shapes (B 64, Kimi's vocabulary for sampling) on both CUDA paths, then every kernel (the
+    # sampling's two launches too) captured in one CUDA graph and replayed on new inputs written in place
+    g = torch.Generator().manual_seed(15)
+    for mode in MODES:
+        N = 32 if mode == TreeMaskMode.QLEN_ONLY_BITPACKING else 64
+        kernels_match_tensor_path(build_tree_kernel_efficient, _build_case(g, 64, 8, 6, N, mode, 4096),
+                                  (3, 4, 5, 6, 7))
+    B, N, V, S = 64, 8, 163840, 8
+    tokens, target, r_index, r_next, r_sib = [t.cuda() for t in _walk_case(g, B, N, "beam", V, shuffled=True)]
+    probs = torch.softmax(torch.randn(B, N, V, device="cuda") * 4, -1)
+    outs = [torch.full((B * N + 1,), -9, dtype=torch.int32, device="cuda"),
+            torch.full((B, S), -9, dtype=torch.int32, device="cuda"), torch.full((B,), -9, dtype=torch.int32,
+                                                                                 device="cuda")]
+    coins, final = torch.rand(B, N, device="cuda"), torch.rand(B, device="cuda")
+    draft = torch.zeros_like(probs)
+    sampling = [*outs, tokens, r_index, r_next, r_sib, coins, final, probs, draft, 0.5, 0.7]
+    kernels_match_tensor_path(tree_speculative_sampling_target_only, sampling, (0, 1, 2, 10))
+    greedy_outs = [t.clone() for t in outs]
+
+    def step():
+        draft.zero_()
+        verify_tree_greedy(*greedy_outs, tokens, r_index, r_next, r_sib, target)
+        tree_speculative_sampling_target_only(*sampling)
+
+    graph, _ = capture_graph(step)
+    for _ in range(2):
+        coins.copy_(torch.rand(B, N, device="cuda"))
+        final.copy_(torch.rand(B, device="cuda"))
+        target.copy_(torch.where(torch.rand(B, N, device="cuda") < 0.5, target, tokens))
+        graph.replay()
+        got = [t.clone() for t in (*greedy_outs, *outs, draft)]
+        step()
+        for a, b in zip(got, (*greedy_outs, *outs, draft)):
+            assert_equal(a, b, "replay vs eager")

@@ -65,7 +65,7 @@ def _build_kernel(parent_list, P, selected, seq_lens, mask, mask_numel, position
                   NP: tl.constexpr, CP: tl.constexpr, RT: tl.constexpr, MODE: tl.constexpr, NB: tl.constexpr):
     # parent_list [B, P] int64; selected [B, N - 1] int64; seq_lens [B] int32 | int64; mask: uint8 view of the
     # output mask (mask_numel bytes); positions [B * N], r_index / r_next / r_sib [B, N] int64 (contiguous);
-    # ws [B, CP] int64 and par [B, NP] int64 scratch; err [12] int64. Candidate slot c = d * M + m is our
+    # ws [B, CP] int32 and par [B, NP] int32 scratch; err [12] int64. Candidate slot c = d * M + m is our
     # [DEPTH, M] layout of SGLang's flat candidate f (f < TOPK: row 0; then TOPK * TOPK per depth).
     b = tl.program_id(0).to(tl.int64)
     C: tl.constexpr = TOPK + (DEPTH - 1) * TOPK * TOPK
@@ -75,19 +75,19 @@ def _build_kernel(parent_list, P, selected, seq_lens, mask, mask_numel, position
     inside = c < DEPTH * M
     f = tl.where(d == 0, tl.where(m < TOPK, m, -1), TOPK + (d - 1) * M + m).to(tl.int64)
     f = tl.where(inside, f, -1)
+    deep = inside & (d >= 1)
+    g = tl.load(parent_list + b * P + 1 + (d - 1) * TOPK + m // TOPK, mask=deep, other=0)  # issued first
     # selected slots (a selected candidate outside [0, C) is skipped, as the tensor path's scatter does)
-    tl.store(ws + b * CP + c, tl.zeros([CP], tl.int64))
+    tl.store(ws + b * CP + c, tl.zeros([CP], tl.int32))
     tl.debug_barrier()
     j = tl.arange(0, NP)
     sel = tl.load(selected + b * (N - 1) + j, mask=j < N - 1, other=-1)
     sel_ok = (sel >= 0) & (sel < C)
-    tl.store(ws + b * CP + tl.where(sel < TOPK, sel, sel + (M - TOPK)), tl.full([NP], 1, tl.int64), mask=sel_ok)
+    tl.store(ws + b * CP + tl.where(sel < TOPK, sel, sel + (M - TOPK)), tl.full([NP], 1, tl.int32), mask=sel_ok)
     tl.debug_barrier()
     chosen = inside & (f >= 0) & (tl.load(ws + b * CP + c) != 0)
     tl.debug_barrier()
     # parent slot: SGLang's parent_list entry -> its slot in depth d - 1 (slot 0 there when not selected)
-    deep = inside & (d >= 1)
-    g = tl.load(parent_list + b * P + 1 + (d - 1) * TOPK + m // TOPK, mask=deep & chosen, other=0)
     local = tl.where(g < TOPK, g, g + (M - TOPK)) - (d - 1) * M
     bad = deep & chosen & ((local < 0) | (local >= M))
     first_bad = tl.min(tl.where(bad, c, CP), axis=0)
@@ -100,7 +100,7 @@ def _build_kernel(parent_list, P, selected, seq_lens, mask, mask_numel, position
     # finite effective score: selected, and so is every ancestor (one depth per round)
     fin = chosen
     for _ in range(DEPTH - 1):
-        tl.store(ws + b * CP + c, fin.to(tl.int64))
+        tl.store(ws + b * CP + c, fin.to(tl.int32))
         tl.debug_barrier()
         up = tl.load(ws + b * CP + ps, mask=inside & ~from_root, other=0)
         tl.debug_barrier()
@@ -109,7 +109,7 @@ def _build_kernel(parent_list, P, selected, seq_lens, mask, mask_numel, position
     fi = fin.to(tl.int32)
     rest = (inside & ~fin).to(tl.int32)
     rank = tl.where(fin, tl.cumsum(fi, axis=0) - fi, tl.sum(fi, axis=0) + tl.cumsum(rest, axis=0) - rest)
-    node = tl.where(inside & (rank < N - 1), rank + 1, -1).to(tl.int64)
+    node = tl.where(inside & (rank < N - 1), rank + 1, -1)
     tl.store(ws + b * CP + c, node)
     tl.debug_barrier()
     pnode = tl.where(from_root, 0, tl.load(ws + b * CP + ps, mask=inside & ~from_root, other=0))
@@ -128,16 +128,16 @@ def _build_kernel(parent_list, P, selected, seq_lens, mask, mask_numel, position
     for r0 in range(0, N, RT):
         i = r0 + tl.arange(0, RT)
         row_ok = i < N
-        cur = tl.where(row_ok, i, -1).to(tl.int64)
+        cur = tl.where(row_ok, i, -1)
         anc = (i[:, None] < 0) & (j[None, :] < 0)
-        hops = tl.zeros([RT], tl.int64)
+        hops = tl.zeros([RT], tl.int32)
         for _ in range(DEPTH + 1):  # the root is at most DEPTH parents up
             on = cur >= 0
             anc = anc | (j[None, :] == cur[:, None])
-            hops += on.to(tl.int64)
+            hops += on.to(tl.int32)
             cur = tl.load(par + b * NP + cur, mask=on, other=-1)
         tl.store(positions + b * N + i, seq + hops - 1, mask=row_ok)
-        tl.store(r_index + b * N + i, b * N + i, mask=row_ok)
+        tl.store(r_index + b * N + i, b * N + i.to(tl.int64), mask=row_ok)
         first = tl.min(tl.where(pk[None, :] == i[:, None], j[None, :], NP), axis=1)
         tl.store(r_next + b * N + i, first.to(tl.int64), mask=row_ok & (first < NP))
         pi = tl.load(par + b * NP + i, mask=row_ok, other=-1)
@@ -167,14 +167,14 @@ def build(parent_list: Tensor, selected_index: Tensor, verified_seq_len: Tensor,
     M = topk * topk if depth > 1 else topk
     NP, CP = _pow2(N), _pow2(depth * M)
     nb = 1 if N <= 8 else (2 if N <= 16 else 4)
-    ws = torch.empty(B, CP, dtype=torch.int64, device=parent_list.device)
-    par = torch.empty(B, NP, dtype=torch.int64, device=parent_list.device)
+    ws = torch.empty(B, CP, dtype=torch.int32, device=parent_list.device)
+    par = torch.empty(B, NP, dtype=torch.int32, device=parent_list.device)
     mask = tree_mask.view(-1).view(torch.uint8)
     P = parent_list.shape[1]
     _build_kernel[(B,)](parent_list if P else selected_index, P, selected_index, verified_seq_len, mask, mask.numel(),
                         positions, retrive_index, retrive_next_token, retrive_next_sibling, ws, par, err, TOPK=topk,
                         DEPTH=depth, M=M, N=N, NP=NP, CP=CP, RT=max(1, min(NP, 4096 // NP)), MODE=mode, NB=nb,
-                        num_warps=4)
+                        num_warps=8 if NP * NP >= 4096 or CP >= 512 else 4)
 
 
 # ---- the walks ---------------------------------------------------------------------------------------------
@@ -252,13 +252,13 @@ def _sample_walk(predicts, accept_index, accept_token_num, candidates, r_index, 
         coin = _pick(coins, i, last)
         cur = _pick(nxt, i, last)
         found = cur < -1  # False
-        acc = tl.zeros([], tl.float32)
+        acc = tl.zeros([], tl.float64)
         steps = tl.zeros([], tl.int32)
         while (cur >= 0) & (cur < N) & ~found & (steps < N):
             p = _pick(p_all, i, cur)
-            acc += p
+            acc += p.to(tl.float64)  # summed in fp64 and rounded to fp32, as the tensor path's scan
             ok = cur > last
-            found = ok & ((coin <= acc / thr_acc) | (p >= thr_single))
+            found = ok & ((coin <= acc.to(tl.float32) / thr_acc) | (p >= thr_single))
             if HAS_DRAFT:  # tried and rejected: SGLang's draft_probs[row, x] = target_probs[row, x]
                 x = _pick(tok, i, cur)
                 tl.store(draft + prow + x, p, mask=WRITE & ok & ~found & (x >= 0) & (x < V))
@@ -307,7 +307,7 @@ def _residual(probs, draft, candidates, r_next, r_sib, b, last, capped, s, V, HA
 def _sample_sum_kernel(predicts, accept_index, accept_token_num, candidates, r_index, r_next, r_sib, uniform,
                        probs, draft, part, S, V, RMAX, SPLIT, thr_single, thr_acc, HAS_DRAFT: tl.constexpr,
                        N: tl.constexpr, NP: tl.constexpr, BLOCK: tl.constexpr):
-    # probs / draft [B * N, V] fp32 (row b * N + node); uniform [B, N] fp32; part [B, SPLIT] fp32; the rest as
+    # probs / draft [B * N, V] fp32 (row b * N + node); uniform [B, N] fp32; part [B, SPLIT] fp64; the rest as
     # _greedy_kernel's. Program (b, s): the walk (written by s == 0), then chunk s's residual mass.
     b = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1)
@@ -315,7 +315,7 @@ def _sample_sum_kernel(predicts, accept_index, accept_token_num, candidates, r_i
                                      uniform, probs, draft, b, S, V, RMAX, thr_single, thr_acc, s == 0, HAS_DRAFT,
                                      N, NP)
     cols, w = _residual(probs, draft, candidates, r_next, r_sib, b, last, capped, s, V, HAS_DRAFT, N, NP, BLOCK)
-    tl.store(part + b * SPLIT + s, tl.sum(w, axis=0))
+    tl.store(part + b * SPLIT + s, tl.sum(w.to(tl.float64), axis=0))
 
 
 @triton.jit(do_not_specialize=["S", "V", "RMAX", "SPLIT", "thr_single", "thr_acc"])
@@ -326,11 +326,13 @@ def _sample_pick_kernel(predicts, candidates, r_index, r_next, r_sib, uniform, p
     # the first token of the chunk whose running mass exceeds u; the last program writes V - 1 when none does.
     b = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1)
+    # the running mass in fp64, each prefix rounded to fp32: the tensor path's cumsum (CPU: a double
+    # accumulator) and its u = coin * cdf[-1] in fp32, compared as fp32
     k = tl.arange(0, SP)
     mass = tl.load(part + b * SPLIT + k, mask=k < SPLIT, other=0.0)
     upto = tl.cumsum(mass, axis=0)
-    u = tl.load(final + b) * tl.sum(mass, axis=0)
-    hit = tl.min(tl.where((upto > u) & (k < SPLIT), k, SPLIT), axis=0)
+    u = tl.load(final + b) * tl.sum(mass, axis=0).to(tl.float32)
+    hit = tl.min(tl.where((upto.to(tl.float32) > u) & (k < SPLIT), k, SPLIT), axis=0)
     if (hit == s) | ((hit == SPLIT) & (s == SPLIT - 1)):
         last, row, capped = _sample_walk(predicts, predicts, predicts, candidates, r_index, r_next, r_sib, uniform,
                                          probs, draft, b, S, V, RMAX, thr_single, thr_acc, s < 0, HAS_DRAFT, N, NP)
@@ -339,7 +341,7 @@ def _sample_pick_kernel(predicts, candidates, r_index, r_next, r_sib, uniform, p
             cols, w = _residual(probs, draft, candidates, r_next, r_sib, b, last, capped, s, V, HAS_DRAFT, N, NP,
                                 BLOCK)
             before = _pick(upto - mass, k, s)
-            cdf = before + tl.cumsum(w, axis=0)
+            cdf = (before + tl.cumsum(w.to(tl.float64), axis=0)).to(tl.float32)
             first = tl.min(tl.where((cdf > u) & (cols < V), cols, V), axis=0)
             # a draw that the chunk's own running sum does not reach (rounding): its last token with mass
             token = tl.where(first < V, first, tl.max(tl.where(w > 0, cols, 0), axis=0)).to(tl.int64)
@@ -354,7 +356,7 @@ def verify_sampling(predicts, accept_index, accept_token_num, candidates, retriv
     V = target_probs.shape[-1]
     block = min(_VOCAB_BLOCK, _pow2(V))
     split = triton.cdiv(V, block)
-    part = torch.empty(B, split, dtype=torch.float32, device=candidates.device)
+    part = torch.empty(B, split, dtype=torch.float64, device=candidates.device)
     has_draft = draft_probs is not None
     draft = draft_probs if has_draft else target_probs
     common = dict(HAS_DRAFT=has_draft, N=N, NP=_pow2(N), BLOCK=block, num_warps=8)

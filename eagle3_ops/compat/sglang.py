@@ -10,7 +10,8 @@ How each runs. On CUDA tensors each function is one or two Triton launches (trit
 the build, the walks, the packing and the reconstruction each fused, no host sync, fixed grids, CUDA-graph
 capturable). On CPU tensors it runs the tensor-op path below, which is the specification the kernels are
 tested against (tests/test_compat_sglang.py runs both on random inputs, the kernels under TRITON_INTERPRET=1);
-``kernels`` = "triton" sends CPU tensors to the kernels too, "torch" keeps CUDA tensors on the tensor ops:
+``kernels`` (default: $EAGLE3_COMPAT_KERNELS, else "auto") = "triton" sends CPU tensors to the kernels too,
+"torch" keeps CUDA tensors on the tensor ops:
 
 * ``build_tree_kernel_efficient`` calls ``torch.ops.eagle3.build_tree`` on SGLang's candidate layout
   (depth d's candidates as row d of a [depth, topk * topk] block, the selected ones scored -index so that
@@ -50,6 +51,8 @@ and, on CUDA, the nodes that break it are never accepted.
 
 from __future__ import annotations
 
+import functools
+import os
 from enum import IntEnum
 from typing import Optional
 
@@ -59,7 +62,8 @@ from torch import Tensor
 from .. import _validate, errors, tree
 from ..errors import check_range, input_error
 
-kernels = "auto"  # "auto": Triton kernels on CUDA tensors; "triton": on any tensors (interpreted on CPU); "torch"
+# "auto": Triton kernels on CUDA tensors; "triton": on any tensors (interpreted on CPU); "torch": never
+kernels = os.environ.get("EAGLE3_COMPAT_KERNELS", "auto")
 
 __all__ = ["TreeMaskMode", "build_tree_kernel_efficient", "verify_tree_greedy", "tree_speculative_sampling_target_only",
            "segment_packbits", "reconstruct_indices_from_tree_mask"]
@@ -376,6 +380,18 @@ def _scatter_path(predicts: Tensor, rows: Tensor, L: Tensor, on_path: Tensor, va
                       torch.where(on_path, values, last_v).int().view(-1))
 
 
+def _retrieve_names(fn):
+    """Also take the lists by the ``retrieve_*`` keywords (sgl-kernel's tests and some releases spell them so)."""
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        for name in ("index", "next_token", "next_sibling"):
+            if f"retrieve_{name}" in kwargs:
+                kwargs[f"retrive_{name}"] = kwargs.pop(f"retrieve_{name}")
+        return fn(*args, **kwargs)
+    return call
+
+
+@_retrieve_names
 def verify_tree_greedy(predicts: Tensor, accept_index: Tensor, accept_token_num: Tensor, candidates: Tensor,
                        retrive_index: Tensor, retrive_next_token: Tensor, retrive_next_sibling: Tensor,
                        target_predict: Tensor) -> None:
@@ -427,6 +443,7 @@ def verify_tree_greedy(predicts: Tensor, accept_index: Tensor, accept_token_num:
     _scatter_path(predicts, rows, L, on_path, target[rows])
 
 
+@_retrieve_names
 def tree_speculative_sampling_target_only(predicts: Tensor, accept_index: Tensor, accept_token_num: Tensor,
                                           candidates: Tensor, retrive_index: Tensor, retrive_next_token: Tensor,
                                           retrive_next_sibling: Tensor, uniform_samples: Tensor,
@@ -455,7 +472,8 @@ def tree_speculative_sampling_target_only(predicts: Tensor, accept_index: Tensor
         Target probabilities per node (temperature, top-k / top-p applied).
     draft_probs : Tensor like target_probs fp32, mutated; optional
         Subtracted at the final draw, and written at rejected tokens (SGLang's caller passes zeros). None:
-        treated as zeros and nothing is written.
+        treated as zeros and nothing is written. The newest sgl-kernel has no draft_probs: a number here is
+        taken as its positional threshold_single (and the next two as threshold_acc, deterministic).
     threshold_single, threshold_acc : float
     deterministic : bool
         Accepted for SGLang's signature: this implementation is always deterministic.
@@ -464,6 +482,8 @@ def tree_speculative_sampling_target_only(predicts: Tensor, accept_index: Tensor
     a boundary may go the other way. Bad values: as verify_tree_greedy's, and on CPU a candidate outside
     [0, V) at any node the lists reach raises Eagle3InputError; on CUDA its probability reads as 0.
     """
+    if isinstance(draft_probs, (int, float)):  # the newest release's positional (..., threshold_single, ...)
+        draft_probs, threshold_single, threshold_acc, deterministic = None, draft_probs, threshold_single, threshold_acc
     B, N, S = _check_walk_args("tree_speculative_sampling_target_only", predicts, accept_index, accept_token_num,
                                candidates, retrive_index, retrive_next_token, retrive_next_sibling)
     _t(uniform_samples, "uniform_samples", (torch.float32,), candidates, shape=(("B", B), ("N", N)))
@@ -516,7 +536,13 @@ def tree_speculative_sampling_target_only(predicts: Tensor, accept_index: Tensor
     if draft_probs is not None:
         flat = draft_probs.view(-1)
         at = parent_row * V + tok
-        flat.scatter_reduce_(0, at.view(-1), torch.where(rejected, p, flat[at]).view(-1), "amax", include_self=False)
+        # SGLang's draft_probs[row, x] = p(x) at every rejected child, and nothing else written: the rejected
+        # entries' p scattered (-inf where no rejected entry lands), then the original put back there (a
+        # node that is not rejected may share its (row, token) with one that is)
+        orig = flat[at].view(-1)
+        flat.scatter_reduce_(0, at.view(-1), torch.where(rejected, p, float("-inf")).view(-1), "amax",
+                             include_self=False)
+        flat.scatter_(0, at.view(-1), torch.where(flat[at].view(-1) == float("-inf"), orig, flat[at].view(-1)))
         q = draft_probs.view(B * N, V)[last_row]
     else:
         q = torch.zeros(B, V, device=dev)
