@@ -16,6 +16,14 @@ speed-up, TFLOP/s, GB/s, and the fraction of the floor max(bytes / copy_bw, flop
 
 For MLA, provider eagle3.v_split is the Triton launcher with config {"v_split": 2}: the 512 V dims split
 across two programs per row block (triton_kernels/tree_attention.py, default_config).
+
+fp8 (issue 23): provider eagle3.fp8 is torch.ops.eagle3.tree_attention_mla on an fp8 e4m3 copy of the same cache
+with its per-tensor kv_scale (amax / 448; bf16 q, fp32 accumulation; mla_decode's Triton kernel), its bytes
+counted at one a dim. Every MLA shape has it; FP8_SHAPES adds issue 23's memory-bound rows (N 1 at 64 / 16 / 8
+local heads, 4-token chains at 8 / 16; B1 P32768, B8 P8192, B64 P4096: models mla, mla-16, mla-8) with
+providers eagle3, eagle3.triton and eagle3.fp8 only. The table ends with each shape's fp8 speed-up over eagle3
+(bf16). EAGLE3_TREE_SWEEP=1 adds fp8 tile variants (eagle3.fp8:<config>). The lead's fp8 run:
+EAGLE3_TREE_PROVIDERS="eagle3,eagle3.fp8" EAGLE3_TREE_SHAPES="mla* N1,mla-* N4 chain" (patterns: see _kept).
 EAGLE3_TREE_SWEEP=1 also times tile configurations of the Triton kernel (provider eagle3:<config>).
 EAGLE3_TREE_SHAPES="mla B1 P32768 N16,mla B1 P32768 N1" keeps only those shapes and
 EAGLE3_TREE_PROVIDERS="eagle3,torch,eagle3:v_split=2*" only those providers (a trailing * matches a prefix):
@@ -28,6 +36,7 @@ the wgmma count of each; `python bench/dev/sweep_mla.py --compile` does the same
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import os
 import sys
@@ -40,12 +49,15 @@ from common import graph_time_us, rotation
 
 import eagle3_ops  # noqa: F401
 from eagle3_ops import tree
+from eagle3_ops.models.cache import FP8_MAX, fp8_quantize
 
 PAGE = 64
 DEV = "cuda"  # the device of every input (a CPU check of the baselines sets "cpu")
 KIMI_SCALE = 0.130861
 # name -> (kind, NH, HKV, Dk, Dv, scale)
 MODELS = {"mla": ("mla", 64, 1, 576, 512, KIMI_SCALE),
+          "mla-16": ("mla", 16, 1, 576, 512, KIMI_SCALE),  # Kimi's 64 heads at TP 4: 16 local heads a rank
+          "mla-8": ("mla", 8, 1, 576, 512, KIMI_SCALE),  # TP 8
           "kimi-drafter": ("gqa", 64, 64, 128, 128, 128 ** -0.5),
           "llama-8b": ("gqa", 32, 8, 128, 128, 128 ** -0.5)}
 # (model, B, prefix, N): the issue's targets first
@@ -53,6 +65,12 @@ SHAPES = [("mla", 1, 32768, 16), ("mla", 8, 8192, 16), ("mla", 1, 4096, 16), ("m
           ("mla", 32, 32768, 1), ("mla", 8, 8192, 4), ("kimi-drafter", 1, 8192, 16), ("llama-8b", 1, 8192, 16),
           ("llama-8b", 8, 8192, 16)]
 COMPILED = {("mla", 1, 4096, 16), ("llama-8b", 1, 8192, 16)}
+# issue 23's memory-bound rows (a fifth element: the tree kind, default bushy), for eagle3 vs eagle3.fp8
+FP8_SHAPES = [(m, B, P, 1) for m in ("mla", "mla-16", "mla-8") for B, P in ((1, 32768), (8, 8192), (64, 4096))] + \
+             [(m, B, P, 4, "chain") for m in ("mla-16", "mla-8") for B, P in ((1, 32768), (8, 8192), (64, 4096))]
+FP8_SHAPES = [s for s in FP8_SHAPES if s not in SHAPES]
+FP8_SWEEP = [dict(BLOCK_N=32, num_stages=4), dict(BLOCK_N=64, num_stages=3), dict(BLOCK_N=32, num_stages=3, cut=False),
+             dict(tma=False)]
 SWEEP = [dict(BLOCK_N=32, num_warps=8, num_stages=2), dict(BLOCK_N=64, num_warps=8, num_stages=1),
          dict(BLOCK_N=64, num_warps=8, num_stages=2)]
 SWEEP_CHUNKS = [128, 1024]  # min_chunk (split length floor) for the N = 1 shapes
@@ -63,25 +81,26 @@ SWEEP_V_SPLIT = [dict(v_split=2, BLOCK_M=64, BLOCK_N=32, num_warps=8, num_stages
 
 
 def _kept(name, env):
-    """Whether EAGLE3_TREE_SHAPES / EAGLE3_TREE_PROVIDERS (comma lists, a trailing * a prefix) keep name."""
+    """Whether EAGLE3_TREE_SHAPES / EAGLE3_TREE_PROVIDERS (comma lists) keep name: an entry matches exactly, or
+    with * standing for any text (a trailing * a prefix: "mla* N1" keeps every MLA model's N 1 shapes)."""
     want = os.environ.get(env)
     if not want:
         return True
-    return any(name.startswith(w[:-1]) if w.endswith("*") else name == w for w in want.split(","))
+    return any(fnmatch.fnmatchcase(name, w) for w in want.split(","))
 
 
 def _sid(s):
-    model, B, P, N = s
-    return f"{model} B{B} P{P} N{N}"
+    model, B, P, N = s[:4]
+    return f"{model} B{B} P{P} N{N}" + (f" {s[4]}" if len(s) > 4 else "")
 
 
-def _inputs(model, B, P, N, g):
+def _inputs(model, B, P, N, g, tree_kind="bushy", fp8=False):
     kind, NH, HKV, Dk, Dv, scale = MODELS[model]
     L = P + N
     pages = -(-L // PAGE)
     perm = torch.randperm(B * pages, generator=g, device=DEV).int()
     page_table = perm.view(B, pages).contiguous()
-    parents = tree.random_parents(B, N, torch.Generator().manual_seed(int(perm[0])), "bushy")
+    parents = tree.random_parents(B, N, torch.Generator().manual_seed(int(perm[0])), tree_kind)
     x = dict(q=torch.randn(B * N, NH, Dk, generator=g, device=DEV, dtype=torch.bfloat16),
              page_table=page_table, prefix_lens=torch.full((B,), P, dtype=torch.int32, device=DEV),
              tree_mask=tree.tree_mask(parents).to(DEV), out=torch.empty(B * N, NH, Dv, device=DEV,
@@ -90,16 +109,19 @@ def _inputs(model, B, P, N, g):
     if kind == "mla":
         x["k"] = torch.randn(B * pages, PAGE, Dk, generator=g, device=DEV, dtype=torch.bfloat16)
         x["v"] = None
+        if fp8:  # the same rows as an fp8 cache (vLLM's per-tensor scale rule), the bf16 copy dropped
+            x["kv_scale"] = (x["k"].abs().amax().float() / FP8_MAX).reshape(())
+            x["k"] = fp8_quantize(x["k"], x["kv_scale"])
     else:
         x["k"] = torch.randn(B * pages, PAGE, HKV, Dk, generator=g, device=DEV, dtype=torch.bfloat16)
         x["v"] = torch.randn(B * pages, PAGE, HKV, Dv, generator=g, device=DEV, dtype=torch.bfloat16)
     return x
 
 
-def _counts(model, B, P, N):
+def _counts(model, B, P, N, fp8=False):
     kind, NH, HKV, Dk, Dv, _ = MODELS[model]
     L = P + N
-    kv = B * L * (Dk if kind == "mla" else HKV * (Dk + Dv)) * 2
+    kv = B * L * (Dk if kind == "mla" else HKV * (Dk + Dv)) * (1 if fp8 else 2)
     nbytes = kv + B * N * NH * (Dk + Dv) * 2
     return nbytes, 2 * B * N * NH * L * (Dk + Dv)
 
@@ -116,8 +138,9 @@ def _dense(x, B, P, N):
     return k, v, visible
 
 
-def _providers(model, B, P, N):
+def _providers(model, B, P, N, tree_kind="bushy"):
     kind, NH, HKV, Dk, Dv, scale = MODELS[model]
+    new = (model, B, P, N, tree_kind)[:4 if tree_kind == "bushy" else 5] in FP8_SHAPES
 
     def eagle3(x):
         if kind == "mla":
@@ -160,10 +183,29 @@ def _providers(model, B, P, N):
                                   x["out"], x["lse"], config=cfg)
         return call
 
+    def fp8(cfg=None):
+        from eagle3_ops.triton_kernels.mla_decode import tree_attention_mla_op
+
+        def call(x):
+            tree_attention_mla_op(x["q"], x["k"], x["page_table"], x["prefix_lens"], x["tree_mask"], scale, x["out"],
+                                  x["lse"], x["kv_scale"], config=cfg)
+        return call
+
+    def eagle3_fp8(x):  # the op, as an engine calls it
+        torch.ops.eagle3.tree_attention_mla(x["q"], x["k"], x["page_table"], x["prefix_lens"], x["tree_mask"],
+                                            scale, x["out"], x["lse"], x["kv_scale"])
+
+    if new:  # issue 23's fp8 rows: ours only
+        providers = {"eagle3": eagle3, "eagle3.triton": launcher(dict(kernel="mla_decode")), "eagle3.fp8": eagle3_fp8}
+        if os.environ.get("EAGLE3_TREE_SWEEP") == "1":
+            for cfg in FP8_SWEEP:
+                providers["eagle3.fp8:" + ",".join(f"{k}={v}" for k, v in cfg.items())] = fp8(cfg)
+        return {k: v for k, v in providers.items() if _kept(k, "EAGLE3_TREE_PROVIDERS")}
     providers = {"eagle3": eagle3, "torch": plain}
     if kind == "mla":
         providers["eagle3.triton"] = launcher(dict(kernel="mla_decode"))
         providers["eagle3.v_split"] = launcher(dict(v_split=2))
+        providers["eagle3.fp8"] = eagle3_fp8
     if B * (P + N) * NH * (Dk + Dv) * 2 <= 16e9:  # SDPA's math path repeats the KV heads for every query head
         providers["torch.sdpa"] = sdpa
     if (model, B, P, N) in COMPILED:
@@ -172,6 +214,8 @@ def _providers(model, B, P, N):
         configs = [dict(min_chunk=c) for c in SWEEP_CHUNKS] if N == 1 else []
         for cfg in SWEEP + SWEEP_V_SPLIT + configs:
             providers["eagle3:" + ",".join(f"{k}={v}" for k, v in cfg.items())] = launcher(cfg)
+        for cfg in FP8_SWEEP:
+            providers["eagle3.fp8:" + ",".join(f"{k}={v}" for k, v in cfg.items())] = fp8(cfg)
     return {k: v for k, v in providers.items() if _kept(k, "EAGLE3_TREE_PROVIDERS")}
 
 
@@ -189,6 +233,11 @@ def _table():
         lines.append(f"{shape:<26} {provider:<44} {us:>9.1f} {ref or float('nan'):>9.1f} "
                      f"{(ref / us if ref else float('nan')):>7.2f}x {flops / us * 1e-6:>8.1f} "
                      f"{nbytes / us * 1e-3:>7.0f} {100 * fraction:>7.1f}%")
+    bf16 = {r[0]: r[2] for r in _ROWS if r[1] == "eagle3"}
+    for shape, provider, us, *_ in _ROWS:  # issue 23's done-when: fp8 >= 1.7x our bf16 on the memory-bound rows
+        if provider.startswith("eagle3.fp8") and shape in bf16:
+            lines.append(f"fp8 vs bf16: {shape:<26} {provider:<40} {us:>8.1f} us vs eagle3 {bf16[shape]:>8.1f} us: "
+                         f"{bf16[shape] / us:.2f}x")
     if os.environ.get("EAGLE3_TREE_SWEEP") == "1":  # registers, spills, shared memory of each compiled variant
         from eagle3_ops.triton_kernels import tree_attention as ta
 
@@ -212,7 +261,7 @@ def _table():
 
 
 def _cases():
-    for s in SHAPES:
+    for s in SHAPES + FP8_SHAPES:
         if not _kept(_sid(s), "EAGLE3_TREE_SHAPES"):
             continue
         for p in _providers(*s):
@@ -221,15 +270,16 @@ def _cases():
 
 @pytest.mark.parametrize("shape, provider", list(_cases()))
 def test_tree_attention(recorder, shape, provider):
-    model, B, P, N = shape
-    nbytes, flops = _counts(*shape)
+    model, B, P, N = shape[:4]
+    fp8 = provider.startswith("eagle3.fp8")
+    nbytes, flops = _counts(model, B, P, N, fp8)
     fn = _providers(*shape)[provider]
     g = torch.Generator(device=DEV).manual_seed(0)
-    sets = [_inputs(model, B, P, N, g) for _ in range(rotation(nbytes))]
+    sets = [_inputs(model, B, P, N, g, *shape[4:], fp8=fp8) for _ in range(rotation(nbytes))]
     try:
         us = graph_time_us([lambda x=x: fn(x) for x in sets], reps=10)
     except Exception as e:  # a sweep configuration that does not fit the chip (shared memory)
-        if not provider.startswith("eagle3:"):
+        if not (provider.startswith("eagle3:") or provider.startswith("eagle3.fp8:")):
             raise
         pytest.skip(f"{provider}: {type(e).__name__}: {str(e)[:200]}")
     row = recorder.add("tree_attention", _sid(shape), provider, us, nbytes, flops, tflops=flops / us * 1e-6)

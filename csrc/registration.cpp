@@ -45,9 +45,12 @@ TORCH_LIBRARY(eagle3, m) {
       "Tensor(d!) tree_mask) -> ()");
 
   // ---- attention --------------------------------------------------------------------------------
+  // kv_scale: an fp8 e4m3 kv_cache's per-tensor dequantisation scale, [] or [1] fp32 on the device (vLLM's
+  // layer._k_scale for MLA): key = fp8 * kv_scale; None for a bf16 / fp16 / fp32 cache. Last, and optional, so
+  // that callers from before it keep working.
   m.def(
       "tree_attention_mla(Tensor q, Tensor kv_cache, Tensor page_table, Tensor prefix_lens, "
-      "Tensor tree_mask, float scale, Tensor(a!) out, Tensor(b!)? lse) -> ()");
+      "Tensor tree_mask, float scale, Tensor(a!) out, Tensor(b!)? lse, Tensor? kv_scale=None) -> ()");
   // internal, Hopper only: tree_attention_mla's sm_90a kernel at 576 / 512 dims (csrc/mla_decode_sm90.cu),
   // called by its CUDA launcher, which checks the arguments and merges the num_splits partials
   m.def(

@@ -174,9 +174,31 @@ def _tree_block(page_table, prefix_lens, tree_mask, like, like_name) -> dict:
     return dict(B=B, N=N, W=W, max_pages=page_table.shape[1])
 
 
-def tree_attention_mla(q, kv_cache, page_table, prefix_lens, tree_mask, scale, out, lse) -> dict:
+def _kv_scale(kv_cache, kv_scale, q) -> None:
+    """An fp8 e4m3 kv_cache needs its dequantisation scale kv_scale ([] or [1] fp32 on q's device; the key is
+    fp8 * kv_scale, vLLM's per-tensor k_scale for MLA) and bf16 / fp16 queries; a bf16 / fp16 / fp32 cache
+    takes no scale (the engines ignore theirs there: refused, not silently dropped)."""
+    if kv_cache.dtype in FP8:
+        if q.dtype not in (torch.bfloat16, torch.float16):
+            raise TypeError(f"q must have dtype bfloat16 | float16 with an fp8 kv_cache, got "
+                            f"{str(q.dtype).replace('torch.', '')}")
+        if kv_scale is None:
+            raise ValueError("kv_scale [] or [1] float32 is required with an fp8 kv_cache (its dequantisation scale: "
+                             "key = fp8 * kv_scale; vLLM's layer._k_scale, 1.0 for SGLang's unscaled cast)")
+    elif kv_scale is not None:
+        raise ValueError(f"kv_scale must be None with a {str(kv_cache.dtype).replace('torch.', '')} kv_cache (it is "
+                         "the dequantisation scale of an fp8 e4m3 cache)")
+    if kv_scale is not None:
+        tensor(kv_scale, "kv_scale", dtypes=(torch.float32,), like=q, like_name="q")
+        if kv_scale.dim() > 1 or kv_scale.numel() != 1:
+            raise ValueError(f"kv_scale must have shape () or (1,), got {tuple(kv_scale.shape)}")
+
+
+def tree_attention_mla(q, kv_cache, page_table, prefix_lens, tree_mask, scale, out, lse, kv_scale=None) -> dict:
     tensor(q, "q", dtypes=FLOATS, dim=3, last_contiguous=True)
-    tensor(kv_cache, "kv_cache", dtypes=(q.dtype,), dim=3, like=q, like_name="q", contiguous=True)
+    tensor(kv_cache, "kv_cache", dtypes=tuple(dict.fromkeys((q.dtype,) + FP8)), dim=3, like=q, like_name="q",
+           contiguous=True)
+    _kv_scale(kv_cache, kv_scale, q)
     s = _tree_block(page_table, prefix_lens, tree_mask, q, "q")
     B, N = s["B"], s["N"]
     NH, D = q.shape[1], q.shape[2]

@@ -125,15 +125,16 @@ def _attention_outputs(q, out, lse, return_lse, v_dim):
 
 
 def tree_attention_mla(q: Tensor, kv_cache: Tensor, page_table: Tensor, prefix_lens: Tensor, tree_mask: Tensor,
-                       scale: float, out: Optional[Tensor] = None, lse: Optional[Tensor] = None, *,
-                       return_lse: bool = False, v_dim: Optional[int] = None):
+                       scale: float, out: Optional[Tensor] = None, lse: Optional[Tensor] = None,
+                       kv_scale: Optional[Tensor] = None, *, return_lse: bool = False, v_dim: Optional[int] = None):
     """Absorbed-MLA tree-verify attention (reference.tree_attention_mla).
 
-    out defaults to [B * N, NH, v_dim] with v_dim = D - 64 (512 for D = 576). Returns out, or
-    (out, lse) when return_lse or lse is given.
+    out defaults to [B * N, NH, v_dim] with v_dim = D - 64 (512 for D = 576), in q's dtype. An fp8 e4m3
+    kv_cache takes its per-tensor dequantisation scale kv_scale ([] or [1] fp32: key = fp8 * kv_scale).
+    Returns out, or (out, lse) when return_lse or lse is given.
     """
     out, lse_out = _attention_outputs(q, out, lse, return_lse, v_dim or q.shape[2] - 64)
-    _ops.tree_attention_mla(q, kv_cache, page_table, prefix_lens, tree_mask, scale, out, lse_out)
+    _ops.tree_attention_mla(q, kv_cache, page_table, prefix_lens, tree_mask, scale, out, lse_out, kv_scale)
     return (out, lse_out) if lse_out is not None else out
 
 
@@ -164,5 +165,6 @@ def verify_sampling(logits: Tensor, draft_probs: Optional[Tensor], d2t: Optional
 
 def kv_accept(caches: Sequence[Tensor], page_table: Tensor, prefix_lens: Tensor, accept_nodes: Tensor,
               accept_len: Tensor) -> None:
-    """Compact accepted tree rows in every layer's cache in one call; prefix_lens += accept_len + 1 (reference.kv_accept)."""
+    """Compact accepted tree rows in every layer's cache in one call; prefix_lens += accept_len + 1 (reference.kv_accept).
+    Any cache dtype, fp8 e4m3 latent caches included: rows move as bytes, no scale."""
     _ops.kv_accept(list(caches), page_table, prefix_lens, accept_nodes, accept_len)

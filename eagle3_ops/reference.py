@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from . import _philox, _validate, tree
-from .errors import check_float, check_range
+from .errors import Eagle3InputError, check_float, check_range
 
 
 def _acc(*ts: Optional[Tensor]) -> torch.dtype:
@@ -303,7 +303,7 @@ def _tree_attention(q: Tensor, kv_rows, page_table: Tensor, prefix_lens: Tensor,
 
 
 def tree_attention_mla(q: Tensor, kv_cache: Tensor, page_table: Tensor, prefix_lens: Tensor, tree_mask: Tensor,
-                       scale: float, out: Tensor, lse: Optional[Tensor]) -> None:
+                       scale: float, out: Tensor, lse: Optional[Tensor], kv_scale: Optional[Tensor] = None) -> None:
     """Absorbed-MLA tree-verify attention: 64 query heads over one shared latent KV head.
 
     Request b's tree node i attends to positions [0, prefix_lens[b]) (the whole prefix) and to
@@ -311,12 +311,19 @@ def tree_attention_mla(q: Tensor, kv_cache: Tensor, page_table: Tensor, prefix_l
     are the full D = 576 cached dims, values the first Dv = 512. Softmax in fp32 (float64 here for
     float64 inputs).
 
+    An fp8 cache (float8_e4m3fn, the same [num_pages, page_size, D] layout, one byte a dim) holds
+    round(row / kv_scale) as vLLM's concat_and_cache_mla writes it (models.cache.fp8_quantize); every
+    cached row is read as fp8 * kv_scale (one fp32 scale for the whole tensor, latent and rope dims alike:
+    vLLM's layer._k_scale, FlashMLA's descale_k; SGLang casts unscaled, kv_scale 1.0), then the math
+    above, with bf16 / fp16 queries and fp32 accumulation.
+
     Parameters
     ----------
     q : Tensor [B * N, NH, D] bf16 | fp16 | fp32
         [q_abs | q_pe] per node and head, node-major per request.
-    kv_cache : Tensor [num_pages, page_size, D] q's dtype
+    kv_cache : Tensor [num_pages, page_size, D] q's dtype | float8_e4m3fn
         Latent cache [c_kv | k_pe]; the N tree tokens are already at positions prefix_len + node.
+        float8_e4m3fn needs bf16 / fp16 q and kv_scale.
     page_table : Tensor [B, max_pages] int32
         Page of each request's position p is page_table[b, p // page_size].
     prefix_lens : Tensor [B] int32
@@ -328,7 +335,10 @@ def tree_attention_mla(q: Tensor, kv_cache: Tensor, page_table: Tensor, prefix_l
     out : Tensor [B * N, NH, Dv] q's dtype, mutated
         Attention output in latent space.
     lse : Tensor [B * N, NH] fp32, optional, mutated
-        Natural-log sum of exp(scale * q.k) over the visible positions.
+        Natural-log sum of exp(scale * q.k) over the visible positions (k dequantised).
+    kv_scale : Tensor [] or [1] fp32, optional
+        Required with an fp8 kv_cache, None otherwise: key = fp8 * kv_scale. A device tensor, so that a
+        CUDA graph replays with whatever value it holds. Must be finite and > 0.
 
     Bad values: prefix_lens[b] must lie in [0, max_pages * page_size - N], and the page-table slots that cover
     positions [0, prefix_lens[b] + N) (slots 0 .. ceil((prefix_lens[b] + N) / page_size) - 1; the slots past
@@ -338,13 +348,21 @@ def tree_attention_mla(q: Tensor, kv_cache: Tensor, page_table: Tensor, prefix_l
     instead: every row of out and lse of that request (all its nodes and heads) is NaN, nothing out of range is
     read (nothing at all for a bad prefix length), the other requests are computed as usual, and the violation
     is recorded for eagle3_ops.check_errors() with the same message. A node missing its own tree_mask bit
-    raises ValueError here; CUDA does not check it.
+    raises ValueError here; CUDA does not check it. A kv_scale that is not finite and > 0 raises
+    Eagle3InputError here (`tree_attention_mla: kv_scale = 0.0 must be finite and > 0`); on CUDA every row of
+    out and lse is NaN (not recorded in the error word).
     """
-    s = _validate.tree_attention_mla(q, kv_cache, page_table, prefix_lens, tree_mask, scale, out, lse)
+    s = _validate.tree_attention_mla(q, kv_cache, page_table, prefix_lens, tree_mask, scale, out, lse, kv_scale)
     acc, NH, Dv = _acc(q), s["NH"], s["Dv"]
+    if kv_scale is not None:
+        ks = float(kv_scale.reshape(()))
+        if not 0 < ks < float("inf"):
+            raise Eagle3InputError(f"tree_attention_mla: kv_scale = {ks!r} must be finite and > 0")
 
     def kv_rows(b, length):  # one latent head shared by every query head; V = its first Dv dims
         kv = _gather_pages(kv_cache, page_table, b, length, "tree_attention_mla").to(acc)[:, None, :]
+        if kv_scale is not None:  # fp8 -> acc is exact; the product rounds once (float32) or not at all (float64)
+            kv = kv * kv_scale.to(acc).reshape(())
         kv = kv.expand(-1, NH, -1)
         return kv, kv[..., :Dv]
 

@@ -314,9 +314,11 @@ def test_bad_arguments(case, error, match):
 
 def gpu_caches(g, num_pages, page_size, mla_layers=1):
     """Layers of every row layout the kernel handles, one launch group each: MLA latent rows (576 bf16,
-    16-byte units), GQA K / V rows (2 x 8 fp16), 12-byte fp32 rows (4-byte units) and 5-byte fp8 rows
-    (1-byte units); values random (NaN payloads included) so that only exact byte copies pass."""
+    16-byte units), fp8 e4m3 latent rows (576 bytes: 36 16-byte units, their own launch group), GQA K / V rows
+    (2 x 8 fp16), 12-byte fp32 rows (4-byte units) and 5-byte fp8 rows (1-byte units); values random (NaN
+    payloads included) so that only exact byte copies pass."""
     caches = [torch.randn(num_pages, page_size, 576, generator=g).bfloat16() for _ in range(mla_layers)]
+    caches += [(torch.randn(num_pages, page_size, 576, generator=g) * 100).to(torch.float8_e4m3fn)]
     caches += [torch.randn(num_pages, page_size, 2, 8, generator=g).half(),
                torch.randn(num_pages, page_size, 2, 8, generator=g).half(),
                torch.randn(num_pages, page_size, 3, generator=g),

@@ -26,6 +26,12 @@ What differs from tree_attention's kernel (FlashMLA's shape as far as Triton rea
   64-row block compute the same score tile; with it cut each computes half the keys (sm_90a: 36 instead
   of 72 HGMMA.64x32x16 per warpgroup and tile).
 - fill=True (the bf16 / fp16 default): splits_fill's split count, which lets one partial wave count as full.
+
+fp8 e4m3 caches (torch.ops.eagle3.tree_attention_mla with kv_scale; tree_attention_mla_op routes them here, as
+the sm90 kernel reads 2-byte caches only): the same kernel reads one byte a dim (TMA boxes of fp8, half the
+bytes of bf16), converts each tile to q's dtype in registers (exact: every e4m3 value is a bf16 / fp16 value),
+and folds the per-tensor scale into the score scale (scale * log2 e * kv_scale) and into the output's 1 / l, so
+the dots see the unscaled fp8 values and accumulate in fp32 (docs/kernels/tree_attention_mla_fp8.md).
 """
 
 from __future__ import annotations
@@ -120,32 +126,36 @@ def _attend_cut(acc_a, acc_b, m_i, l_i, s, va, vb, live, DOT_PREC: tl.constexpr)
 @triton.jit
 def _gathered_tile(acc_a, acc_b, m_i, l_i, qa, qb, qr, K, page, slot, stride_kp, stride_ks, ok, visible,
                    dh, dr, DV: tl.constexpr, DR: tl.constexpr, BLOCK_H: tl.constexpr, TAU: tl.constexpr,
-                   DOT_PREC: tl.constexpr, scale_log2):
+                   DOT_PREC: tl.constexpr, qk_scale):
     """A masked tile (the split's partial last tile, the tree block): rows at (page, slot) [BLOCK_N] read
-    where ok [BLOCK_N], row-key visibility visible [BLOCK_M or 1, BLOCK_N]."""
+    where ok [BLOCK_N], row-key visibility visible [BLOCK_M or 1, BLOCK_N]. Tiles are converted to q's dtype
+    (an fp8 cache: exactly; its scale is in qk_scale and the output's normalisation)."""
     kv_row = page * stride_kp + slot * stride_ks
-    ka = tl.load(K + kv_row[:, None] + dh[None, :], mask=ok[:, None] & (dh[None, :] < DV), other=0.0)
+    ka = tl.load(K + kv_row[:, None] + dh[None, :], mask=ok[:, None] & (dh[None, :] < DV),
+                 other=0.0).to(qa.dtype)
     kb = tl.load(K + kv_row[:, None] + BLOCK_H + dh[None, :], mask=ok[:, None] & (BLOCK_H + dh[None, :] < DV),
-                 other=0.0)
+                 other=0.0).to(qa.dtype)
     s = tl.dot(qa, tl.trans(ka), input_precision=DOT_PREC)
     s = tl.dot(qb, tl.trans(kb), s, input_precision=DOT_PREC)
     if DR > 0:
-        kr = tl.load(K + kv_row[:, None] + DV + dr[None, :], mask=ok[:, None] & (dr[None, :] < DR), other=0.0)
+        kr = tl.load(K + kv_row[:, None] + DV + dr[None, :], mask=ok[:, None] & (dr[None, :] < DR),
+                     other=0.0).to(qa.dtype)
         s = tl.dot(qr, tl.trans(kr), s, input_precision=DOT_PREC)
-    s = tl.where(visible, s * scale_log2, float("-inf"))
+    s = tl.where(visible, s * qk_scale, float("-inf"))
     return _attend(acc_a, acc_b, m_i, l_i, s, ka, kb, TAU, DOT_PREC)
 
 
 @triton.jit
 def _mla_kernel(
-        Q, K, KA, KR, PT, PL, TM, O, LSE, PO, PLSE, ERR,
+        Q, K, KA, KR, PT, PL, TM, O, LSE, PO, PLSE, ERR, KS,
         scale_log2, N, W, NUM_PAGES, CAPACITY, PAGE_SIZE, NUM_SPLITS,
         stride_qt, stride_qh, stride_kp, stride_ks, stride_pt, stride_ot, stride_oh,
         G: tl.constexpr, DV: tl.constexpr, DR: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, HAS_LSE: tl.constexpr,
-        TMA: tl.constexpr, TAU: tl.constexpr, DOT_PREC: tl.constexpr, CUT: tl.constexpr = False):
+        TMA: tl.constexpr, TAU: tl.constexpr, DOT_PREC: tl.constexpr, CUT: tl.constexpr = False,
+        KV_SCALED: tl.constexpr = False):
     # Q   [B * N, NH, DV + DR]           strides (stride_qt, stride_qh, 1); NH = G (one latent KV head)
-    # K   [num_pages, page_size, DV + DR] strides (stride_kp, stride_ks, 1)
+    # K   [num_pages, page_size, DV + DR] strides (stride_kp, stride_ks, 1): q's dtype, or fp8 e4m3 (KV_SCALED)
     # KA  (TMA) descriptor of K as [num_pages * page_size, DV], row stride stride_ks, box [BLOCK_N, BLOCK_H]
     # KR  (TMA) descriptor of K[..., DV:] as [num_pages * page_size, DR], box [BLOCK_N, BLOCK_R]
     # PT  [B, MAX_PAGES] int32 strides (stride_pt, 1);  PL [B] int32;  TM [B, N, W] int32 contiguous
@@ -153,6 +163,9 @@ def _mla_kernel(
     # PO  [NUM_SPLITS, B, N * G, DV] fp32, PLSE [NUM_SPLITS, B, N * G] fp32 (SPLIT): tree_attention's
     #     partial layout with HKV = 1 (_attention_common.merge_splits combines them)
     # ERR [12] int64: the device error word
+    # KS  [1] fp32 (KV_SCALED): the fp8 cache's dequantisation scale, key = fp8 * KS. Each tile is converted to q's
+    #     dtype in registers (exact for e4m3 into bf16 / fp16), KS folded into the score scale and into the
+    #     output's 1 / l: the dots see the fp8 values unscaled, the accumulation stays fp32.
     # Grid (B * row blocks, NUM_SPLITS), request-major. Row r of the block: node r // G, head r % G. Latent dims
     # in two halves [0, BLOCK_H), [BLOCK_H, 2 BLOCK_H).
     ROWS = N * G
@@ -176,6 +189,13 @@ def _mla_kernel(
     if DR > 0:
         qr = tl.load(Q + q_row[:, None] + DV + dr[None, :], mask=row_ok[:, None] & (dr[None, :] < DR), other=0.0)
 
+    if KV_SCALED:
+        kv_scale = tl.load(KS)
+        qk_scale = scale_log2 * kv_scale
+    else:
+        kv_scale = 1.0
+        qk_scale = scale_log2
+
     bad_prefix, prefix_raw, prefix, tree_n, pt_row, start, end = request_span(PL, PT, b, stride_pt, CAPACITY, N,
                                                                               NUM_SPLITS, pid_s, BLOCK_N)
 
@@ -193,8 +213,8 @@ def _mla_kernel(
             real = (page >= 0) & (page < NUM_PAGES)
             first = tl.minimum(first, tl.where(real, NO_POS, n0))
             row0 = tl.where(real, page, 0) * PAGE_SIZE + n0 % PAGE_SIZE  # an unreal page: read page 0, poison
-            ka = KA.load([row0, 0])
-            kb = KA.load([row0, BLOCK_H])
+            ka = KA.load([row0, 0]).to(qa.dtype)
+            kb = KA.load([row0, BLOCK_H]).to(qa.dtype)
             # CUT: the score accumulator passes between the chained dots through _cut (an always-taken runtime
             # if), else each dot's forward slice reaches the next and the chained-dot rule still applies.
             # (Three separate dots summed do not help: triton folds dot + x back into one accumulator chain.)
@@ -203,7 +223,7 @@ def _mla_kernel(
                 s = _cut(s, NUM_PAGES > 0)
             s = tl.dot(qb, tl.trans(kb), s, input_precision=DOT_PREC)
             if DR > 0:
-                kr = KR.load([row0, 0])
+                kr = KR.load([row0, 0]).to(qa.dtype)
                 if CUT:
                     s = _cut(s, NUM_PAGES > 0)
                 s = tl.dot(qr, tl.trans(kr), s, input_precision=DOT_PREC)
@@ -213,22 +233,23 @@ def _mla_kernel(
             real = (page >= 0) & (page < NUM_PAGES)
             first = tl.minimum(first, tl.where(real, NO_POS, pos))
             kv_row = tl.where(real, page, 0).to(tl.int64) * stride_kp + (pos % PAGE_SIZE).to(tl.int64) * stride_ks
-            ka = tl.load(K + kv_row[:, None] + dh[None, :], mask=dh[None, :] < DV, other=0.0)
-            kb = tl.load(K + kv_row[:, None] + BLOCK_H + dh[None, :], mask=BLOCK_H + dh[None, :] < DV, other=0.0)
+            ka = tl.load(K + kv_row[:, None] + dh[None, :], mask=dh[None, :] < DV, other=0.0).to(qa.dtype)
+            kb = tl.load(K + kv_row[:, None] + BLOCK_H + dh[None, :], mask=BLOCK_H + dh[None, :] < DV,
+                         other=0.0).to(qa.dtype)
             s = tl.dot(qa, tl.trans(ka), input_precision=DOT_PREC)
             if CUT:
                 s = _cut(s, NUM_PAGES > 0)
             s = tl.dot(qb, tl.trans(kb), s, input_precision=DOT_PREC)
             if DR > 0:
-                kr = tl.load(K + kv_row[:, None] + DV + dr[None, :], mask=dr[None, :] < DR, other=0.0)
+                kr = tl.load(K + kv_row[:, None] + DV + dr[None, :], mask=dr[None, :] < DR, other=0.0).to(qa.dtype)
                 if CUT:
                     s = _cut(s, NUM_PAGES > 0)
                 s = tl.dot(qr, tl.trans(kr), s, input_precision=DOT_PREC)
         if CUT:  # the score tile split across the warpgroups (_attend_cut; eager rescale)
-            acc_a, acc_b, m_i, l_i = _attend_cut(acc_a, acc_b, m_i, l_i, s * scale_log2, ka, kb, NUM_PAGES > 0,
+            acc_a, acc_b, m_i, l_i = _attend_cut(acc_a, acc_b, m_i, l_i, s * qk_scale, ka, kb, NUM_PAGES > 0,
                                                  DOT_PREC)
         else:
-            acc_a, acc_b, m_i, l_i = _attend(acc_a, acc_b, m_i, l_i, s * scale_log2, ka, kb, TAU, DOT_PREC)
+            acc_a, acc_b, m_i, l_i = _attend(acc_a, acc_b, m_i, l_i, s * qk_scale, ka, kb, TAU, DOT_PREC)
 
     # The split's partial last tile (at most one).
     for n0 in range(whole_end, end, BLOCK_N):
@@ -239,7 +260,7 @@ def _mla_kernel(
         first = tl.minimum(first, tl.where(in_range & ~real, pos, NO_POS))
         acc_a, acc_b, m_i, l_i = _gathered_tile(
             acc_a, acc_b, m_i, l_i, qa, qb, qr, K, page.to(tl.int64), (pos % PAGE_SIZE).to(tl.int64), stride_kp,
-            stride_ks, in_range & real, in_range[None, :], dh, dr, DV, DR, BLOCK_H, TAU, DOT_PREC, scale_log2)
+            stride_ks, in_range & real, in_range[None, :], dh, dr, DV, DR, BLOCK_H, TAU, DOT_PREC, qk_scale)
 
     # The tree block, in the last split: node j at position prefix + j, visible to row i when bit j of
     # tree_mask[b, i] is set.
@@ -260,16 +281,20 @@ def _mla_kernel(
             visible = both & (((word >> (j % 32)[None, :]) & 1) != 0)
             acc_a, acc_b, m_i, l_i = _gathered_tile(
                 acc_a, acc_b, m_i, l_i, qa, qb, qr, K, page.to(tl.int64), (pos % PAGE_SIZE).to(tl.int64),
-                stride_kp, stride_ks, j_ok & real, visible, dh, dr, DV, DR, BLOCK_H, TAU, DOT_PREC, scale_log2)
+                stride_kp, stride_ks, j_ok & real, visible, dh, dr, DV, DR, BLOCK_H, TAU, DOT_PREC, qk_scale)
 
     # NaN for the whole request on bad values (the merge carries it through every split), and the report.
     first_pos = tl.min(first, 0)
     bad = bad_prefix | (first_pos < NO_POS)
     if bad:
         report_request(ERR, _OP_MLA, b, bad_prefix, prefix_raw, CAPACITY, N, first_pos, pt_row, PAGE_SIZE, NUM_PAGES)
-    poison = tl.where(bad, float("nan"), 0.0)
+    if KV_SCALED:  # a scale that is not finite and > 0 poisons every request (reference: Eagle3InputError)
+        bad_scale = ~((kv_scale > 0.0) & (kv_scale < float("inf")))
+        poison = tl.where(bad | bad_scale, float("nan"), 0.0)
+    else:
+        poison = tl.where(bad, float("nan"), 0.0)
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
-    inv = 1.0 / l_safe
+    inv = kv_scale / l_safe  # V = fp8 * kv_scale: the scale once per row, after the sum
     oa = acc_a * inv[:, None] + poison
     ob = acc_b * inv[:, None] + poison
     lse2 = tl.where(l_i > 0.0, m_i + tl.math.log2(l_safe), float("-inf")) + poison
@@ -351,11 +376,13 @@ def _descriptors(kv_cache: Tensor, DV: int, BLOCK_N: int, BLOCK_H: int, BLOCK_R:
 
 
 def tree_attention_mla(q: Tensor, kv_cache: Tensor, page_table: Tensor, prefix_lens: Tensor, tree_mask: Tensor,
-                       scale: float, out: Tensor, lse: Optional[Tensor], config: dict) -> None:
+                       scale: float, out: Tensor, lse: Optional[Tensor], config: dict,
+                       kv_scale: Optional[Tensor] = None) -> None:
     """This kernel's launcher (checks done by tree_attention.tree_attention_mla, which calls it by
-    default). config: tma (bool), rescale_tau (float, 0 = rescale every tile; ignored with cut), cut (bool),
-    fill (bool), BLOCK_M, BLOCK_N, num_warps, num_stages, min_chunk, programs_per_sm, splits. Launches on the
-    current device (tree_attention.tree_attention_mla makes q's current)."""
+    default, or by tree_attention_mla_op for an fp8 cache: kv_scale its [] / [1] fp32 scale). config: tma
+    (bool), rescale_tau (float, 0 = rescale every tile; ignored with cut), cut (bool), fill (bool), BLOCK_M,
+    BLOCK_N, num_warps, num_stages, min_chunk, programs_per_sm, splits. Launches on the current device
+    (tree_attention.tree_attention_mla and tree_attention_mla_op make q's current)."""
     B, N, W = tree_mask.shape
     G, D = q.shape[1], q.shape[2]
     DV = out.shape[2]
@@ -386,12 +413,12 @@ def tree_attention_mla(q: Tensor, kv_cache: Tensor, page_table: Tensor, prefix_l
     ka, kr = desc if desc is not None else (None, None)
     _mla_kernel[(m_blocks * B, splits)](
         q, kv_cache, ka, kr, page_table, prefix_lens, tree_mask, out, lse if lse is not None else out, po, plse,
-        errors.error_word(q.device), scale * LOG2E, N, W, P, max_len, max(page_size, 1), splits,
+        errors.error_word(q.device), kv_scale if kv_scale is not None else prefix_lens, scale * LOG2E, N, W, P, max_len, max(page_size, 1), splits,
         q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), page_table.stride(0), out.stride(0),
         out.stride(1), G=G, DV=DV, DR=DR, BLOCK_H=BLOCK_H, BLOCK_R=BLOCK_R, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
         SPLIT=split, HAS_LSE=lse is not None, TMA=desc is not None, TAU=float(cfg["rescale_tau"]),
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", CUT=bool(cfg.get("cut", False)),
-        num_warps=cfg["num_warps"],
+        KV_SCALED=kv_scale is not None, num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"])
     if split:
         merge_splits(po, plse, out, lse, N, 1, G)
@@ -422,10 +449,11 @@ def sm90_compiled(device: torch.device) -> bool:
 
 def sm90_supported(q: Tensor, kv_cache: Tensor, out: Tensor, page_table: Tensor, tree_mask: Tensor) -> bool:
     """Whether csrc/mla_decode_sm90.cu's kernel serves this call: a Hopper GPU, a build that compiled it for
-    sm_90a (sm90_compiled), bf16 / fp16 at Kimi's widths (576-dim keys, 512-dim V), 16-byte aligned rows of q
-    and the cache, and sizes inside its 32-bit position arithmetic and grid (B on grid axis 1: at most 65535)
-    (else the Triton kernel takes the call)."""
-    if not (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and q.shape[2] == 576 and out.shape[2] == 512):
+    sm_90a (sm90_compiled), bf16 / fp16 q and cache (not an fp8 cache) at Kimi's widths (576-dim keys, 512-dim
+    V), 16-byte aligned rows of q and the cache, and sizes inside its 32-bit position arithmetic and grid (B on
+    grid axis 1: at most 65535) (else the Triton kernel takes the call)."""
+    if not (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and kv_cache.dtype == q.dtype
+            and q.shape[2] == 576 and out.shape[2] == 512):
         return False
     if not (hopper_kernel(q.device, "_tree_attention_mla_sm90") and sm90_compiled(q.device)):
         return False
@@ -470,3 +498,31 @@ def tree_attention_mla_sm90(q: Tensor, kv_cache: Tensor, page_table: Tensor, pre
                                               splits, bool(config.get("evict_first", splits > 1)))
     if splits > 1:
         merge_splits(po, plse, out, lse, N, 1, G)
+
+
+def tree_attention_mla_op(q: Tensor, kv_cache: Tensor, page_table: Tensor, prefix_lens: Tensor, tree_mask: Tensor,
+                          scale: float, out: Tensor, lse: Optional[Tensor], kv_scale: Optional[Tensor] = None, *,
+                          config: Optional[dict] = None) -> None:
+    """torch.ops.eagle3.tree_attention_mla's CUDA implementation (eagle3_ops/_register.py registers it; the
+    arguments are checked there, eagle3_ops._validate.tree_attention_mla). A bf16 / fp16 / fp32 cache goes to
+    tree_attention.tree_attention_mla, which picks the sm90 CUDA kernel or a Triton one. An fp8 e4m3 cache
+    (kv_scale given) runs this file's Triton kernel with its tiles converted to q's dtype in registers and
+    kv_scale folded into the score scale and the output's normalisation: the sm90 kernel reads 2-byte caches
+    only. config as this file's launcher's ({"kernel": "mla_decode"} accepted), benchmarks and tests only."""
+    from .tree_attention import MLA_MAX_DV, MLA_MAX_ROPE, on_device
+    from .tree_attention import tree_attention_mla as launch
+
+    if kv_scale is None:
+        launch(q, kv_cache, page_table, prefix_lens, tree_mask, scale, out, lse, config=config)
+        return
+    config = dict(config or {})
+    if config.pop("kernel", "mla_decode") != "mla_decode":
+        raise ValueError("config kernel must be 'mla_decode' with an fp8 kv_cache (the only kernel that reads one)")
+    D, Dv = q.shape[2], out.shape[2]
+    if Dv > MLA_MAX_DV or D - Dv > MLA_MAX_ROPE:
+        raise ValueError(f"out must have Dv <= {MLA_MAX_DV} and q's D - Dv <= {MLA_MAX_ROPE} for the Triton "
+                         f"kernel (Kimi: 512 and 64), got Dv = {Dv}, D = {D}")
+    with on_device(q.device):
+        tree_attention_mla(q, kv_cache, page_table, prefix_lens, tree_mask, scale, out, lse, {"tma": True, **config},
+                           kv_scale=kv_scale)
+    errors.after_launch(q.device)

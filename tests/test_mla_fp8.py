@@ -1,0 +1,438 @@
+"""tree_attention_mla over an fp8 e4m3 latent cache (kv_scale: key = fp8 * kv_scale, vLLM's per-tensor MLA
+k_scale), the fp8 cache writes (models.cache) and kv_accept on fp8 caches.
+
+The error rule (docs/kernels/tree_attention_mla_fp8.md): the kernel is compared with the float64 reference on
+the *dequantised* cache (fp8 * kv_scale, exact in float64), with the same bound as a bf16 / fp16 cache,
+||out - ref|| / ||ref|| <= TOLERANCES[q's dtype] (bf16 1e-2, fp16 2e-3) and lse <= TOLERANCES[fp32]: an e4m3
+value is exactly a bf16 / fp16 value and the scale is folded into fp32 factors, so the kernel adds no rounding
+that a bf16 cache does not have. What the quantisation itself costs (fp8 rows against the rows they came from)
+is the storage format's error, not the kernel's: test_quantisation_error_against_the_unquantised_rows bounds it.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import pytest
+import torch
+
+import eagle3_ops
+from eagle3_ops import reference, tree
+from eagle3_ops.errors import Eagle3InputError
+from eagle3_ops.models.cache import FP8_MAX, PagedKV, fp8_dequantize, fp8_quantize
+from tests.conftest import TOLERANCES, assert_equal, capture_graph, poison_, rel_err
+from tests.test_tree_attention import (KIMI_MLA, KIMI_SCALE, Case, GpuCase, _check_against,
+                                       check_bad_values_poison_only_their_request, interpreted, replay_with_new_values)
+
+FP8 = torch.float8_e4m3fn
+
+
+def quantised(c, scale_of_amax: float = 1.0):
+    """c's cache quantised in place of the original: c.k8 (fp8) and c.kv_scale ([] fp32, amax / 448 times
+    scale_of_amax: 1 uses e4m3's whole range), and c.k_cache replaced by the exact dequantisation in float64, which
+    the truth reads. Returns c."""
+    amax = c.k_cache.float().abs().amax()
+    c.kv_scale = (amax / FP8_MAX * scale_of_amax).reshape(()).to(torch.float32)
+    c.k8 = fp8_quantize(c.k_cache, c.kv_scale)
+    c.k_cache = fp8_dequantize(c.k8, c.kv_scale, torch.float64)
+    return c
+
+
+def run_fp8(c, config=None, with_lse=True, kernel=False):
+    """tree_attention_mla on the fp8 cache, outputs poisoned first: through torch.ops (CPU: the reference; CUDA:
+    the registered launcher), or with kernel=True mla_decode's launcher itself (the interpreter on CPU)."""
+    from eagle3_ops.triton_kernels.mla_decode import tree_attention_mla_op
+
+    out = poison_(torch.empty(c.q.shape[0], c.NH, c.Dv, dtype=c.dtype, device=c.q.device))
+    lse = poison_(torch.empty(c.q.shape[0], c.NH, device=c.q.device)) if with_lse else None
+    args = (c.q, c.k8, c.page_table, c.prefix_lens, c.tree_mask, c.scale, out, lse, c.kv_scale)
+    if kernel:
+        tree_attention_mla_op(*args, config=config)
+    else:
+        torch.ops.eagle3.tree_attention_mla(*args)
+    return out, lse
+
+
+def fp8_case(gen, *, prefixes=(0, 17, 70), N=7, kind="bushy", page_size=16, NH=4, D=64, Dv=48,
+             dtype=torch.float16, scale=None):
+    # D 64 / Dv 48: fp8 rows whose latent part (48 bytes) and rope part (16 bytes) are whole 16-byte TMA boxes,
+    # the second latent half [32, 64) partly past Dv
+    return quantised(Case(gen, mla=True, prefixes=list(prefixes), N=N, kind=kind, page_size=page_size, NH=NH, D=D,
+                          Dv=Dv, dtype=dtype, scale=scale))
+
+
+# ---- the reference (CPU) --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("page_size", [1, 16, 64])  # SGLang's token layout, typical, large
+@pytest.mark.parametrize("prefixes, N, kind", [
+    ([0, 0, 0], 1, "chain"),  # prefix 0, N 1: a node sees only itself
+    ([0, 17, 70], 7, "bushy"),  # ragged, crossing page boundaries at 16 and 64
+    ([15, 16, 63], 33, "chain"),  # trees that start on a page's last slot / at a page start; two mask words
+])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_reference_equals_float64_on_the_dequantised_cache(gen, page_size, prefixes, N, kind, dtype):
+    c = fp8_case(gen, prefixes=prefixes, N=N, kind=kind, page_size=page_size, dtype=dtype)
+    out, lse = run_fp8(c)
+    ref_out, ref_lse = c.truth()
+    assert rel_err(out, ref_out) <= TOLERANCES[dtype]  # the reference computes in fp32, rounds out to q's dtype
+    assert rel_err(lse, ref_lse) <= TOLERANCES[torch.float32]
+
+
+def test_reference_scale_is_applied_to_every_dim(gen):
+    # The same fp8 bytes under two scales: the scores (latent and rope dims alike) and V both scale with it.
+    c = fp8_case(gen, N=3)
+    out1, lse1 = run_fp8(c)
+    c.kv_scale = c.kv_scale * 2
+    out2, lse2 = run_fp8(c)
+    k2 = fp8_dequantize(c.k8, c.kv_scale, torch.float64)
+    o = torch.empty_like(out2, dtype=torch.float64)
+    lse64 = torch.empty_like(lse2)
+    reference.tree_attention_mla(c.q.double(), k2, c.page_table, c.prefix_lens, c.tree_mask, c.scale, o, lse64)
+    assert rel_err(out2, o) <= TOLERANCES[torch.float16] and rel_err(lse2, lse64) <= TOLERANCES[torch.float32]
+    assert rel_err(out1, out2) > 0.1  # the scale is not ignored
+
+
+def test_strided_q_out_and_page_table(gen):
+    # q and out as row slices of larger tensors (row stride free, last dim contiguous), the page table a row slice
+    c = fp8_case(gen, prefixes=[3, 40], N=4, dtype=torch.float16)
+    want, want_lse = run_fp8(c)
+    T, NH, D = c.q.shape
+    big_q = torch.zeros(T, NH + 3, D + 8, dtype=c.q.dtype)
+    big_q[:, :NH, :D] = c.q
+    big_out = torch.full((T, NH + 1, c.Dv + 5), float("nan"), dtype=c.q.dtype)
+    big_pt = torch.zeros(2, c.page_table.shape[1] + 7, dtype=torch.int32)
+    big_pt[:, :c.page_table.shape[1]] = c.page_table
+    out = big_out[:, :NH, :c.Dv]
+    lse = torch.empty(T, NH)
+    torch.ops.eagle3.tree_attention_mla(big_q[:, :NH, :D], c.k8, big_pt[:, :c.page_table.shape[1]], c.prefix_lens,
+                                        c.tree_mask, c.scale, out, lse, c.kv_scale)
+    assert_equal(out, want, "strided out")
+    assert_equal(lse, want_lse, "lse")
+
+
+def test_wrapper_passes_kv_scale(gen):
+    c = fp8_case(gen, N=2)
+    want, want_lse = run_fp8(c)
+    out, lse = eagle3_ops.ops.tree_attention_mla(c.q, c.k8, c.page_table, c.prefix_lens, c.tree_mask, c.scale,
+                                                 kv_scale=c.kv_scale, return_lse=True, v_dim=c.Dv)
+    assert_equal(out, want, "out")
+    assert_equal(lse, want_lse, "lse")
+
+
+def test_opcheck_fp8(gen):
+    c = fp8_case(gen, N=2, prefixes=[1, 5])
+    out = torch.empty(c.q.shape[0], c.NH, c.Dv, dtype=c.dtype)
+    # (opcheck's test_schema perturbs every input arithmetically, which CPU torch has no fp8 kernel for; the
+    # schema's aliasing is checked on the bf16 path in tests/test_registration.py)
+    torch.library.opcheck(torch.ops.eagle3.tree_attention_mla.default,
+                          (c.q, c.k8, c.page_table, c.prefix_lens, c.tree_mask, c.scale, out, None, c.kv_scale),
+                          test_utils=("test_faketensor", "test_autograd_registration", "test_aot_dispatch_dynamic"))
+
+
+@pytest.mark.parametrize("change, error, match", [
+    ("no_scale", ValueError, r"kv_scale \[\] or \[1\] float32 is required with an fp8 kv_cache"),
+    ("scale_with_fp16_cache", ValueError, "kv_scale must be None with a float16 kv_cache"),
+    ("q_fp32", TypeError, "q must have dtype bfloat16 | float16 with an fp8 kv_cache"),
+    ("scale_fp64", TypeError, "kv_scale must have dtype float32"),
+    ("scale_two", ValueError, r"kv_scale must have shape \(\) or \(1,\)"),
+    ("scale_2d", ValueError, r"kv_scale must have shape \(\) or \(1,\)"),
+    ("scale_meta", ValueError, "kv_scale must be on the same device as q"),
+    ("fp8_out", TypeError, "out must have dtype float16"),
+    ("e5m2_cache", TypeError, "kv_cache must have dtype float16 | float8_e4m3fn"),
+])
+def test_bad_arguments(gen, change, error, match):
+    c = fp8_case(gen, N=2, prefixes=[1, 5])
+    out = poison_(torch.empty(c.q.shape[0], c.NH, c.Dv, dtype=c.dtype))
+    a = dict(q=c.q, kv_cache=c.k8, page_table=c.page_table, prefix_lens=c.prefix_lens, tree_mask=c.tree_mask,
+             scale=c.scale, out=out, lse=None, kv_scale=c.kv_scale)
+    if change == "no_scale":
+        a["kv_scale"] = None
+    elif change == "scale_with_fp16_cache":
+        a["kv_cache"] = c.k_cache.half()
+    elif change == "q_fp32":
+        a["q"], a["out"] = c.q.float(), out.float()
+    elif change == "scale_fp64":
+        a["kv_scale"] = c.kv_scale.double()
+    elif change == "scale_two":
+        a["kv_scale"] = c.kv_scale.repeat(2)
+    elif change == "scale_2d":
+        a["kv_scale"] = c.kv_scale.reshape(1, 1)
+    elif change == "scale_meta":
+        a["kv_scale"] = c.kv_scale.to("meta")
+    elif change == "fp8_out":
+        a["out"] = out.to(FP8)
+    elif change == "e5m2_cache":
+        a["kv_cache"] = c.k8.to(torch.float8_e5m2)
+    with pytest.raises(error, match=match):
+        torch.ops.eagle3.tree_attention_mla(*a.values())
+    assert torch.isnan(out).all(), "a refused call wrote into out"
+
+
+@pytest.mark.parametrize("value", [0.0, -1.0, float("inf"), float("nan")])
+def test_bad_scale_value_raises_on_cpu(gen, value):
+    c = fp8_case(gen, N=2, prefixes=[1, 5])
+    c.kv_scale = torch.tensor(value)
+    with pytest.raises(Eagle3InputError, match=r"^tree_attention_mla: kv_scale = .* must be finite and > 0"):
+        run_fp8(c)
+
+
+# ---- the cache writes and kv_accept ----------------------------------------------------------------------
+
+
+def test_fp8_quantize_is_vllms_rule():
+    # x / scale in fp32, saturated to +-448 (vLLM's satfinite conversion), round to nearest even, NaN kept
+    s = torch.tensor(0.5)
+    x = torch.tensor([0.0, 1.0, -1.0, 224.0, 225.0, 1e6, -1e6, 0.5 * 2.0**-9, 0.5 * 3 * 2.0**-10, float("nan")])
+    got = fp8_quantize(x, s).float()
+    want = torch.tensor([0.0, 2.0, -2.0, 448.0, 448.0, 448.0, -448.0, 2.0**-9, 2.0**-8, float("nan")])
+    # 0.5 * 3 * 2^-10 / 0.5 = 1.5 * 2^-9: halfway between subnormals 2^-9 and 2^-8, to even (2 * 2^-9)
+    assert_equal(got, want, "fp8_quantize")
+    assert_equal(fp8_dequantize(fp8_quantize(x, s), s), want * 0.5, "fp8_dequantize")
+
+
+def test_quantisation_error_against_the_unquantised_rows(gen):
+    # The storage format's error (not the kernel's): e4m3 keeps 3 mantissa bits, so a normal value is within 2^-4
+    # of itself relatively, and a value below the normal range within half a subnormal step (2^-10 * scale).
+    x = torch.randn(64, 576, generator=gen) * 3
+    s = (x.abs().amax() / FP8_MAX).reshape(())
+    back = fp8_dequantize(fp8_quantize(x, s), s)
+    assert bool(((back - x).abs() <= x.abs() * 2.0**-4 + s * 2.0**-10 + 1e-12).all())
+    # and attention over such a cache against the unquantised one: 5.3% here (random 576-dim rows at Kimi's
+    # scale give scores of std ~3, a peaked softmax that amplifies the keys' rounding); bounded at 8%
+    c = Case(gen, mla=True, prefixes=[40, 90], N=4, kind="bushy", page_size=16, NH=8, D=576, Dv=512,
+             dtype=torch.float32, scale=KIMI_SCALE)
+    exact, _ = c.truth()
+    quantised(c)
+    fp8_out, _ = c.truth()
+    assert rel_err(fp8_out, exact) <= 0.08
+
+
+def test_paged_kv_fp8_write_then_attention(gen):
+    # models.cache.PagedKV with fp8 caches: write quantises with the layer's scale, tree_attention_mla reads the
+    # rows back through kv.scale(i), kv_accept moves them as bytes
+    B, N, NH, D, Dv = 2, 4, 4, 64, 48
+    kv = PagedKV([(D,), (D,)], B, 64, page_size=16, dtype=FP8, kv_scale=[0.01, 0.02], seed=3)
+    rows = torch.randn(B, 10, D, generator=gen)
+    kv.write(1, rows)
+    kv.advance(6)  # positions 0..5 kept as prefix, 6..9 the tree
+    stored = kv.caches[1][kv.index(torch.arange(10).expand(B, 10))]
+    assert_equal(stored.view(torch.uint8), fp8_quantize(rows, kv.scale(1)).view(torch.uint8), "written bytes")
+    parents = tree.random_parents(B, N, gen, "bushy")
+    tm = tree.tree_mask(parents)
+    q = torch.randn(B * N, NH, D, generator=gen).half()
+    out = torch.empty(B * N, NH, Dv, dtype=torch.half)
+    pl = kv.prefix_lens.clone()
+    torch.ops.eagle3.tree_attention_mla(q, kv.caches[1], kv.page_table, pl, tm, 0.1, out, None, kv.scale(1))
+    want = torch.empty(B * N, NH, Dv, dtype=torch.float64)
+    deq = fp8_dequantize(kv.caches[1], kv.scale(1), torch.float64)
+    reference.tree_attention_mla(q.double(), deq, kv.page_table, pl, tm, 0.1, want, None)
+    assert rel_err(out, want) <= TOLERANCES[torch.float16]
+    # kv_accept: accept node 2 (then 3) under the root; rows move bit for bit
+    nodes = torch.tensor([[0, 2, 3, -1], [0, 1, -1, -1]], dtype=torch.int32)
+    lens = torch.tensor([2, 1], dtype=torch.int32)
+    before = kv.caches[1].clone()
+    eagle3_ops.ops.kv_accept(kv.caches, kv.page_table, kv.prefix_lens, nodes, lens)
+    src = kv.index(torch.tensor([[6, 8, 9], [6, 7, 7]]))
+    dst = kv.index(torch.tensor([[6, 7, 8], [6, 7, 7]]))
+    assert_equal(kv.caches[1][dst].view(torch.uint8), before[src].view(torch.uint8), "moved rows")
+    assert_equal(kv.prefix_lens, torch.tensor([9, 8], dtype=torch.int32), "prefix_lens")
+
+
+def test_paged_kv_scale_rules():
+    assert PagedKV([(8,)], 1, 4).scale(0) is None
+    assert float(PagedKV([(8,)], 1, 4, dtype=FP8).scale(0)) == 1.0  # SGLang's unscaled cast
+    with pytest.raises(ValueError, match="kv_scale is the scale of an fp8 cache"):
+        PagedKV([(8,)], 1, 4, kv_scale=0.5)
+    with pytest.raises(ValueError, match="kv_scale must be one finite scale > 0 or one per cache"):
+        PagedKV([(8,), (8,)], 1, 4, dtype=FP8, kv_scale=[1.0, 0.0])
+    with pytest.raises(ValueError, match="kv_scale must be one finite scale > 0 or one per cache"):
+        PagedKV([(8,), (8,)], 1, 4, dtype=FP8, kv_scale=[1.0, 2.0, 3.0])
+
+
+# ---- the Triton kernel under the interpreter ---------------------------------------------------------------
+
+CONFIGS = {"tma16": dict(tma=True, BLOCK_N=16),  # TMA boxes of fp8 where page_size % 16 == 0
+           "gather32": dict(tma=False, BLOCK_N=32),  # gathered whole tiles, two mask words per tree tile
+           "tma16.cut": dict(tma=True, BLOCK_N=16, cut=1),  # the bf16 / fp16 default's cut softmax
+           "tma16.lazy": dict(tma=True, BLOCK_N=16, rescale_tau=8.0, cut=0)}
+
+
+@interpreted
+@pytest.mark.parametrize("config", list(CONFIGS))
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+@pytest.mark.parametrize("N, kind, splits", [
+    (1, "chain", 3),  # decode: the prefix split three ways + the merge
+    (7, "bushy", 1),  # one split: the kernel writes out and lse itself
+    (33, "chain", 2),  # two mask words, bit 31
+])
+def test_kernel_interpreted(gen, config, page_size, N, kind, splits):
+    c = fp8_case(gen, N=N, kind=kind, page_size=page_size)
+    out, lse = run_fp8(c, dict(CONFIGS[config], splits=splits), kernel=True)
+    _check_against(c, out, lse, *c.truth())
+    without, _ = run_fp8(c, dict(CONFIGS[config], splits=splits), with_lse=False, kernel=True)
+    assert_equal(without, out, "out without lse")
+
+
+@interpreted
+def test_kernel_interpreted_kimi_dims(gen):
+    # 576 = 512 + 64 bytes a row: two 256-byte latent boxes and one 64-byte rope box per tile
+    c = quantised(Case(gen, mla=True, prefixes=[3, 40], N=4, kind="bushy", page_size=16, NH=8, D=576, Dv=512,
+                       dtype=torch.float16, scale=KIMI_SCALE))
+    out, lse = run_fp8(c, dict(splits=2, BLOCK_N=16), kernel=True)
+    _check_against(c, out, lse, *c.truth())
+
+
+@interpreted
+def test_kernel_interpreted_small_scale_uses_subnormals(gen):
+    # A scale 64x the amax rule's: the fp8 values sit in e4m3's low range (subnormals included); the rule holds
+    big = quantised(Case(gen, mla=True, prefixes=[0, 17, 70], N=3, kind="bushy", page_size=16, NH=4, D=64, Dv=48,
+                         dtype=torch.float16), scale_of_amax=64.0)
+    assert int((big.k8.float().abs() < 2.0**-6).sum()) > 0  # some subnormal codes in use
+    out, lse = run_fp8(big, dict(splits=2), kernel=True)
+    _check_against(big, out, lse, *big.truth())
+
+
+@interpreted
+def test_kernel_interpreted_bad_values_poison_only_their_request(gen):
+    c = fp8_case(gen, prefixes=[5, 40, 9], N=7, page_size=16)
+    check_bad_values_poison_only_their_request(c, lambda: run_fp8(c, dict(splits=2, BLOCK_N=16), kernel=True))
+
+
+@interpreted
+@pytest.mark.parametrize("value", [0.0, -1.0, float("inf"), float("nan")])
+def test_kernel_interpreted_bad_scale_poisons_everything(gen, value):
+    c = fp8_case(gen, N=2, prefixes=[1, 5])
+    c.kv_scale = torch.tensor(value)
+    out, lse = run_fp8(c, dict(splits=2, BLOCK_N=16), kernel=True)
+    assert torch.isnan(out).all() and torch.isnan(lse).all()
+    eagle3_ops.check_errors(c.q.device)  # nothing recorded: the scale is no index
+
+
+def test_kernel_refuses_other_kernels(gen):
+    from eagle3_ops.triton_kernels.mla_decode import tree_attention_mla_op
+
+    c = fp8_case(gen, N=1, prefixes=[1])
+    out = torch.empty(1, c.NH, c.Dv, dtype=c.dtype)
+    for kernel in ("sm90", "v1"):
+        with pytest.raises(ValueError, match="config kernel must be 'mla_decode' with an fp8 kv_cache"):
+            tree_attention_mla_op(c.q, c.k8, c.page_table, c.prefix_lens, c.tree_mask, c.scale, out, None, c.kv_scale,
+                                  config=dict(kernel=kernel))
+    with pytest.raises(ValueError, match="out must have Dv <= 512"):
+        tree_attention_mla_op(torch.zeros(1, 2, 1100).half(), torch.zeros(4, 4, 1100).to(FP8), c.page_table,
+                              c.prefix_lens, c.tree_mask, c.scale, torch.zeros(1, 2, 1024).half(), None, c.kv_scale)
+
+
+# ---- on the H200 ----------------------------------------------------------------------------------------------
+
+
+def gpu_fp8_case(case, NH=64):
+    N, prefix, B, page_size, kind = case
+    return quantised(GpuCase(zlib.crc32(repr((case, NH)).encode()), B=B, prefix=prefix, N=N, kind=kind,
+                             page_size=page_size, **dict(KIMI_MLA, NH=NH)))
+
+
+# (N, prefix, B, page_size, kind) x local heads: the memory-bound rows of issue 23 (N 1 at 64 / 16 / 8 heads,
+# 4-chains at 8 / 16), a 16-node tree, page sizes 1 / 16 / 64 (gathered and TMA tiles), ragged prefixes
+GPU_CASES = [((1, 32768, 1, 64, "chain"), 64), ((1, 8192, 8, 64, "chain"), 16), ((1, 4096, 64, 64, "chain"), 8),
+             ((4, 8192, 8, 64, "chain"), 8), ((4, 8192, 8, 16, "chain"), 16), ((16, 4096, 8, 64, "bushy"), 64),
+             ((16, 4096, 3, 1, "bushy"), 64), ((4, 0, 3, 16, "chain"), 64), ((64, 63, 3, 64, "bushy"), 16)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case, NH", GPU_CASES, ids=[f"NH{h}-N{c[0]}-P{c[1]}-B{c[2]}-ps{c[3]}-{c[4]}"
+                                                       for c, h in GPU_CASES])
+def test_gpu_against_float64(case, NH):
+    c = gpu_fp8_case(case, NH)
+    out, lse = run_fp8(c)  # through torch.ops: the registered launcher routes the fp8 cache to mla_decode
+    _check_against(c, out, lse, *c.truth())
+    without, _ = run_fp8(c, with_lse=False)
+    assert_equal(without, out, "out without lse")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", ["tma64", "gather64", "tma32"])
+def test_gpu_configs_against_float64(config):
+    cfg = {"tma64": dict(tma=True), "gather64": dict(tma=False), "tma32": dict(tma=True, BLOCK_N=32, cut=False)}[config]
+    c = gpu_fp8_case((16, 4096, 4, 64, "bushy"), 64)
+    out, lse = run_fp8(c, cfg, kernel=True)
+    _check_against(c, out, lse, *c.truth())
+
+
+@pytest.mark.gpu
+def test_gpu_graph_replay_with_new_values_and_scale():
+    # Captured once; new q, fp8 cache bytes, prefix lengths, trees *and a new kv_scale* written in place: the
+    # replay must equal an eager call on the new values (the scale is read on the device, never baked in).
+    c = gpu_fp8_case((16, 5000, 4, 64, "bushy"), 64)
+    out = torch.empty(c.q.shape[0], c.NH, c.Dv, dtype=c.dtype, device="cuda")
+    lse = torch.empty(c.q.shape[0], c.NH, device="cuda")
+    graph, _ = capture_graph(lambda: torch.ops.eagle3.tree_attention_mla(
+        c.q, c.k8, c.page_table, c.prefix_lens, c.tree_mask, c.scale, out, lse, c.kv_scale))
+
+    def new_cache(g):
+        c.kv_scale.copy_(c.kv_scale * 3)
+        c.k8.copy_(fp8_quantize(torch.randn(c.k8.shape, generator=g, device="cuda") * 50, torch.tensor(1.0).cuda()))
+        c.k_cache = fp8_dequantize(c.k8, c.kv_scale, torch.float64)
+
+    replayed = replay_with_new_values(c, graph, out, lse, new_cache)
+    eager = run_fp8(c)
+    assert_equal(replayed[0], eager[0], "out replayed vs eager")
+    assert_equal(replayed[1], eager[1], "lse replayed vs eager")
+    _check_against(c, *eager, *c.truth())
+
+
+@pytest.mark.gpu
+def test_gpu_bad_values_poison_only_their_request():
+    c = gpu_fp8_case((7, 300, 3, 16, "bushy"), 64)
+    check_bad_values_poison_only_their_request(c, lambda: run_fp8(c))
+
+
+@pytest.mark.gpu
+def test_gpu_bad_scale_poisons_and_bad_arguments_raise():
+    c = gpu_fp8_case((4, 100, 2, 16, "chain"), 16)
+    c.kv_scale.fill_(0.0)
+    out, lse = run_fp8(c)
+    assert torch.isnan(out).all() and torch.isnan(lse).all()
+    out = poison_(torch.empty(c.q.shape[0], c.NH, c.Dv, dtype=c.dtype, device="cuda"))
+    with pytest.raises(ValueError, match="kv_scale .* is required with an fp8 kv_cache"):
+        torch.ops.eagle3.tree_attention_mla(c.q, c.k8, c.page_table, c.prefix_lens, c.tree_mask, c.scale, out, None)
+    with pytest.raises(ValueError, match="kv_scale must be on the same device as q"):
+        torch.ops.eagle3.tree_attention_mla(c.q, c.k8, c.page_table, c.prefix_lens, c.tree_mask, c.scale, out, None,
+                                            c.kv_scale.cpu())
+    assert torch.isnan(out).all()
+
+
+@pytest.mark.gpu
+def test_gpu_sm90_never_takes_an_fp8_cache():
+    from eagle3_ops.triton_kernels.mla_decode import sm90_supported
+
+    c = gpu_fp8_case((1, 64, 1, 64, "chain"), 64)
+    out = torch.empty(c.q.shape[0], c.NH, c.Dv, dtype=c.dtype, device="cuda")
+    assert not sm90_supported(c.q, c.k8, out, c.page_table, c.tree_mask)
+
+
+@pytest.mark.gpu
+def test_gpu_paged_kv_write_accept_attend():
+    # The engine's path on the GPU: PagedKV fp8 writes (index_put through uint8), kv_accept of the 576-byte rows,
+    # attention reading them back: against the float64 reference on the dequantised cache.
+    B, N, NH, D, Dv = 4, 4, 16, 576, 512
+    kv = PagedKV([(D,)] * 2, B, 4096, page_size=64, dtype=FP8, kv_scale=[0.02, 0.03], device="cuda")
+    g = torch.Generator(device="cuda").manual_seed(5)
+    kv.write(0, torch.randn(B, 3000, D, generator=g, device="cuda", dtype=torch.bfloat16))
+    kv.advance(3000 - N)
+    nodes = torch.tensor([[0, 1, 2, 3]] * B, dtype=torch.int32, device="cuda")
+    eagle3_ops.ops.kv_accept(kv.caches, kv.page_table, kv.prefix_lens, nodes,
+                             torch.tensor([1, 0, 3, 2], dtype=torch.int32, device="cuda"))
+    kv.write(0, torch.randn(B, N, D, generator=g, device="cuda", dtype=torch.bfloat16))
+    parents = tree.random_parents(B, N, torch.Generator().manual_seed(6), "chain")
+    tm = tree.tree_mask(parents).cuda()
+    q = torch.randn(B * N, NH, D, generator=g, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty(B * N, NH, Dv, dtype=torch.bfloat16, device="cuda")
+    lse = torch.empty(B * N, NH, device="cuda")
+    torch.ops.eagle3.tree_attention_mla(q, kv.caches[0], kv.page_table, kv.prefix_lens, tm, KIMI_SCALE, out, lse,
+                                        kv.scale(0))
+    c = GpuCase.__new__(GpuCase)
+    c.mla, c.N, c.NH, c.Dv, c.dtype, c.scale = True, N, NH, Dv, torch.bfloat16, KIMI_SCALE
+    c.q, c.page_table, c.prefix_lens, c.parents, c.tree_mask = q, kv.page_table, kv.prefix_lens, parents, tm
+    c.k_cache, c.v_cache = fp8_dequantize(kv.caches[0], kv.scale(0), torch.float64), None
+    _check_against(c, out, lse, *c.truth())
