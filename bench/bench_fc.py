@@ -5,9 +5,10 @@ chunk, cat, F.linear).
 
 The fp8 table (bench "fc fp8"; issue 23: >= 1.0x torch._scaled_mm at T = 16, 32, 64, the activation
 quantisation included): eagle3 (the op: at T >= 16 its activations quantised by one Triton kernel, then
-torch._scaled_mm with rowwise scales; below, the stream-K kernel), eagle3.stream (the stream-K kernel forced,
+torch._scaled_mm into fp32 and a kernel applying the scales; below, the stream-K kernel), eagle3.stream (the stream-K kernel forced,
 fp8_mm_min_rows None), eagle3.rowwise (torch._scaled_mm's rowwise scales instead of the fp32 product and
-_fp8_scale_kernel), eagle3.quantise (the activation quantisation kernel alone: its share), torch (the baseline: per-tensor activation scale amax / 448, the cast, and
+_fp8_scale_kernel), eagle3.quantise (the activation quantisation kernel alone: its share; :BLOCK,warps other
+tiles than QUANT_CONFIG), torch (the baseline: per-tensor activation scale amax / 448, the cast, and
 torch._scaled_mm with per-tensor scales, eager), torch.compile (the same compiled: the quantisation fused,
 T 16 / 32 / 64), torch.prequantised (per-tensor torch._scaled_mm alone on activations quantised outside the timed
 call: issue 23's 40.7 us at T = 64), torch.rowwise.prequantised (rowwise scales, quantised outside: flatters it),
@@ -71,9 +72,10 @@ def _case(T, provider):
         return lambda: kernels._fc_proj(aux, w8, scale, None, 1e-6, "none", None, out, fp8_mm_min_rows=None), w8
     if provider == "eagle3.rowwise fp8":
         return lambda: kernels._fc_proj(aux, w8, scale, None, 1e-6, "none", None, out, fp8_mm_mode="rowwise"), w8
-    if provider == "eagle3.quantise fp8":
+    if provider.startswith("eagle3.quantise"):  # "eagle3.quantise[:BLOCK,warps] fp8": QUANT_CONFIG or another
         err = errors.error_word(aux.device)
-        return lambda: kernels.quantised_rows(aux, None, 1e-6, 0, 1, None, T, err), w8
+        cfg = tuple(int(v) for v in provider[:-4].split(":")[1].split(",")) if ":" in provider else kernels.QUANT_CONFIG
+        return lambda: kernels.quantised_rows(aux, None, 1e-6, 0, 1, None, T, err, cfg), w8
     if provider in ("torch", "torch.bf16 fp8"):
         return lambda: F.linear(aux, W["bf16"]), W["bf16"]
     if provider == "torch.compile":
@@ -93,7 +95,9 @@ def _case(T, provider):
     raise ValueError(provider)
 
 
-FP8_PROVIDERS = ["eagle3 fp8", "eagle3.stream fp8", "eagle3.rowwise fp8", "eagle3.quantise fp8", "torch fp8", "torch.compile fp8", "torch.prequantised fp8",
+QUANT_VARIANTS = ["eagle3.quantise:4096,8 fp8", "eagle3.quantise:16384,32 fp8"]  # around QUANT_CONFIG (8192, 16)
+FP8_PROVIDERS = ["eagle3 fp8", "eagle3.stream fp8", "eagle3.rowwise fp8", "eagle3.quantise fp8", *QUANT_VARIANTS,
+                 "torch fp8", "torch.compile fp8", "torch.prequantised fp8",
                  "torch.rowwise.prequantised fp8", "torch.bf16 fp8"]
 
 
@@ -102,14 +106,14 @@ FP8_PROVIDERS = ["eagle3 fp8", "eagle3.stream fp8", "eagle3.rowwise fp8", "eagle
 def test_fc(benchmark, recorder, provider, T):
     if provider == "torch.compile" and T not in (1, 64, 4096):
         pytest.skip("torch.compile of F.linear is cuBLAS again: three sizes suffice")
-    if provider in ("torch.compile fp8", "eagle3.stream fp8", "eagle3.rowwise fp8", "eagle3.quantise fp8") and \
-            T not in (16, 32, 64):
+    if (provider in ("torch.compile fp8", "eagle3.stream fp8", "eagle3.rowwise fp8") or
+            provider.startswith("eagle3.quantise")) and T not in (16, 32, 64):
         pytest.skip("issue 23's fp8 rows (T 16, 32, 64) only")
     fn, w = _case(T, provider)
     us = graph_time_us([fn], reps=20)
     benchmark.pedantic(fn, rounds=20, warmup_rounds=3)
     nbytes, flops = w.numel() * w.element_size() + T * K * 2 + T * HD * 2, 2 * T * K * HD
-    if provider == "eagle3.quantise fp8":  # aux read twice (the second from L2: counted once), e4m3 rows written
+    if provider.startswith("eagle3.quantise"):  # aux read twice (the second from L2: counted once), e4m3 rows written
         nbytes, flops = T * K * 3, 0
     bench = "fc fp8" if provider.endswith(" fp8") else "fc bf16"  # "torch fp8": the baseline column of its table
     recorder.add(bench, f"T={T}", provider.replace(" fp8", ""), us, nbytes, flops,
