@@ -420,9 +420,15 @@ def test_gpu_paged_kv_write_accept_attend():
     g = torch.Generator(device="cuda").manual_seed(5)
     kv.write(0, torch.randn(B, 3000, D, generator=g, device="cuda", dtype=torch.bfloat16))
     kv.advance(3000 - N)
-    nodes = torch.tensor([[0, 1, 2, 3]] * B, dtype=torch.int32, device="cuda")
-    eagle3_ops.ops.kv_accept(kv.caches, kv.page_table, kv.prefix_lens, nodes,
-                             torch.tensor([1, 0, 3, 2], dtype=torch.int32, device="cuda"))
+    # accepted paths whose rows move (2 -> 1, 3 -> 2, ...): the CUDA op's bytes against the CPU reference's
+    nodes = torch.tensor([[0, 2, 3, 1], [0, 1, 2, 3], [0, 3, 1, 2], [0, 2, 1, 3]], dtype=torch.int32)
+    lens = torch.tensor([2, 0, 3, 1], dtype=torch.int32)
+    want, want_prefix = [c.cpu() for c in kv.caches], kv.prefix_lens.cpu()
+    eagle3_ops.ops.kv_accept(want, kv.page_table.cpu(), want_prefix, nodes, lens)
+    eagle3_ops.ops.kv_accept(kv.caches, kv.page_table, kv.prefix_lens, nodes.cuda(), lens.cuda())
+    for i, (got, w) in enumerate(zip(kv.caches, want)):
+        assert_equal(got.cpu().view(torch.uint8), w.view(torch.uint8), f"caches[{i}] after kv_accept")
+    assert_equal(kv.prefix_lens.cpu(), want_prefix, "prefix_lens")
     kv.write(0, torch.randn(B, N, D, generator=g, device="cuda", dtype=torch.bfloat16))
     parents = tree.random_parents(B, N, torch.Generator().manual_seed(6), "chain")
     tm = tree.tree_mask(parents).cuda()
