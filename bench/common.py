@@ -60,12 +60,16 @@ def rotation(bytes_per_call: int) -> int:
     return max(1, min(64, -(-3 * L2_BYTES // max(bytes_per_call, 1))))
 
 
-def eager_time_us(calls: list[Callable[[], None]], total: int, batches: int = 5) -> float:
+def eager_time_us(calls: list[Callable[[], None]], total: int, batches: int = 10) -> float:
     """Per-call wall time of back-to-back eager calls (host launch cost included, the device drained at each
-    batch's end): `total` calls cycling through `calls`, in `batches` timed batches; the median batch. One timed
-    run of 40 calls swung 20 to 33 us between two processes of one build (device_checks_h200.log)."""
+    batch's end): `total` calls cycling through `calls` (never more: ops that advance state size their inputs
+    by it), in `batches` timed batches; the fastest batch. Host noise (another process on the core, the
+    garbage collector, a page fault, a cold first batch) only ever adds time, so the minimum is the estimate a
+    re-run reproduces: one timed run of 40 calls swung 20 to 33 us between two processes of one build
+    (device_checks_h200.log at f803251)."""
+    batches = max(1, min(batches, total))
+    per_batch, k, times = total // batches, 0, []
     torch.cuda.synchronize()
-    per_batch, k, times = -(-total // batches), 0, []
     for _ in range(batches):
         t0 = time.perf_counter()
         for _ in range(per_batch):
@@ -73,7 +77,7 @@ def eager_time_us(calls: list[Callable[[], None]], total: int, batches: int = 5)
             k += 1
         torch.cuda.synchronize()
         times.append((time.perf_counter() - t0) / per_batch * 1e6)
-    return statistics.median(times)
+    return min(times)
 
 
 def graph_time_us(calls: list[Callable[[], None]], reps: int = 30) -> float:

@@ -5,7 +5,10 @@
 # best median under both and the ratio, and writes $OUT/device_checks.json.
 # The logs (builds, each round's pytest tail) go to $OUT/device_checks.log, each round's rows to
 # $OUT/<on|off><round>.json; a round is bounded by ROUND_TIMEOUT s, so a call cut short keeps the rounds that ended.
-#   usage: OUT=... EAGLE3_COMMIT=... [ROUNDS=2] [ROUND_TIMEOUT=150] [BENCH_K='eagle3'] bash bench/device_checks.sh [bench files...]
+# Every round's process runs on the same CPUs (PIN_CPUS, through taskset where it exists): the eager rows time the
+# host, and two processes of one build on different cores differed by half (device_checks_h200.log at f803251).
+#   usage: OUT=... EAGLE3_COMMIT=... [ROUNDS=3] [ROUND_TIMEOUT=150] [BENCH_K='eagle3'] [PIN_CPUS=4-7]
+#          bash bench/device_checks.sh [bench files...]
 set -o pipefail
 OUT=${OUT:-/tmp/eagle3_checks_out}
 mkdir -p "$OUT"
@@ -31,12 +34,15 @@ echo "both builds took $(( $(date +%s) - start )) s" | tee -a "$LOG"
 python3 -c "import eagle3_ops; print('on :', eagle3_ops.build_info())" 2>&1 | tee -a "$LOG" || exit 1
 (cd "$OFF" && python3 -c "import eagle3_ops; print('off:', eagle3_ops.build_info())") 2>&1 | tee -a "$LOG" || exit 1
 
-for round in $(seq 1 "${ROUNDS:-2}"); do
+PIN=()
+command -v taskset > /dev/null && taskset -c "${PIN_CPUS:-4-7}" true 2> /dev/null && PIN=(taskset -c "${PIN_CPUS:-4-7}")
+echo "rounds pinned to: ${PIN[*]:-(no taskset)}" | tee -a "$LOG"
+for round in $(seq 1 "${ROUNDS:-3}"); do
   for variant in on off; do
     dir=$ROOT; [ $variant = off ] && dir=$OFF
     mkdir -p "$OFF.rows/$variant$round"
     echo "== round $round, checks $variant (started $(date +%T))" | tee -a "$LOG"
-    (cd "$dir" && EAGLE3_BENCH_OUT="$OFF.rows/$variant$round" timeout "${ROUND_TIMEOUT:-150}" python3 -m pytest "${BENCHES[@]}" \
+    (cd "$dir" && EAGLE3_BENCH_OUT="$OFF.rows/$variant$round" timeout "${ROUND_TIMEOUT:-150}" "${PIN[@]}" python3 -m pytest "${BENCHES[@]}" \
       -q -p no:cacheprovider -k "${BENCH_K:-eagle3}" > "$OFF.rows/$variant$round.log" 2>&1)
     echo "rc $?" >> "$LOG"
     tail -n 2 "$OFF.rows/$variant$round.log" | tee -a "$LOG"

@@ -194,7 +194,7 @@ __global__ void __launch_bounds__(S::THREADS, S::MIN_BLOCKS) add_rmsnorm_capture
     if (r < rows.R) {
       const int64_t src = rows[r];
       const bool invalid = src < 0 || src >= T;
-      if (invalid && t == 0) report_range(err, kOpAddRmsnormCapture, kArgRows, src, 0, T - 1, r);
+      if (EAGLE3_UNLIKELY(invalid) && t == 0) report_range(err, kOpAddRmsnormCapture, kArgRows, src, 0, T - 1, r);
       if (src == t || (invalid && t == 0)) matched[atomicAdd(&n_matched, 1)] = invalid ? -1 - r : r;
     }
     __syncthreads();

@@ -51,6 +51,18 @@ __device__ __forceinline__ uint64_t sort_key(float eff, uint32_t flat) {
   return (static_cast<uint64_t>(~u) << 32) | flat;
 }
 
+// The error path of candidate f = d * M + m of request b (its score NaN, or its parent outside the range of
+// its depth): each violation reported as the CPU reference words it.
+template <typename score_t, typename par_t>
+__device__ __noinline__ void report_candidate(int64_t* err, const score_t* sc, const par_t* pa, int64_t b, int f,
+                                              int M) {
+  const int d = f / M, m = f - d * M;
+  const float raw = score_to_float(sc[f]);
+  if (raw != raw) report_float(err, kOpBuildTree, kArgDraftScores, kKindNaN, raw, b, d, m);
+  const int64_t p = static_cast<int64_t>(pa[f]), lo = d == 0 ? -1 : 0, hi = d == 0 ? -1 : M - 1;
+  if (p < lo || p > hi) report_range(err, kOpBuildTree, kArgDraftParents, p, lo, hi, b, d, m);
+}
+
 // root_tokens   [B]        int64
 // draft_tokens  [B, S, M]  int64
 // draft_scores  [B, S, M]  fp32 | bf16 | fp16
@@ -75,24 +87,25 @@ __global__ void __launch_bounds__(kMaxThreads) build_tree_kernel(
   const score_t* sc = draft_scores + b * C;
   const par_t* pa = draft_parents + b * C;
 
-  // 1 + 2: effective scores and keys
+  // 1 + 2: effective scores and keys. The walk reads each candidate's own parent first (the check needs it
+  // too); the check is one predicate, and the report (which of the two, and what) is made off the hot path
+  // after the key is stored, re-reading the candidate (report_candidate).
   for (int f = threadIdx.x; f < C; f += blockDim.x) {
     int d = f / M, m = f - d * M;
     const float raw = score_to_float(sc[f]);
-    if constexpr (kDeviceChecks) {  // each candidate reports its own score and parent
-      if (raw != raw) report_float(err, kOpBuildTree, kArgDraftScores, kKindNaN, raw, b, d, m);
-      const int64_t p = static_cast<int64_t>(pa[f]), lo = d == 0 ? -1 : 0, hi = d == 0 ? -1 : M - 1;
-      if (p < lo || p > hi) report_range(err, kOpBuildTree, kArgDraftParents, p, lo, hi, b, d, m);
-    }
+    int64_t p = d > 0 || kDeviceChecks ? static_cast<int64_t>(pa[f]) : -1;
+    // a NaN score, or a parent outside [-1, -1] at depth 0 / [0, M) at depth >= 1 (one unsigned compare each)
+    const bool bad = kDeviceChecks && (raw != raw || (d == 0 ? p != -1 : static_cast<uint64_t>(p) >= static_cast<uint64_t>(M)));
     float e = clean(raw);
     while (d > 0) {
-      const int64_t p = static_cast<int64_t>(pa[d * M + m]);
       if (p < 0 || p >= M) break;  // out of range: read as the root
       --d;
       m = static_cast<int>(p);
       e = fminf(e, clean(score_to_float(sc[d * M + m])));
+      if (d > 0) p = static_cast<int64_t>(pa[d * M + m]);
     }
     key[f] = sort_key(e, static_cast<uint32_t>(f));
+    if (EAGLE3_UNLIKELY(bad)) report_candidate(err, sc, pa, b, f, M);
   }
   __syncthreads();
 

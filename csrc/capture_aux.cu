@@ -45,8 +45,7 @@ __global__ void __launch_bounds__(kThreads) capture_aux_kernel(
   using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
   const int64_t r = blockIdx.x;
   const int64_t src = rows != nullptr ? static_cast<int64_t>(rows[r]) : r;
-  const bool valid = src >= 0 && src < T;
-  if (!valid && blockIdx.y == 0 && threadIdx.x == 0) report_range(err, kOpCaptureAux, kArgRows, src, 0, T - 1, r);
+  const bool valid = static_cast<uint64_t>(src) < static_cast<uint64_t>(T);  // 0 <= src < T
   const int64_t nvec = H / VEC;
   const int64_t base = static_cast<int64_t>(blockIdx.y) * kThreads * kUnroll + threadIdx.x;
   const vec_t* h = reinterpret_cast<const vec_t*>(hidden + (valid ? src : 0) * hidden_stride);
@@ -79,6 +78,10 @@ __global__ void __launch_bounds__(kThreads) capture_aux_kernel(
       }
     }
     out[v] = o;
+  }
+  // the report last, off the path from the row's index to its loads and stores
+  if (EAGLE3_UNLIKELY(!valid) && blockIdx.y == 0 && threadIdx.x == 0) {
+    report_range(err, kOpCaptureAux, kArgRows, src, 0, T - 1, r);
   }
 }
 

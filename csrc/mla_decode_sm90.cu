@@ -167,6 +167,30 @@ __device__ __forceinline__ void named_barrier_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
+// The error path of a poisoned block of request b (every thread of the block calls it): a bad prefix length
+// (reported by thread 0), else each page-table slot this block read - those covering this split's prefix keys
+// [start, end) and, in the last split (tree_n = N), the tree keys [prefix, prefix + N) - whose page id is
+// outside [0, num_pages), as row_src found them (the first report wins).
+__device__ __noinline__ void report_request(int64_t* err, const int32_t* pt_row, int num_pages, int page_size, int b,
+                                            bool bad, int prefix_raw, int64_t clamp_hi, int64_t start, int64_t end,
+                                            int prefix, int tree_n) {
+  if (bad) {
+    if (threadIdx.x == 0) report_range(err, kOpTreeAttentionMla, kArgPrefixLens, prefix_raw, 0, clamp_hi, b);
+    return;
+  }
+  auto scan = [&](int64_t lo, int64_t hi) {  // the slots of positions [lo, hi)
+    if (hi <= lo) return;
+    for (int64_t slot = lo / page_size + threadIdx.x; slot <= (hi - 1) / page_size; slot += blockDim.x) {
+      const int page = pt_row[slot];
+      if (page < 0 || page >= num_pages) {
+        report_range(err, kOpTreeAttentionMla, kArgPageTable, page, 0, num_pages - 1, b, slot);
+      }
+    }
+  };
+  scan(start, end);
+  scan(prefix, static_cast<int64_t>(prefix) + tree_n);
+}
+
 #ifdef EAGLE3_DEV_BUILD
 #pragma nv_diagnostic push
 #pragma nv_diag_suppress 128  // (the no-math builds end their loops' bodies early: "loop is not reachable")
@@ -220,11 +244,11 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
   const int n_prefix_tiles = end > start ? static_cast<int>((end - start + kKeys - 1) / kKeys) : 0;
   // a bad prefix length: no tile at all (nothing read; the epilogue writes NaN rows)
   const int n_tiles = bad ? 0 : n_prefix_tiles + (split == p.num_splits - 1 ? cdiv(p.N, kKeys) : 0);
-  if (bad && tid == 0) report_range(p.err, kOpTreeAttentionMla, kArgPrefixLens, prefix_raw, 0, clamp_hi, b);
   const int32_t* pt_row = p.page_table + b * p.stride_pt;
 
   // Where key row r of tile t lives, or nullptr where it must not be read (past the split, past the tree,
-  // on a page id outside [0, num_pages): those rows are zero-filled; the latter also poison the request).
+  // on a page id outside [0, num_pages): those rows are zero-filled; the latter also poison the request, and
+  // report_request finds and reports them after the epilogue: nothing waits on a page id before its loads).
   bool unreal = false;
   auto row_src = [&](int t, int r) -> const T* {
     int64_t pos;
@@ -241,11 +265,8 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
     const uint32_t upos = static_cast<uint32_t>(pos), ups = static_cast<uint32_t>(p.page_size);
     const uint32_t pg = upos / ups;
     const int page = valid ? pt_row[pg] : 0;
-    const bool real = page >= 0 && page < p.num_pages;
-    if (valid && !real) {
-      unreal = true;
-      report_range(p.err, kOpTreeAttentionMla, kArgPageTable, page, 0, p.num_pages - 1, b, pg);
-    }
+    const bool real = static_cast<uint32_t>(page) < static_cast<uint32_t>(p.num_pages);  // 0 <= page < num_pages
+    unreal |= valid && !real;
     return valid && real ? kv + page * p.stride_kp + static_cast<int64_t>(upos - pg * ups) * p.stride_ks : nullptr;
   };
   uint64_t policy = 0;
@@ -570,6 +591,10 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
       }
       if (p.lse != nullptr && wg == 0 && quad == 0) p.lse[token * p.G + head] = lse2 * 0.6931471805599453f;
     }
+  }
+  if (kDeviceChecks && EAGLE3_UNLIKELY(poisoned)) {  // (block-uniform) after every store: nothing waits on it
+    report_request(p.err, pt_row, p.num_pages, p.page_size, b, bad, prefix_raw, clamp_hi, start, end, prefix,
+                   split == p.num_splits - 1 ? p.N : 0);
   }
 #ifdef EAGLE3_DEV_BUILD
   if constexpr ((kDev & kDevTrace) != 0) {
