@@ -36,7 +36,8 @@ eagle3 fp8 against eagle3 bf16 on the dequantised cache (the scale is a power of
 exact in bf16). The table goes to stdout, the rows to --json.
 
     python3 bench/peer_mla.py --json $OUT/peer_mla.json                       # GPU, from the repository root
-    python3 bench/peer_mla.py --dry-run                                       # CPU: small shapes, the plumbing
+    python3 bench/peer_mla.py --dry-run      # CPU: small shapes, every row's code with stand-in peers (the FA3
+                                             # arguments read by their schema names), eagle3's CPU reference
 """
 
 from __future__ import annotations
@@ -62,7 +63,12 @@ PAGE = 64  # FlashMLA's only page size; FA3-MLA takes multiples of 16
 SHAPES = [(1, 32768), (8, 8192), (64, 4096)]  # (B, prefix P)
 NODES = [(1, "N1"), (4, "4-chain"), (16, "16-tree")]  # (N, label): the 16-node row is a tree for eagle3 only
 FA3_SPLITS = 32  # vLLM's attention_config.flash_attn_max_num_splits_for_cuda_graph
-FA3_FWD_ARGS = 37  # torch.ops._vllm_fa3_C.fwd's arguments in vLLM 0.33.0 (its schema, read from the .so)
+# torch.ops._vllm_fa3_C.fwd's arguments in vLLM 0.33.0 (its schema, read from the .so), in order
+FA3_FWD_NAMES = ("q k v k_new v_new q_v out cu_seqlens_q cu_seqlens_k cu_seqlens_k_new seqused_q seqused_k "
+                 "max_seqlen_q max_seqlen_k page_table kv_batch_idx leftpad_k rotary_cos rotary_sin seqlens_rotary "
+                 "q_descale k_descale v_descale softmax_scale is_causal window_size_left window_size_right softcap "
+                 "is_rotary_interleaved scheduler_metadata num_splits pack_gqa sm_margin s_aux cp_world_size cp_rank "
+                 "cp_tot_seqused_k").split()
 FP8 = getattr(torch, "float8_e4m3fn", None)
 KV8_SCALE = 1 / 64  # a power of two: e4m3 * 2^-6 is exact in bf16, so the dequantised cache is the same in both
 REL_TOL = 1e-2  # bf16 rounding (tests/conftest.py TOLERANCES[bf16])
@@ -107,9 +113,9 @@ def load_peers(folder: str) -> dict:
                     ctypes.CDLL(path)
                     raise
             found[peer] = getattr(torch.ops, ns)
-            schema = getattr(found[peer], op).default._schema
-            if peer == "FA3-MLA" and len(schema.arguments) != FA3_FWD_ARGS:
-                raise RuntimeError(f"fwd takes {len(schema.arguments)} arguments, not vLLM 0.33.0's {FA3_FWD_ARGS}")
+            names = [a.name for a in getattr(found[peer], op).default._schema.arguments]
+            if peer == "FA3-MLA" and names != FA3_FWD_NAMES:  # positional: another build's order would misread
+                raise RuntimeError(f"fwd's arguments {names} are not vLLM 0.33.0's {FA3_FWD_NAMES}")
             print(f"{peer}: {path}", flush=True)
         except Exception as e:  # noqa: BLE001 - a peer that does not load is reported, the others still run
             found[peer] = f"{type(e).__name__}: {str(e).strip()[:400]}"
@@ -124,7 +130,7 @@ def fa3_schedule(fa3, B: int, N: int, NH: int, seqlens, cu_q, L: int):
 
 
 def fa3_args(x: dict, q: dict, N: int, L: int, meta) -> tuple:
-    """torch.ops._vllm_fa3_C.fwd's 37 arguments as vllm_flash_attn.flash_attn_varlen_func passes them for
+    """torch.ops._vllm_fa3_C.fwd's 37 arguments (FA3_FWD_NAMES) as vllm_flash_attn.flash_attn_varlen_func passes them for
     fa_version=3 from FlashAttnMLAImpl.forward_mqa: q_pe / k_pe as q / k, q_nope / c_kv as q_v / v."""
     kv = x["kv"]
     return (q["q"][..., DV:], kv[..., DV:].unsqueeze(-2), kv[..., :DV].unsqueeze(-2), None, None, q["q"][..., :DV],
@@ -189,20 +195,68 @@ def ours_call(x: dict, q: dict, mask: str, fp8: bool = False, scale_type: str | 
     return lambda: torch.ops.eagle3.tree_attention_mla(**kw)
 
 
+def causal_mla(q: torch.Tensor, kv: torch.Tensor, page_table, seqlens, scale: float) -> torch.Tensor:
+    """fp32 MLA over a paged cache, causal aligned to the bottom right (token i of N sees keys [0, L - N + i]):
+    q [B, N, NH, 576], kv [pages, page, 576] -> [B, N, NH, 512]; what both peers compute."""
+    B, N = q.shape[:2]
+    outs = []
+    for b in range(B):
+        L = int(seqlens[b])
+        pos = torch.arange(L, device=q.device)
+        k = kv[page_table[b, pos // PAGE].long(), pos % PAGE].float()  # [L, 576]
+        s = torch.einsum("nhd,ld->hnl", q[b].float(), k) * scale
+        seen = pos[None, :] <= (L - N + torch.arange(N, device=q.device))[:, None]
+        p = torch.softmax(s.masked_fill(~seen, float("-inf")), dim=-1)
+        outs.append(torch.einsum("hnl,ld->nhd", p, k[:, :DV]))
+    return torch.stack(outs)
+
+
 def peer_math(x: dict, q: dict, B: int, N: int, NH: int) -> torch.Tensor:
-    """What the peers compute, restated in fp32 from their arguments: q_pe . k_pe + q_nope . c_kv, causal aligned
-    to the bottom right (token i of a request sees keys [0, P + i]), out = softmax @ c_kv. The dry run checks that
-    it equals eagle3's chain output (the argument mapping is the 576-dim dot)."""
-    P = int(x["prefix_lens"][0])
-    L = P + N
-    pos = torch.arange(L, device=q["q"].device)
-    kv = x["kv"][x["page_table"][:, pos // PAGE].long(), pos % PAGE].float()  # [B, L, 576]
-    qq = q["q"].float().view(B, N, NH, D)
-    s = (torch.einsum("bnhd,bld->bhnl", qq[..., DV:], kv[..., DV:]) +
-         torch.einsum("bnhd,bld->bhnl", qq[..., :DV], kv[..., :DV])) * KIMI_SCALE
-    causal = pos[None, :] <= (P + torch.arange(N, device=pos.device))[:, None]  # [N, L]
-    p = torch.softmax(s.masked_fill(~causal, float("-inf")), dim=-1)
-    return torch.einsum("bhnl,bld->bnhd", p, kv[..., :DV]).reshape(B * N, NH, DV)
+    """causal_mla on eagle3's inputs: the dry run checks that it equals eagle3's chain output."""
+    return causal_mla(q["q"].view(B, N, NH, D), x["kv"], x["page_table"], x["seqlens"][N], KIMI_SCALE).reshape(
+        B * N, NH, DV)
+
+
+class StandInFA3:
+    """The dry run's FA3: fwd reads its 37 arguments by FA3_FWD_NAMES and computes what FlashAttention-3 does with
+    them (q . k + q_v . v, out = P v, causal, paged), so a q / q_v or k / v swap in fa3_args would show."""
+
+    @staticmethod
+    def get_scheduler_metadata(*args):
+        assert len(args) == 23
+        return None
+
+    @staticmethod
+    def fwd(*args):
+        a = dict(zip(FA3_FWD_NAMES, args, strict=True))
+        cu = a["cu_seqlens_q"]
+        B, N = cu.numel() - 1, a["max_seqlen_q"]
+        q = torch.cat([a["q_v"], a["q"]], -1).view(B, N, -1, D)
+        kv = torch.cat([a["v"], a["k"]], -1).squeeze(-2)
+        o = causal_mla(q, kv, a["page_table"], a["seqused_k"], a["softmax_scale"])
+        a["out"].copy_(o.reshape(a["out"].shape))
+        return [a["out"], None, None, None]
+
+
+class StandInFlashMLA:
+    """The dry run's FlashMLA: dense_decode_fwd and the fp8 kernel (fwd_kvcache_mla_fp8, dequantising q and the
+    cache by their descales), in causal_mla."""
+
+    @staticmethod
+    def dense_decode_fwd(q, kcache, dv, seqlens, block_table, scale, causal, tile, splits, out):
+        o = causal_mla(q, kcache.squeeze(-2), block_table, seqlens, scale)
+        out.copy_(o.reshape(out.shape))
+        return out, None, torch.zeros(1), torch.zeros(1)
+
+    @staticmethod
+    def get_mla_decoding_metadata_dense_fp8(seqlens, q_per_head_k, heads_k):
+        return torch.zeros(1), torch.zeros(1)
+
+    @staticmethod
+    def fwd_kvcache_mla_fp8(q8, k8, dv, seqlens, block_table, scale, causal, tile, splits, q_scale, k_scale):
+        q = q8.float() * q_scale
+        kv = k8.squeeze(-2).float() * k_scale
+        return [causal_mla(q, kv, block_table, seqlens, scale).bfloat16(), None]
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -298,15 +352,16 @@ def agreement(sets, q, prov, B, N, NH) -> dict:
     return got
 
 
-def run_row(rec, sets, peers, B, P, N, label, NH, g, fp8_type, rounds, reps):
+def run_row(rec, sets, peers, B, P, N, label, NH, g, fp8_type, rounds, reps, device="cuda", timer=graph_time_us):
     tree_row = label.endswith("tree")
-    q = queries(B, N, NH, tree_row, g, "cuda")
+    q = queries(B, N, NH, tree_row, g, device)
     prov = providers(sets, q, peers, B, P, N, NH, tree_row, fp8_type)
     for p in list(prov):
         try:
             for c in prov[p][:1]:
                 c()
-            torch.cuda.synchronize()
+            if device == "cuda":
+                torch.cuda.synchronize()
         except Exception as e:  # noqa: BLE001 - a provider that refuses the shape: said, and left out
             print(f"  {p} at {NH} heads B{B} P{P} {label}: {type(e).__name__}: {str(e).strip()[:300]}", flush=True)
             del prov[p]
@@ -315,7 +370,7 @@ def run_row(rec, sets, peers, B, P, N, label, NH, g, fp8_type, rounds, reps):
     for _ in range(rounds):  # interleaved: a clock or thermal drift hits every provider alike
         for p, calls in list(prov.items()):
             try:
-                best[p] = min(best[p], graph_time_us(calls, reps=reps))
+                best[p] = min(best[p], timer(calls, reps=reps))
             except Exception as e:  # noqa: BLE001 - e.g. a capture a peer refuses: said, and left out
                 print(f"  {p} at {NH} heads B{B} P{P} {label}, timed: {type(e).__name__}: {str(e).strip()[:300]}",
                       flush=True)
@@ -419,45 +474,41 @@ def main_gpu(args) -> int:
 
 
 def dry_run(args) -> int:
-    """CPU: small shapes through the same builders; eagle3's op (its CPU reference) against peer_math on every
-    chain, the FA3 argument tuple's length, the fp8 cache's dequantisation, and whether the peers load here."""
+    """CPU: small shapes through the same builders and rows, the peers stood in for by StandInFA3 /
+    StandInFlashMLA (their arguments read by name and computed in fp32), eagle3 its CPU reference, wall-clock
+    timing; every check the GPU run makes (peers against eagle3 on the chain, eagle3 fp8 against eagle3 bf16 on
+    the dequantised cache), the table and the JSON rows; whether the real peers load here."""
     import eagle3_ops  # noqa: F401
 
-    peers = load_peers(args.peers)
+    load_peers(args.peers)
     fp8_type = kv_scale_type()
     print(f"eagle3 fp8 cache: {fp8_type or 'no kv_scale argument (fp8 rows would be left out)'}")
+    peers = {"FA3-MLA": StandInFA3(), "FlashMLA": StandInFlashMLA(), "FlashMLA fp8": StandInFlashMLA()}
+
+    def wall_us(calls, reps):
+        t0 = time.perf_counter()
+        for c in calls:
+            c()
+        return (time.perf_counter() - t0) / len(calls) * 1e6
+
+    rec = Recorder(Ceilings(copy_bw=4e12, mm_rate=6e14))  # (stand-in ceilings: the fractions mean nothing here)
     g = torch.Generator().manual_seed(0)
-    worst = 0.0
+    print(HEADER)
     for B, P in ((1, 100), (3, 64)):
         sets = kv_sets(B, P, 2, g, "cpu", FP8 is not None)
+        deq = sets[0]["kv8"].float() * KV8_SCALE
+        assert bool((deq.bfloat16().float() == deq).all()), "dequantised fp8 cache not exact in bf16"
         for NH in (8, 16):
             for N, label in NODES:
-                q = queries(B, N, NH, label.endswith("tree"), g, "cpu")
-                x = sets[1]
-                ours_call(x, q, "chain_mask")()
-                err = rel(q["out"], peer_math(x, q, B, N, NH))
-                ours_call(x, q, "mask")()  # the tree row's mask too
-                assert len(fa3_args(x, q, N, P + N, None)) == FA3_FWD_ARGS
-                worst = max(worst, err)
-                print(f"{NH} heads B{B} P{P} {label}: eagle3 chain vs the peers' math {err:.2e}")
-        if FP8 is not None:
-            x = sets[0]
-            deq = x["kv8"].float() * KV8_SCALE
-            assert bool((deq.bfloat16().float() == deq).all()), "dequantised fp8 cache not exact in bf16"
-            if fp8_type:  # eagle3 fp8 against eagle3 bf16 on the dequantised cache, as the GPU run checks it
-                q = queries(B, 4, 16, False, g, "cpu")
-                try:
-                    ours_call(x, q, "mask", kv=deq.bfloat16())()
-                    ref = q["out"].clone()
-                    ours_call(x, q, "mask", True, fp8_type)()
-                    err = rel(q["out"], ref)
-                    worst = max(worst, err)
-                    print(f"16 heads B{B} P{P} 4-chain: eagle3 fp8 vs eagle3 bf16 on the dequantised cache {err:.2e}")
-                except Exception as e:  # noqa: BLE001 - the CPU reference may not take an fp8 cache yet
-                    print(f"eagle3 fp8 on the CPU: {type(e).__name__}: {str(e)[:200]}")
-    ok = worst <= REL_TOL
-    print(f"dry run: {'ok' if ok else 'FAILED'} (worst rel err {worst:.2e}); peers here: "
-          + ", ".join(f"{k}: {'loaded' if not isinstance(v, str) else 'no'}" for k, v in peers.items()))
+                print(summary(run_row(rec, sets, peers, B, P, N, label, NH, g, fp8_type, 1, 1, "cpu", wall_us)))
+    errs = {r.provider: max(r.extra["rel_err_vs_eagle3"], 0.0) for r in rec.rows
+            if r.extra["rel_err_vs_eagle3"] is not None}
+    want = {"FA3-MLA", "FlashMLA", "FlashMLA fp8"} | ({"eagle3 fp8"} if fp8_type else set())
+    worst = max((r.extra["rel_err_vs_eagle3"] for r in rec.rows if r.extra["rel_err_vs_eagle3"] is not None
+                 and r.provider != "FlashMLA fp8"), default=float("inf"))
+    ok = want <= set(errs) and worst <= REL_TOL
+    print(f"dry run: {'ok' if ok else 'FAILED'}: {len(rec.rows)} provider rows; worst rel err against eagle3 "
+          f"{worst:.2e} (checked: {', '.join(sorted(errs))})")
     return 0 if ok else 1
 
 
