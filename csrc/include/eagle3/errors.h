@@ -3,12 +3,14 @@
 // Every kernel that indexes memory with a runtime value (a row id, a page id, an accepted node, a parent) or
 // reads a value its math cannot take (a NaN score, a negative temperature) checks it, skips what is invalid
 // (each op's docstring says what is skipped and what is left untouched) and records the first violation in a
-// small per-device word: which op, which argument, where and what value. Writing it is one atomic on the
-// error path only, so the checks cost nothing measurable, and the word lives in the module's static device
-// memory, so its address never changes and a CUDA graph that captured a launch reports through it on
-// every replay. eagle3_ops.check_errors() reads and clears it (one sync, when the engine chooses) and raises
-// Eagle3InputError naming the op, the argument and the value; in strict mode (eagle3_ops.set_strict or
-// EAGLE3_STRICT=1) every launcher checks right after its launch and raises there.
+// small per-device word: which op, which argument, where and what value. Writing it happens on the error path
+// only (one atomic claims the word); on valid input a check is a compare and a branch not taken, placed so that
+// no load or store waits on it (errors.cuh; bench/device_checks.sh measures what it costs against a build with
+// EAGLE3_DEVICE_CHECKS=0). The word lives in the module's static device memory, so its address never changes
+// and a CUDA graph that captured a launch reports through it on every replay. eagle3_ops.check_errors() reads
+// and clears it (one sync, when the engine chooses) and raises Eagle3InputError naming the op, the argument and
+// the value; in strict mode (eagle3_ops.set_strict or EAGLE3_STRICT=1) every launcher checks right after its
+// launch and raises there.
 //
 // The word: kErrorWords int64, [0] state (0 clear, 1 being written, 2 recorded), then op, argument and kind
 // ids, three indices (kNoIndex where unused), the value (an integer, or a double's bits for the float
