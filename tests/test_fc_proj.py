@@ -360,7 +360,8 @@ def _fp8_case(gen, T, H, Hd, dtype, norm_mode, device="cpu"):
 @pytest.mark.skipif(not INTERPRET or FP8 is None, reason="the Triton interpreter runs the kernels on CPU tensors")
 @pytest.mark.parametrize("norm_mode", ["none", "norm_before_fc", "fc_norm"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
-@pytest.mark.parametrize("block", [16, None])  # 16: a chunk of 40 columns in three blocks, the last partial
+# 16: the two-pass kernel, a chunk of 40 columns in three blocks, the last partial; None: the row in one tile
+@pytest.mark.parametrize("block", [16, None])
 def test_triton_interpreted_fp8_quantised_rows(gen, norm_mode, dtype, block):
     # _quant_rows_kernel alone: gathered rows (repeated, one out of range), strided aux, per-chunk norms; its
     # scales equal amax / 448 of the fp32 rows, its e4m3 values torch's rounding of the same products (the

@@ -18,7 +18,7 @@ split's partial is multiplied by its chunk's rsqrt in fp32. A norm weight is app
 the fly (prepare_fc_weight folds it into the weight columns once, at load, so it is usually absent).
 
 An fp8 e4m3 weight at R >= FP8_MM_MIN_ROWS (16) with a bf16 out (K and Hd multiples of 16, a CUDA device of
-compute capability 8.9+) takes cuBLAS's fp8 GEMM instead, at every R from there up: one kernel (_quant_rows_kernel)
+compute capability 8.9+) takes cuBLAS's fp8 GEMM instead, at every R from there up: one kernel (_quant_row_kernel)
 gathers the rows, applies the norm and rounds each row to e4m3 with its own scale amax / 448, torch._scaled_mm
 multiplies that by the weight into fp32 (unit per-tensor scales: cuBLAS's fast path at these sizes), and a small
 kernel applies the rows' and the weight's scales and writes out. The activations
@@ -66,8 +66,10 @@ from ._errors import arg_id, op_id, report_range
 STREAM_MAX_ROWS = 64
 # an fp8 weight at R from this many rows up: the activations quantised to e4m3, then torch._scaled_mm (_fp8_mm)
 FP8_MM_MIN_ROWS = 16
-# _quant_rows_kernel's (largest BLOCK, num_warps): each row read twice (amax, then quantise), one program a row
-QUANT_CONFIG = (8192, 16)
+# the activation quantisation's (widest row read whole, num_warps), a program a row: rows of up to that many
+# columns (rounded up to a power of two) in one tile, read once (_quant_row_kernel: 106 registers at Kimi's fc_norm
+# for sm_90a, no spills); wider rows twice, in blocks of at most 8192 (_quant_rows_kernel)
+QUANT_CONFIG = (32768, 16)
 # how _fp8_mm applies the rows' and the weight's scales: "tensorwise" (torch._scaled_mm with unit per-tensor scales
 # into fp32, then _fp8_scale_kernel) or "rowwise" (torch._scaled_mm's rowwise scales, straight into out). Rowwise
 # took 71.1 / 77.0 / 62.6 us at T = 16 / 32 / 64 on the H200 at 6501455 (torch 2.11; docs/kernels/fc_proj.md),
@@ -375,11 +377,8 @@ def _quant_rows_kernel(aux, stride_a, rows, T, R, K, CHUNK, n_chunks, nw, eps, q
             rc = 1.0 / tl.sqrt(tl.sum(ss, axis=0) / CHUNK + eps)
         rstd = tl.where(chunk_ids == c, rc, rstd)
         amax = tl.maximum(amax, tl.max(am, axis=0) * rc)
-    amax = tl.maximum(amax, 1e-30)
+    amax = _store_scale(qscale, r, R, amax, valid)
     inv = 448.0 / amax
-    tl.store(qscale + r, tl.where(valid, amax / 448.0, float("nan")))
-    if r == 0:
-        tl.store(qscale + R, 1.0)
     dst = q8 + r.to(tl.int64) * K
     for c in range(0, n_chunks):
         mult = tl.sum(tl.where(chunk_ids == c, rstd, 0.0), axis=0) * inv
@@ -389,6 +388,42 @@ def _quant_rows_kernel(aux, stride_a, rows, T, R, K, CHUNK, n_chunks, nw, eps, q
             if HAS_NW:
                 a *= tl.load(nw + c * CHUNK + k + cols, mask=ok, other=0.0).to(tl.float32)
             tl.store(dst + c * CHUNK + k + cols, _round_e4m3(a * mult).to(q8.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _store_scale(qscale, r, R, amax, valid):
+    """qscale[r] = max(amax, 1e-30) / 448 (NaN for a bad row), qscale[R] = 1.0 by program 0; returns max(amax, 1e-30)."""
+    amax = tl.maximum(amax, 1e-30)
+    tl.store(qscale + r, tl.where(valid, amax / 448.0, float("nan")))
+    if r == 0:
+        tl.store(qscale + R, 1.0)
+    return amax
+
+
+@triton.jit
+def _quant_row_kernel(aux, stride_a, rows, T, R, K, CHUNK, nw, eps, q8, qscale, err,
+                      HAS_ROWS: tl.constexpr, NORM: tl.constexpr, HAS_NW: tl.constexpr, NC: tl.constexpr,
+                      BLOCK: tl.constexpr):
+    """_quant_rows_kernel's result with the whole row in one [BLOCK >= K] tile: one read, each chunk's sum of squares
+    a masked reduction (NC = n_chunks, unrolled), then amax and the e4m3 row. The arguments are
+    _quant_rows_kernel's."""
+    r = tl.program_id(0)
+    src, valid = _checked_row(rows, r, T, err, HAS_ROWS)
+    cols = tl.arange(0, BLOCK)
+    ok = cols < K
+    a = tl.load(aux + tl.where(valid, src, 0) * stride_a + cols, mask=ok & valid, other=0.0).to(tl.float32)
+    v = a
+    if NORM != 0:
+        part = cols // CHUNK
+        rs = tl.zeros([BLOCK], dtype=tl.float32)
+        for c in tl.static_range(NC):
+            rc = 1.0 / tl.sqrt(tl.sum(tl.where(part == c, a * a, 0.0), axis=0) / CHUNK + eps)
+            rs = tl.where(part == c, rc, rs)
+        v = a * rs
+    if HAS_NW:
+        v = v * tl.load(nw + cols, mask=ok, other=0.0).to(tl.float32)
+    amax = _store_scale(qscale, r, R, tl.max(tl.abs(v), axis=0), valid)
+    tl.store(q8 + r.to(tl.int64) * K + cols, _round_e4m3(v * (448.0 / amax)).to(q8.dtype.element_ty), mask=ok)
 
 
 def _compute_dtype(aux: Tensor, weight: Tensor) -> torch.dtype:
@@ -591,7 +626,7 @@ def _fc_proj(aux: Tensor, weight: Tensor, weight_scale: Optional[Tensor], norm_w
     fp8_mm_min_rows : int, optional
         An fp8 weight at R >= this many rows takes _fp8_mm where it applies (_fp8_mm_applies); None: never.
     quant_config : (int, int)
-        _quant_rows_kernel's largest BLOCK and num_warps.
+        QUANT_CONFIG: the widest row quantised in one tile, and num_warps.
     fp8_mm_mode : str
         "tensorwise" or "rowwise" (FP8_MM_MODE).
     """
@@ -688,11 +723,15 @@ def quantised_rows(aux: Tensor, nw: Optional[Tensor], eps: float, norm: int, n_c
     q8 = torch.empty(R, K, dtype=torch.float8_e4m3fn, device=aux.device)
     qscale = torch.empty(R + 1, 1, dtype=torch.float32, device=aux.device)
     chunk = K // n_chunks
-    _quant_rows_kernel[(R,)](
-        aux, aux.stride(0), rows if rows is not None else aux, T, R, K, chunk, n_chunks,
-        nw if nw is not None else aux, eps, q8, qscale, err, HAS_ROWS=rows is not None, NORM=norm,
-        HAS_NW=nw is not None, NC=triton.next_power_of_2(n_chunks),
-        BLOCK=min(quant_config[0], triton.next_power_of_2(chunk)), num_warps=quant_config[1])
+    common = (aux, aux.stride(0), rows if rows is not None else aux, T, R, K, chunk)
+    flags = dict(HAS_ROWS=rows is not None, NORM=norm, HAS_NW=nw is not None, num_warps=quant_config[1])
+    nw = nw if nw is not None else aux
+    if triton.next_power_of_2(K) <= quant_config[0] and n_chunks <= 8:  # (NC chunks unrolled)
+        _quant_row_kernel[(R,)](*common, nw, eps, q8, qscale, err, NC=n_chunks, BLOCK=triton.next_power_of_2(K),
+                                **flags)
+    else:
+        _quant_rows_kernel[(R,)](*common, n_chunks, nw, eps, q8, qscale, err, NC=triton.next_power_of_2(n_chunks),
+                                 BLOCK=min(quant_config[0], 8192, triton.next_power_of_2(chunk)), **flags)
     return q8, qscale
 
 
