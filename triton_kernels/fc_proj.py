@@ -20,15 +20,15 @@ the fly (prepare_fc_weight folds it into the weight columns once, at load, so it
 An fp8 e4m3 weight at R >= FP8_MM_MIN_ROWS (16) with a bf16 out (K and Hd multiples of 16, a CUDA device of
 compute capability 8.9+) takes cuBLAS's fp8 GEMM instead, at every R from there up: one kernel (_quant_row_kernel)
 gathers the rows, applies the norm and rounds each row to e4m3 with its own scale amax / 448, torch._scaled_mm
-multiplies that by the weight into fp32 (unit per-tensor scales: cuBLAS's fast path at these sizes), and a small
-kernel applies the rows' and the weight's scales and writes out. The activations
-are quantised there, as vLLM's and SGLang's fp8 linear layers quantise theirs per token; the accuracy rule is
-in _fp8_mm's docstring. Measured on the H200 (issue 23): the stream-K kernel took 66 us at T = 64 against
+multiplies that by the weight into fp32 (unit per-tensor scales: torch 2.11's rowwise ones measured slower,
+FP8_MM_MODE), and a small kernel applies the rows' and the weight's scales and writes out. The activations are
+quantised there, as vLLM's and SGLang's fp8 linear layers quantise theirs per token; the accuracy rule is in
+_fp8_mm's docstring. Measured on the H200 (issue 23): the stream-K kernel took 66 us at T = 64 against
 torch._scaled_mm's 40.7 us (per-tensor scales, fp8 activations).
 
-Large R (prefill) uses cuBLAS through torch.mm on aux (normalised rows written once when a norm mode
-is on); an fp8 weight there is first dequantised to aux's dtype (cuBLAS has no bf16 x fp8 product); fp32
-or mixed dtypes use the Triton kernel as a tiled GEMM.
+Large R (prefill) uses cuBLAS through torch.mm on aux (normalised rows written once when a norm mode is on); an
+fp8 weight there that _fp8_mm does not take is first dequantised to aux's dtype (cuBLAS has no bf16 x fp8
+product); fp32 or mixed dtypes use the Triton kernel as a tiled GEMM.
 
 Tuning runs (bench/dev/sweep_fc.py, tune_fc.py) and tests pick other tiles, or move the streaming / prefill
 boundary, through _fc_proj's explicit arguments; the op itself always takes the defaults.
