@@ -4,9 +4,9 @@ of F.linear. fc_norm rows: ours (norm weights folded at load, the rsqrt on the f
 chunk, cat, F.linear).
 
 The fp8 table (bench "fc fp8"; issue 23: >= 1.0x torch._scaled_mm at T = 16, 32, 64, the activation
-quantisation included): eagle3 (the op: at T >= 16 its activations quantised by one Triton kernel, then
-torch._scaled_mm into fp32 and a kernel applying the scales; below, the stream-K kernel), eagle3.stream (the stream-K kernel forced,
-fp8_mm_min_rows None), eagle3.rowwise (torch._scaled_mm's rowwise scales instead of the fp32 product and
+quantisation included): eagle3 (the op as shipped: the stream-K kernel unless EAGLE3_FC_FP8_MM is set), eagle3.fp8mm (the opt-in
+path: at T >= 16 its activations quantised by one Triton kernel, then torch._scaled_mm into fp32 and a kernel
+applying the scales; below, the stream-K kernel), eagle3.stream (the stream-K kernel forced, fp8_mm_min_rows None), eagle3.rowwise (torch._scaled_mm's rowwise scales instead of the fp32 product and
 _fp8_scale_kernel), eagle3.quantise (the activation quantisation kernel alone: its share; :BLOCK,warps other
 tiles than QUANT_CONFIG), torch (the baseline: per-tensor activation scale amax / 448, the cast, and
 torch._scaled_mm with per-tensor scales, eager), torch.compile (the same compiled: the quantisation fused,
@@ -68,10 +68,14 @@ def _case(T, provider):
         return lambda: torch.ops.eagle3.fc_proj(aux, W["bf16"], None, None, 1e-6, "none", None, out), W["bf16"]
     if provider == "eagle3 fp8":
         return lambda: torch.ops.eagle3.fc_proj(aux, w8, scale, None, 1e-6, "none", None, out), w8
+    if provider == "eagle3.fp8mm fp8":  # the opt-in activation-quantised path (EAGLE3_FC_FP8_MM=1)
+        return lambda: kernels._fc_proj(aux, w8, scale, None, 1e-6, "none", None, out,
+                                        fp8_mm_min_rows=kernels.FP8_MM_MIN_ROWS), w8
     if provider == "eagle3.stream fp8":  # the stream-K kernel at every T (the launcher, as the op calls it)
         return lambda: kernels._fc_proj(aux, w8, scale, None, 1e-6, "none", None, out, fp8_mm_min_rows=None), w8
     if provider == "eagle3.rowwise fp8":
-        return lambda: kernels._fc_proj(aux, w8, scale, None, 1e-6, "none", None, out, fp8_mm_mode="rowwise"), w8
+        return lambda: kernels._fc_proj(aux, w8, scale, None, 1e-6, "none", None, out,
+                                        fp8_mm_min_rows=kernels.FP8_MM_MIN_ROWS, fp8_mm_mode="rowwise"), w8
     if provider.startswith("eagle3.quantise"):  # "eagle3.quantise[:BLOCK,warps] fp8": QUANT_CONFIG or another
         err = errors.error_word(aux.device)
         cfg = tuple(int(v) for v in provider[:-4].split(":")[1].split(",")) if ":" in provider else kernels.QUANT_CONFIG
@@ -97,7 +101,7 @@ def _case(T, provider):
 
 # around QUANT_CONFIG (32768, 16): the two-pass kernel (rows over 8192 columns read twice), the one tile at 32 warps
 QUANT_VARIANTS = ["eagle3.quantise:8192,16 fp8", "eagle3.quantise:32768,32 fp8"]
-FP8_PROVIDERS = ["eagle3 fp8", "eagle3.stream fp8", "eagle3.rowwise fp8", "eagle3.quantise fp8", *QUANT_VARIANTS,
+FP8_PROVIDERS = ["eagle3 fp8", "eagle3.fp8mm fp8", "eagle3.stream fp8", "eagle3.rowwise fp8", "eagle3.quantise fp8", *QUANT_VARIANTS,
                  "torch fp8", "torch.compile fp8", "torch.prequantised fp8",
                  "torch.rowwise.prequantised fp8", "torch.bf16 fp8"]
 
@@ -107,7 +111,7 @@ FP8_PROVIDERS = ["eagle3 fp8", "eagle3.stream fp8", "eagle3.rowwise fp8", "eagle
 def test_fc(benchmark, recorder, provider, T):
     if provider == "torch.compile" and T not in (1, 64, 4096):
         pytest.skip("torch.compile of F.linear is cuBLAS again: three sizes suffice")
-    if (provider in ("torch.compile fp8", "eagle3.stream fp8", "eagle3.rowwise fp8") or
+    if (provider in ("torch.compile fp8", "eagle3.stream fp8", "eagle3.rowwise fp8", "eagle3.fp8mm fp8") or
             provider.startswith("eagle3.quantise")) and T not in (16, 32, 64):
         pytest.skip("issue 23's fp8 rows (T 16, 32, 64) only")
     fn, w = _case(T, provider)

@@ -319,6 +319,18 @@ def test_triton_interpreted_out_of_range_rows_give_nan_rows(gen, path):
 # ---- an fp8 weight at R >= FP8_MM_MIN_ROWS: the rows quantised to e4m3 (one Triton kernel), torch._scaled_mm ------
 
 FP8_MM_MIN_ROWS = 16  # triton_kernels/fc_proj.py's (the module needs triton; this file runs without it)
+
+
+@pytest.fixture(autouse=True)
+def _fp8_mm_on(monkeypatch):
+    """This file's fp8 cases at R >= 16 expect _fp8_mm: the op takes it only when EAGLE3_FC_FP8_MM asks (off by
+    default), so it is turned on here as that variable would (tests/test_contract_fc.py and the fuzz test run the
+    default)."""
+    try:
+        from eagle3_ops.triton_kernels import fc_proj as kernels
+    except ImportError:  # no triton: nothing launches the kernels here
+        return
+    monkeypatch.setattr(kernels, "FP8_MM_FROM", FP8_MM_MIN_ROWS)
 FP8_ACT_RULE = 0.04  # rel err from the unquantised product, Gaussian rows: e4m3 rounding measured at 2.5-2.9%
 
 
@@ -591,3 +603,14 @@ def test_triton_launcher_refuses_float64_before_writing(gen):
     with pytest.raises(TypeError, match="aux must have dtype bfloat16 | float16 | float32 on CUDA"):
         _triton_fc(aux, weight, None, None, 1e-6, "none", None, out)
     assert torch.isnan(out).all()
+
+
+@pytest.mark.parametrize("value, want", [("", None), ("0", None), ("1", FP8_MM_MIN_ROWS), ("32", 32)])
+def test_fp8_mm_is_opt_in(monkeypatch, value, want):
+    # the activation-quantised path only where EAGLE3_FC_FP8_MM asks for it; a bad value names the variable
+    kernels = pytest.importorskip("eagle3_ops.triton_kernels.fc_proj")
+    monkeypatch.setenv("EAGLE3_FC_FP8_MM", value)
+    assert kernels._fp8_mm_from_env() == want
+    monkeypatch.setenv("EAGLE3_FC_FP8_MM", "yes")
+    with pytest.raises(ValueError, match="EAGLE3_FC_FP8_MM must be 0, 1 or a row count"):
+        kernels._fp8_mm_from_env()

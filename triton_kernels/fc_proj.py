@@ -17,7 +17,9 @@ rsqrt is computed first by a small kernel over aux [R, K]; a K split never strad
 split's partial is multiplied by its chunk's rsqrt in fp32. A norm weight is applied to the aux tile on
 the fly (prepare_fc_weight folds it into the weight columns once, at load, so it is usually absent).
 
-An fp8 e4m3 weight at R >= FP8_MM_MIN_ROWS (16) with a bf16 out (K and Hd multiples of 16, a CUDA device of
+Opt-in (EAGLE3_FC_FP8_MM=1, or _fc_proj's fp8_mm_min_rows; off by default: it quantises the activations, so its
+answer differs from the reference's by the fp8 rule, and it has not been timed against the stream-K kernel yet), an
+fp8 e4m3 weight at R >= FP8_MM_MIN_ROWS (16) with a bf16 out (K and Hd multiples of 16, a CUDA device of
 compute capability 8.9+) takes cuBLAS's fp8 GEMM instead, at every R from there up: one kernel (_quant_row_kernel)
 gathers the rows, applies the norm and rounds each row to e4m3 with its own scale amax / 448, torch._scaled_mm
 multiplies that by the weight into fp32 (unit per-tensor scales: torch 2.11's rowwise ones measured slower,
@@ -50,6 +52,7 @@ for the CPU reference only: refused on CUDA.
 from __future__ import annotations
 
 import contextlib
+import os
 from typing import Optional
 
 import torch
@@ -66,6 +69,22 @@ from ._errors import arg_id, op_id, report_range
 STREAM_MAX_ROWS = 64
 # an fp8 weight at R from this many rows up: the activations quantised to e4m3, then torch._scaled_mm (_fp8_mm)
 FP8_MM_MIN_ROWS = 16
+
+
+def _fp8_mm_from_env() -> Optional[int]:
+    """EAGLE3_FC_FP8_MM: unset, "" or "0": the op never quantises activations (FP8_MM_FROM None); "1": from
+    FP8_MM_MIN_ROWS rows; an integer N >= 2: from N rows. Read once, at import."""
+    v = os.environ.get("EAGLE3_FC_FP8_MM", "").strip()
+    if v in ("", "0"):
+        return None
+    if not v.isdigit():
+        raise ValueError(f"EAGLE3_FC_FP8_MM must be 0, 1 or a row count >= 2, got {v!r}")
+    return FP8_MM_MIN_ROWS if v == "1" else int(v)
+
+
+# where the op (fc_proj, its default) takes _fp8_mm: None (the default) never
+FP8_MM_FROM = _fp8_mm_from_env()
+_FROM_ENV = object()
 # the activation quantisation's (widest row read whole, num_warps), a program a row: rows of up to that many
 # columns (rounded up to a power of two) in one tile, read once (_quant_row_kernel: 106 registers at Kimi's fc_norm
 # for sm_90a, no spills); wider rows twice, in blocks of at most 8192 (_quant_rows_kernel)
@@ -614,7 +633,7 @@ def fc_proj(aux: Tensor, weight: Tensor, weight_scale: Optional[Tensor], norm_we
 
 def _fc_proj(aux: Tensor, weight: Tensor, weight_scale: Optional[Tensor], norm_weight: Optional[Tensor], eps: float,
              norm_mode: str, rows: Optional[Tensor], out: Tensor, *, config: Optional[str] = None,
-             stream_max_rows: int = STREAM_MAX_ROWS, fp8_mm_min_rows: Optional[int] = FP8_MM_MIN_ROWS,
+             stream_max_rows: int = STREAM_MAX_ROWS, fp8_mm_min_rows: Optional[int] = _FROM_ENV,
              quant_config: tuple = QUANT_CONFIG, fp8_mm_mode: str = FP8_MM_MODE) -> None:
     """fc_proj's launcher with its choices made explicit, for tuning runs and tests (the op passes the defaults).
 
@@ -624,7 +643,8 @@ def _fc_proj(aux: Tensor, weight: Tensor, weight_scale: Optional[Tensor], norm_w
     stream_max_rows : int
         R up to this many rows streams the weight; above, cuBLAS or the tiled GEMM (0: always the latter).
     fp8_mm_min_rows : int, optional
-        An fp8 weight at R >= this many rows takes _fp8_mm where it applies (_fp8_mm_applies); None: never.
+        An fp8 weight at R >= this many rows takes _fp8_mm where it applies (_fp8_mm_applies); None: never;
+        not given: FP8_MM_FROM (EAGLE3_FC_FP8_MM; None unless set).
     quant_config : (int, int)
         QUANT_CONFIG: the widest row quantised in one tile, and num_warps.
     fp8_mm_mode : str
@@ -634,6 +654,8 @@ def _fc_proj(aux: Tensor, weight: Tensor, weight_scale: Optional[Tensor], norm_w
         if t is not None and t.dtype == torch.float64:
             raise TypeError(f"{name} must have dtype bfloat16 | float16 | float32 on CUDA (float64 runs on the CPU "
                             "reference only), got float64")
+    if fp8_mm_min_rows is _FROM_ENV:
+        fp8_mm_min_rows = FP8_MM_FROM
     T, K = aux.shape
     Hd = weight.shape[0]
     R = out.shape[0]
