@@ -280,7 +280,7 @@ def providers(sets, q, peers, B, P, N, NH, tree_row, fp8_type):
     fm = peers.get("FlashMLA")
     if not isinstance(fm, (str, type(None))):
         # out as flash_mla_with_kvcache documents it, (b, s_q, h_q, d_v); else the (b, h_k, s_q h_q, d_v) view
-        # bench/dev/peer_flashmla.py passed (the same memory either way): the first call (outside any capture)
+        # the peer_flashmla.py this file replaced passed (the same memory either way): the first call (outside any capture)
         # picks the one the kernel takes
         md = dict(outs=[(B, N, NH, DV), (B, 1, N * NH, DV)])
 
