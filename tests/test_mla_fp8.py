@@ -284,6 +284,18 @@ def test_kernel_interpreted_kimi_dims(gen):
 
 
 @interpreted
+@pytest.mark.parametrize("q_scale", [1.0, 3e5])  # typical q; |q| past fp16's 65504
+def test_kernel_interpreted_bf16_q(gen, q_scale):
+    # With an fp8 cache the kernel computes in fp16 (e4m3 -> fp16 is one instruction, -> bf16 an emulated
+    # sequence): bf16 q is converted, exact in fp16's normal range, and a tile holding |q| >= 2^15 is scaled by
+    # an exact power of two first (folded into the score scale). Its fp16 dots run under the interpreter too.
+    c = fp8_case(gen, N=7, dtype=torch.bfloat16)
+    c.q = (c.q.float() * q_scale).bfloat16()
+    out, lse = run_fp8(c, dict(splits=2, BLOCK_N=16), kernel=True)
+    _check_against(c, out, lse, *c.truth())
+
+
+@interpreted
 def test_kernel_interpreted_small_scale_uses_subnormals(gen):
     # A scale 64x the amax rule's: the fp8 values sit in e4m3's low range (subnormals included); the rule holds
     big = quantised(Case(gen, mla=True, prefixes=[0, 17, 70], N=3, kind="bushy", page_size=16, NH=4, D=64, Dv=48,
@@ -348,6 +360,15 @@ def test_gpu_against_float64(case, NH):
     _check_against(c, out, lse, *c.truth())
     without, _ = run_fp8(c, with_lse=False)
     assert_equal(without, out, "out without lse")
+
+
+@pytest.mark.gpu
+def test_gpu_large_q_does_not_overflow_fp16():
+    # bf16 q past fp16's range (|q| ~ 1e5): the kernel's exact power-of-two prescale keeps its fp16 dots finite
+    c = gpu_fp8_case((4, 4096, 2, 64, "chain"), 16)
+    c.q.mul_(3e4)
+    out, lse = run_fp8(c)
+    _check_against(c, out, lse, *c.truth())
 
 
 @pytest.mark.gpu

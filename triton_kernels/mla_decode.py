@@ -29,9 +29,10 @@ What differs from tree_attention's kernel (FlashMLA's shape as far as Triton rea
 
 fp8 e4m3 caches (torch.ops.eagle3.tree_attention_mla with kv_scale; tree_attention_mla_op routes them here, as
 the sm90 kernel reads 2-byte caches only): the same kernel reads one byte a dim (TMA boxes of fp8, half the
-bytes of bf16), converts each tile to q's dtype in registers (exact: every e4m3 value is a bf16 / fp16 value),
-and folds the per-tensor scale into the score scale (scale * log2 e * kv_scale) and into the output's 1 / l, so
-the dots see the unscaled fp8 values and accumulate in fp32 (docs/kernels/tree_attention_mla_fp8.md).
+bytes of bf16), computes in fp16 (each tile converted in registers, exact for e4m3, and bf16 q converted once,
+exactly, with a power-of-two guard against fp16's range: _mla_kernel's KS comment), and folds the per-tensor
+scale into the score scale (scale * log2 e * kv_scale) and into the output's 1 / l, so the dots see the unscaled
+fp8 values and accumulate in fp32 (docs/kernels/tree_attention_mla_fp8.md).
 """
 
 from __future__ import annotations
@@ -84,6 +85,12 @@ def _attend(acc_a, acc_b, m_i, l_i, s, va, vb, TAU: tl.constexpr, DOT_PREC: tl.c
 
 
 @triton.jit
+def _absmax(x):
+    """max |x| over a 2-D tile, in fp32."""
+    return tl.max(tl.max(tl.abs(x.to(tl.float32)), 1), 0)
+
+
+@triton.jit
 def _cut(x, live):
     """x, through a runtime `if` that is always taken (see _attend_cut): ends a dot's forward slice."""
     if live:
@@ -128,8 +135,8 @@ def _gathered_tile(acc_a, acc_b, m_i, l_i, qa, qb, qr, K, page, slot, stride_kp,
                    dh, dr, DV: tl.constexpr, DR: tl.constexpr, BLOCK_H: tl.constexpr, TAU: tl.constexpr,
                    DOT_PREC: tl.constexpr, qk_scale):
     """A masked tile (the split's partial last tile, the tree block): rows at (page, slot) [BLOCK_N] read
-    where ok [BLOCK_N], row-key visibility visible [BLOCK_M or 1, BLOCK_N]. Tiles are converted to q's dtype
-    (an fp8 cache: exactly; its scale is in qk_scale and the output's normalisation)."""
+    where ok [BLOCK_N], row-key visibility visible [BLOCK_M or 1, BLOCK_N]. Tiles are converted to qa's dtype
+    (an fp8 cache: exactly, to fp16; its scale is in qk_scale and the output's normalisation)."""
     kv_row = page * stride_kp + slot * stride_ks
     ka = tl.load(K + kv_row[:, None] + dh[None, :], mask=ok[:, None] & (dh[None, :] < DV),
                  other=0.0).to(qa.dtype)
@@ -153,7 +160,7 @@ def _mla_kernel(
         G: tl.constexpr, DV: tl.constexpr, DR: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, HAS_LSE: tl.constexpr,
         TMA: tl.constexpr, TAU: tl.constexpr, DOT_PREC: tl.constexpr, CUT: tl.constexpr = False,
-        KV_SCALED: tl.constexpr = False):
+        KV_SCALED: tl.constexpr = False, Q_F16: tl.constexpr = False):
     # Q   [B * N, NH, DV + DR]           strides (stride_qt, stride_qh, 1); NH = G (one latent KV head)
     # K   [num_pages, page_size, DV + DR] strides (stride_kp, stride_ks, 1): q's dtype, or fp8 e4m3 (KV_SCALED)
     # KA  (TMA) descriptor of K as [num_pages * page_size, DV], row stride stride_ks, box [BLOCK_N, BLOCK_H]
@@ -163,9 +170,13 @@ def _mla_kernel(
     # PO  [NUM_SPLITS, B, N * G, DV] fp32, PLSE [NUM_SPLITS, B, N * G] fp32 (SPLIT): tree_attention's
     #     partial layout with HKV = 1 (_attention_common.merge_splits combines them)
     # ERR [12] int64: the device error word
-    # KS  [1] fp32 (KV_SCALED): the fp8 cache's dequantisation scale, key = fp8 * KS. Each tile is converted to q's
-    #     dtype in registers (exact for e4m3 into bf16 / fp16), KS folded into the score scale and into the
-    #     output's 1 / l: the dots see the fp8 values unscaled, the accumulation stays fp32.
+    # KS  [1] fp32 (KV_SCALED): the fp8 cache's dequantisation scale, key = fp8 * KS. Each tile is converted to
+    #     fp16 in registers (exact for e4m3; one cvt per two values on sm_90, where e4m3 -> bf16 takes an
+    #     emulated sequence: 942 vs 1363 instructions a 64-key tile at 16 rows, ptxas for sm_90a), KS folded into
+    #     the score scale and the output's 1 / l: the dots see the fp8 values unscaled and accumulate in fp32.
+    #     Q_F16: bf16 q goes to fp16 too, exact in fp16's normal range; a program whose rows hold |q| >= 2^15 first
+    #     scales them by an exact power of two (folded back into the score scale), so nothing overflows. P is
+    #     fp16 then (11 bits, bf16's 8).
     # Grid (B * row blocks, NUM_SPLITS), request-major. Row r of the block: node r // G, head r % G. Latent dims
     # in two halves [0, BLOCK_H), [BLOCK_H, 2 BLOCK_H).
     ROWS = N * G
@@ -192,6 +203,13 @@ def _mla_kernel(
     if KV_SCALED:
         kv_scale = tl.load(KS)
         qk_scale = scale_log2 * kv_scale
+        if Q_F16:  # bf16 q computed in fp16 (see the comment at KS above)
+            qmax = tl.maximum(tl.maximum(_absmax(qa), _absmax(qb)), _absmax(qr))
+            shift = tl.maximum(tl.math.ceil(tl.math.log2(tl.maximum(qmax, 1.0))) - 15.0, 0.0)
+            qa = (qa.to(tl.float32) * tl.math.exp2(-shift)).to(tl.float16)
+            qb = (qb.to(tl.float32) * tl.math.exp2(-shift)).to(tl.float16)
+            qr = (qr.to(tl.float32) * tl.math.exp2(-shift)).to(tl.float16)
+            qk_scale = qk_scale * tl.math.exp2(shift)
     else:
         kv_scale = 1.0
         qk_scale = scale_log2
@@ -418,7 +436,8 @@ def tree_attention_mla(q: Tensor, kv_cache: Tensor, page_table: Tensor, prefix_l
         out.stride(1), G=G, DV=DV, DR=DR, BLOCK_H=BLOCK_H, BLOCK_R=BLOCK_R, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
         SPLIT=split, HAS_LSE=lse is not None, TMA=desc is not None, TAU=float(cfg["rescale_tau"]),
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", CUT=bool(cfg.get("cut", False)),
-        KV_SCALED=kv_scale is not None, num_warps=cfg["num_warps"],
+        KV_SCALED=kv_scale is not None, Q_F16=kv_scale is not None and q.dtype == torch.bfloat16,
+        num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"])
     if split:
         merge_splits(po, plse, out, lse, N, 1, G)
@@ -506,9 +525,9 @@ def tree_attention_mla_op(q: Tensor, kv_cache: Tensor, page_table: Tensor, prefi
     """torch.ops.eagle3.tree_attention_mla's CUDA implementation (eagle3_ops/_register.py registers it; the
     arguments are checked there, eagle3_ops._validate.tree_attention_mla). A bf16 / fp16 / fp32 cache goes to
     tree_attention.tree_attention_mla, which picks the sm90 CUDA kernel or a Triton one. An fp8 e4m3 cache
-    (kv_scale given) runs this file's Triton kernel with its tiles converted to q's dtype in registers and
-    kv_scale folded into the score scale and the output's normalisation: the sm90 kernel reads 2-byte caches
-    only. config as this file's launcher's ({"kernel": "mla_decode"} accepted), benchmarks and tests only."""
+    (kv_scale given) runs this file's Triton kernel in fp16 with kv_scale folded into the score scale and the
+    output's normalisation: the sm90 kernel reads 2-byte caches only. config as this file's launcher's
+    ({"kernel": "mla_decode"} accepted), benchmarks and tests only."""
     from .tree_attention import MLA_MAX_DV, MLA_MAX_ROPE, on_device
     from .tree_attention import tree_attention_mla as launch
 
