@@ -3,6 +3,8 @@ in one run, at the same prompts and prefill (engine/wiring_check.py; docs/wiring
 
     python3 bench/bench_wiring_check.py                          # on the H200: kimi-k2-slice, bf16, round graphs
     python3 bench/bench_wiring_check.py --preset tiny --device cpu --dtype float32 --prefix 32 --max-new 16
+    python3 bench/bench_wiring_check.py --heldout --batch 1 4    # the verdicts on the shipped pair (CPU)
+    python3 bench/bench_wiring_check.py --record --write         # re-measure the shipped drafter's record
 
 Each repeat runs the check off, then on (the order alternates between repeats), every round replayed from one
 CUDA graph (graphs="round") and timed by CUDA events around it (DecodeStats.round_seconds: the rounds' device
@@ -30,7 +32,7 @@ sys.path.insert(0, ROOT)
 def run(args) -> list[dict]:
     from eagle3_ops.cli import _load_pair
     from eagle3_ops.engine import PrefillCache, SpecConfig, Timer, generate_speculative
-    from eagle3_ops.engine.wiring_check import WiringCheck, WiringWarning
+    from eagle3_ops.engine.wiring_check import CONFIDENCE_EDGES, WiringCheck, WiringRecord, WiringWarning
 
     import warnings
 
@@ -44,6 +46,10 @@ def run(args) -> list[dict]:
         prompts = torch.randint(0, target.cfg.vocab_size, (B, args.prefix), generator=g).to(args.device)
         for steps, topk, num_tokens in args.spec:
             spec = SpecConfig(steps=steps, topk=topk, num_tokens=num_tokens)
+            nb, n_aux = len(CONFIDENCE_EDGES) + 1, len(drafter.cfg.aux_ids)
+            # a record for these settings, so that the check runs both tests (its numbers change no launch)
+            record = WiringRecord(steps, topk, num_tokens, 0.0, (100,) * nb, (90,) * nb, (-8.0,) * n_aux,
+                                  (8.0,) * n_aux, 1000, 10)
             cache = PrefillCache()
             times = {False: [], True: []}
             check_ms = []
@@ -52,7 +58,7 @@ def run(args) -> list[dict]:
                     timer = Timer(device=args.device, mode="events")
                     _, stats = generate_speculative(target, drafter, prompts, args.max_new, spec, timer=timer,
                                                     graphs=graphs, prefill_cache=cache,
-                                                    wiring_check=WiringCheck() if on else None)
+                                                    wiring_check=WiringCheck(record=record) if on else None)
                     if r == 0:
                         continue
                     span = stats.round_seconds or (stats.seconds - stats.prefill_seconds - stats.setup_seconds)
@@ -71,6 +77,62 @@ def run(args) -> list[dict]:
     return rows
 
 
+def _heldout_batches(first: int, last: int, B: int):
+    """The held-out prompts first..last - 1, B at a time, each cut to the batch's shortest (its last tokens)."""
+    from eagle3_ops import data
+
+    prompts = [data.encode(p) for p in data.load_heldout_prompts()[first:last]]
+    for i in range(0, len(prompts), B):
+        n = min(len(p) for p in prompts[i:i + B])
+        yield first + i, torch.stack([p[-n:] for p in prompts[i:i + B]])
+
+
+WIRINGS = {"trained": [1, 5, 6], "seed": [-1, 0, 4], "plus-one": [2, 6, 7]}
+
+
+def heldout(args) -> list[dict]:
+    """The shipped pair (CPU, fp32, greedy 3/1/4, 64 new tokens): the check's verdict per request and wiring."""
+    import warnings
+
+    from eagle3_ops.cli import _load_pair
+    from eagle3_ops.engine import SpecConfig, generate_speculative
+    from eagle3_ops.engine.wiring_check import WiringCheck
+
+    target, drafter, _ = _load_pair("byte-small", "cpu", torch.float32)
+    drafter_dir = os.path.join(ROOT, "eagle3_ops", "assets", "byte-small", "drafter")
+    first, last = args.prompts
+    rows = []
+    for name, ids in WIRINGS.items():
+        for B in args.batch:
+            for p0, prompts in _heldout_batches(first, last, B):
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    _, st = generate_speculative(target, drafter, prompts, 64, SpecConfig(), aux_ids=ids,
+                                                 wiring_check=WiringCheck.for_drafter(drafter_dir))
+                w = st.wiring
+                for b in range(prompts.shape[0]):
+                    rows.append(dict(wiring=name, batch=B, prompt=p0 + b, flagged_round=w.first_round[b],
+                                     acceptance_evidence=w.evidence[b][0], feature_evidence=w.evidence[b][1]))
+                print(f"{name:9s} B {B} prompts {p0:2d}-{p0 + B - 1:2d}: acceptance length {w.acceptance_length:.2f}"
+                      f", flagged in round {w.first_round} (evidence, nats: {w.evidence}; threshold "
+                      f"{w.threshold:.1f})", flush=True)
+    return rows
+
+
+def record(args) -> dict:
+    """Measure the shipped drafter's record (trained wiring, prompts 20-63 at batch 4 and batch 1, every round)."""
+    from eagle3_ops.cli import _load_pair
+    from eagle3_ops.engine import SpecConfig
+    from eagle3_ops.engine.wiring_check import record_wiring
+
+    target, drafter, _ = _load_pair("byte-small", "cpu", torch.float32)
+    batches = [b for B in (4, 1) for _, b in _heldout_batches(20, 64, B)]
+    rec = record_wiring(target, drafter, batches, SpecConfig(), 64, measured=(
+        "aux ids [1, 5, 6] (trained), fp32 on CPU, greedy, held-out prompts 20-63 in batches of 4 and of 1, 64 new "
+        "tokens, every round (bench/bench_wiring_check.py --record)"))
+    return rec.to_config()
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="kimi-k2-slice")
@@ -83,8 +145,29 @@ def main():
                     default=[(3, 1, 4), (4, 4, 16)], metavar="STEPS/TOPK/TOKENS")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--heldout", action="store_true",
+                    help="instead: the check's verdicts on the shipped pair (CPU) for the trained wiring, the seed's "
+                         "and a +1 shift, on held-out prompts --prompts (default 0 20) at each --batch")
+    ap.add_argument("--prompts", type=int, nargs=2, default=[0, 20], metavar=("FIRST", "END"))
+    ap.add_argument("--record", action="store_true",
+                    help="instead: measure the shipped drafter's eagle3_ops_wiring_record and print it; with --write "
+                         "store it in its config.json")
+    ap.add_argument("--write", action="store_true")
     args = ap.parse_args()
-    rows = run(args)
+    if args.record:
+        entry = record(args)
+        print(json.dumps(entry, indent=1))
+        if args.write:
+            path = os.path.join(ROOT, "eagle3_ops", "assets", "byte-small", "drafter", "config.json")
+            with open(path, encoding="utf-8") as f:
+                config = json.load(f)
+            config.update(entry)
+            with open(path, "w", encoding="utf-8") as f:
+                json.dump(config, f, indent=2, sort_keys=True)
+                f.write("\n")
+            print(f"wrote {path}")
+        return
+    rows = heldout(args) if args.heldout else run(args)
     out = args.json or os.path.join(os.environ.get("EAGLE3_BENCH_OUT", "."), "wiring_check.json")
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     with open(out, "w") as f:

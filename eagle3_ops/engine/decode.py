@@ -627,7 +627,7 @@ class _Loop:
                 accept_nodes, accept_len, emitted = self.verify(logits, tokens, parents, spec)
             if check is not None:  # before accept_update: count still says which requests this round served
                 with timer("check"):
-                    check.observe(cand[1], accept_len, self.count < max_new)
+                    check.observe(logits, accept_nodes, accept_len, aux, self.count < max_new)
             # 5. accept: compact the target's KV, emit, freeze finished requests (fused.accept_update says how)
             with timer("kv_accept"):
                 g_ops.kv_accept(tkv.caches, tkv.page_table, tkv.prefix_lens, accept_nodes, accept_len)
@@ -670,7 +670,7 @@ def _generate_speculative(target, drafter, prompts, max_new, spec, aux_ids, page
                                          g_ops, prefill_cache, glue, start)
     prefill_seconds, prefill_times = _elapsed(start, dev), dict(timer.times)
     check = None if wiring_check is None else CheckRun(wiring_check, aux_ids, drafter.cfg.aux_ids,
-                                                        target.cfg.num_layers, spec, dev)
+                                                        target.cfg.num_layers, spec, dev, B)
     loop = _Loop(target, drafter, g_ops, aux_ids, tkv, dkv, max_new, N, root, last_logits, g, spec, graphs, timer,
                  check)
     if policy is not None:

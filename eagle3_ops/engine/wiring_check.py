@@ -1,34 +1,40 @@
-"""Serve-time wiring check: after the first rounds, is the drafter accepted as often as it should be?
+"""Serve-time wiring check: is each request's drafter doing as well as it did with its trained wiring?
 
-Each round adds, on the device and inside the round (graph capture safe, no host sync), over the requests
-still decoding:
+Two one-sided sequential tests per request, run on the device inside the round (graph capture safe, no
+host sync), each against a record measured offline with the trained wiring and stored in the drafter's
+config (``WiringRecord``, key ``eagle3_ops_wiring_record``; a calibration on the first prompts served would
+be no reference: the wiring under test would be the one calibrated):
 
-- accepted: verify's accept_len (draft tokens accepted);
-- expected: what the drafter expects of itself, the sum over the tree's N - 1 draft nodes of
-  exp(cumulative draft log-probability) = sum_v P(node v on the target's path) for a calibrated drafter
-  (build_tree keeps the N - 1 best-scored candidates, a set closed under ancestors);
-- the request-rounds counted.
+1. acceptance. Each round with accept_len a is up to min(a + 1, steps) trials, depth k accepted iff k <= a.
+   Hard input is told apart from a miswiring by the target's own confidence (its top-1 probability at the
+   trial's parent node, on the accepted path), which no wiring changes: the record holds, per confidence
+   bin, the trials and acceptances of the trained wiring, and the null is that the served drafter is
+   accepted at least at the lower confidence bound g_j of its bin's recorded rate (Clopper-Pearson,
+   ``level``). The alternative: the odds of acceptance e^delta times lower, a mixture over ``deltas``.
+2. features. Each round the mean log-RMS of every aux slot over the request's N verify rows; the record
+   holds each slot's band (the 0.5%..99.5% quantiles of the trained wiring's rounds) and how often a
+   recorded round fell outside one. The null: a round falls outside with probability at most e0 (the
+   upper confidence bound of that frequency); the alternative: ``p1``.
 
-After ``rounds`` rounds the loop copies the three sums to the host without waiting (a pinned buffer and an
-event on CUDA) and reads them once the copy is done, at a later round boundary or at the loop's own stop-test
-sync, whichever comes first: the check adds no host sync. Two tests, on those sums (per request-round):
+Each test's likelihood ratio (per request, the whole run) is a nonnegative supermartingale under its null
+(each factor's conditional mean is at most 1 wherever the null holds: the ratio falls with acceptance, and
+rises with leaving the band), so by Ville's inequality it ever reaches 2 / ``alpha`` with probability at
+most alpha / 2: a correctly wired request is flagged with probability at most ``alpha`` over its whole
+run, at any batch size, as long as the served traffic is no worse for the trained wiring, at each target
+confidence, than the record's bound (a drafter serving text it does worse on than recorded can be flagged:
+it is below its recorded acceptance). A batch of B requests: at most B x alpha.
 
-1. self: accepted < ``ratio`` x calibration x expected, the drafter rejected far more often than its own
-   probabilities say (calibration 1, or the record's accepted / expected);
-2. record, when the drafter config records an acceptance for the same speculative settings
-   (``RecordedAcceptance``, measured with its trained wiring): acceptance length < ``recorded_ratio`` x the
-   recorded one, unless the drafter's own low confidence explains it (accepted >= ``explained`` x calibration
-   x expected: hard input, which lowers both, not a miswiring).
-
-A calibration run on the first prompts would be no reference: the wiring under test would be the one
-calibrated; the record is measured offline with the trained wiring. A flag is a ``WiringWarning`` naming
-candidate wirings to try (``wiring.candidate_wirings``), or a ``MiswiringError`` in strict mode. What the
-shipped pair shows (docs/wiring.md, "The serve-time check"): miswired, its drafter loses confidence along
-with acceptance rather than staying confident, so the self test alone does not fire there; the record does.
+The verdict: after ``rounds`` rounds the loop copies the per-request state to the host without waiting (a
+pinned buffer and an event on CUDA) and reads it once the copy is done, at a later round boundary or the
+loop's own stop-test sync; the rest of the run is read at its end. A flag is a ``WiringWarning`` naming
+candidate wirings to try (``wiring.candidate_wirings``), or a ``MiswiringError`` in strict mode. Without a
+record for the run's settings (steps, topk, num_tokens, temperature, aux slots) the check cannot check:
+it says so in ``WiringReport.message`` and never flags. ``record_wiring`` measures a record.
 """
 
 from __future__ import annotations
 
+import math
 import warnings
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
@@ -38,97 +44,159 @@ from torch import Tensor
 
 from .. import wiring
 
-RECORDED_KEY = "eagle3_ops_recorded_acceptance"  # in a drafter config.json: {"acceptance_length", "steps", ...}
+RECORD_KEY = "eagle3_ops_wiring_record"  # in a drafter config.json (WiringRecord.to_config)
 SPEC_FIELDS = ("steps", "topk", "num_tokens", "temperature")
+CONFIDENCE_EDGES = (0.3, 0.5, 0.7, 0.8, 0.9, 0.95, 0.98, 0.995)  # inner edges of the target-confidence bins
+BAND_QUANTILES = (0.005, 0.995)
 
 
 class WiringWarning(UserWarning):
-    """The serve-time check found the drafter accepted far less often than it expects: a likely miswiring."""
+    """The serve-time check found a request's drafter doing far worse than recorded: a likely miswiring."""
 
 
 class MiswiringError(RuntimeError):
-    """The serve-time check's finding in strict mode."""
+    """The serve-time check's finding in strict mode (``report``: the WiringReport)."""
+
+    def __init__(self, message: str, report=None):
+        super().__init__(message)
+        self.report = report
+
+
+def _binom_cdf(k: int, n: int, p: float) -> float:
+    """P(X <= k), X ~ Binomial(n, p)."""
+    if p <= 0.0:
+        return 1.0
+    if p >= 1.0:
+        return 1.0 if k >= n else 0.0
+    return sum(math.exp(math.lgamma(n + 1) - math.lgamma(i + 1) - math.lgamma(n - i + 1) + i * math.log(p)
+                        + (n - i) * math.log1p(-p)) for i in range(0, k + 1))
+
+
+def _upper_bound(k: int, n: int, level: float) -> float:
+    """Clopper-Pearson upper confidence bound (one-sided, ``level``) on p, given k of n."""
+    if k >= n:
+        return 1.0
+    lo, hi = k / n, 1.0
+    for _ in range(60):  # P(X <= k; p) falls with p: the p where it is 1 - level
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if _binom_cdf(k, n, mid) > 1 - level else (lo, mid)
+    return hi
 
 
 @dataclass(frozen=True)
-class RecordedAcceptance:
-    """An acceptance length measured for a drafter (with its trained wiring) at one speculative setting."""
+class WiringRecord:
+    """What the trained wiring did at one speculative setting (``record_wiring``), for the serve-time check.
 
-    acceptance_length: float
-    draft_confidence: float  # the drafter's expected accepted drafts a round (CheckRun.observe), same runs
+    trials[j] / accepted[j]: draft trials and acceptances whose parent node's target top-1 probability fell
+    in bin j (bins split at ``CONFIDENCE_EDGES``); band_lo / band_hi: each aux slot's band of the per-round
+    mean log-RMS over the verify rows; band_rounds / band_outside: recorded request-rounds, and those with a
+    slot outside its band."""
+
     steps: int
     topk: int
     num_tokens: int
-    temperature: float = 0.0
+    temperature: float
+    trials: tuple
+    accepted: tuple
+    band_lo: tuple
+    band_hi: tuple
+    band_rounds: int
+    band_outside: int
+    acceptance_length: float = 0.0  # over the recorded rounds (for the messages)
+    measured: str = ""
 
-    @property
-    def calibration(self) -> float:
-        """Accepted over expected draft tokens with the trained wiring (1: a calibrated drafter)."""
-        return (self.acceptance_length - 1) / self.draft_confidence if self.draft_confidence > 0 else 1.0
+    def __post_init__(self):
+        if not (len(self.trials) == len(self.accepted) == len(CONFIDENCE_EDGES) + 1):
+            raise ValueError(f"trials and accepted must have {len(CONFIDENCE_EDGES) + 1} bins each (one per "
+                             f"target-confidence bin), got {len(self.trials)} and {len(self.accepted)}")
+        if any(not 0 <= a <= t for a, t in zip(self.accepted, self.trials)):
+            raise ValueError(f"accepted must be within 0..trials per bin, got {self.accepted} of {self.trials}")
+        if len(self.band_lo) != len(self.band_hi) or not 0 <= self.band_outside <= self.band_rounds:
+            raise ValueError("band_lo / band_hi must name one bound per aux slot and band_outside must be within "
+                             f"0..band_rounds; got {self.band_lo}, {self.band_hi}, {self.band_outside} of "
+                             f"{self.band_rounds}")
+
+    def matches(self, spec, n_aux: int) -> bool:
+        return all(getattr(self, k) == getattr(spec, k) for k in SPEC_FIELDS) and len(self.band_lo) == n_aux
+
+    def describe(self) -> str:
+        return ", ".join(f"{k} {getattr(self, k):g}" for k in SPEC_FIELDS)
+
+    def to_config(self) -> dict:
+        return {RECORD_KEY: dict(
+            {k: getattr(self, k) for k in SPEC_FIELDS}, trials=list(self.trials), accepted=list(self.accepted),
+            band_lo=[math.floor(v * 1e4) / 1e4 for v in self.band_lo],  # (widened, never narrowed)
+            band_hi=[math.ceil(v * 1e4) / 1e4 for v in self.band_hi],
+            band_rounds=self.band_rounds, band_outside=self.band_outside,
+            acceptance_length=round(self.acceptance_length, 3), measured=self.measured)}
 
     @classmethod
-    def from_config(cls, config: dict) -> Optional["RecordedAcceptance"]:
-        """The config's ``eagle3_ops_recorded_acceptance`` entry, or None when it has none."""
-        entry = config.get(RECORDED_KEY)
+    def from_config(cls, config: dict) -> Optional["WiringRecord"]:
+        """The config's ``eagle3_ops_wiring_record`` entry, or None when it has none."""
+        entry = config.get(RECORD_KEY)
         if entry is None:
             return None
-        keys = ("acceptance_length", "draft_confidence") + SPEC_FIELDS
+        keys = SPEC_FIELDS + ("trials", "accepted", "band_lo", "band_hi", "band_rounds", "band_outside")
         if not isinstance(entry, dict) or any(k not in entry for k in keys):
-            raise ValueError(f'config["{RECORDED_KEY}"] must be a dict with {", ".join(keys)}; got {entry!r}')
-        return cls(float(entry["acceptance_length"]), float(entry["draft_confidence"]), int(entry["steps"]),
-                   int(entry["topk"]), int(entry["num_tokens"]), float(entry["temperature"]))
-
-    def matches(self, spec) -> bool:
-        return all(getattr(self, k) == getattr(spec, k) for k in SPEC_FIELDS)
+            raise ValueError(f'config["{RECORD_KEY}"] must be a dict with {", ".join(keys)}; got {entry!r}')
+        return cls(int(entry["steps"]), int(entry["topk"]), int(entry["num_tokens"]), float(entry["temperature"]),
+                   tuple(int(v) for v in entry["trials"]), tuple(int(v) for v in entry["accepted"]),
+                   tuple(float(v) for v in entry["band_lo"]), tuple(float(v) for v in entry["band_hi"]),
+                   int(entry["band_rounds"]), int(entry["band_outside"]),
+                   float(entry.get("acceptance_length", 0.0)), str(entry.get("measured", "")))
 
 
 @dataclass(frozen=True)
 class WiringCheck:
-    """Settings of the serve-time check (``generate_speculative(..., wiring_check=WiringCheck())``).
+    """Settings of the serve-time check (``generate_speculative(..., wiring_check=WiringCheck.for_drafter(p))``).
 
     Attributes
     ----------
     rounds : int
-        Rounds whose statistics the verdict reads (1..16).
-    ratio : float
-        Self test: flag when accepted drafts < ratio x calibration x the drafter's expected drafts.
-    recorded : RecordedAcceptance | None
-        The drafter config's recorded acceptance (``RecordedAcceptance.from_config``); used when its settings
-        are the run's.
-    recorded_ratio : float
-        Record test: flag when the running acceptance length < recorded_ratio x the recorded one ...
-    explained : float
-        ... unless accepted >= explained x calibration x expected (the drafter expected to be rejected).
+        The round (1..16) after which the verdict is read; the rest of the run is read at its end.
+    alpha : float
+        Bound on the probability that a correctly wired request is ever flagged (alpha / 2 per test).
+    record : WiringRecord | None
+        The drafter config's record (``WiringRecord.from_config``); without one for the run's settings the
+        check cannot check and never flags.
+    level : float
+        Confidence level of the bounds taken from the record (its counts are a sample).
+    deltas : tuple of float
+        Acceptance alternative: the odds of acceptance e^delta times lower than the null's (a mixture).
+    p1 : float
+        Feature alternative: a round outside the band with probability p1.
     strict : bool
         Raise ``MiswiringError`` instead of warning.
-    config_ids : sequence of int | None
-        The drafter config's ids and their ``convention`` (for the candidates); default the drafter's own
-        (ours, "output").
-    convention : str | None
-        See ``config_ids``.
+    config_ids, convention :
+        The drafter config's ids and their convention (for the candidates); default the drafter's own.
+    collect : bool
+        ``record_wiring``'s: count the trials per confidence bin and keep every round's feature means
+        (``WiringReport.collected``; a host copy a round, so eager runs only).
     """
 
     rounds: int = 16
-    ratio: float = 0.6
-    recorded: Optional[RecordedAcceptance] = None
-    recorded_ratio: float = 0.85
-    explained: float = 1.5
+    alpha: float = 1e-4
+    record: Optional[WiringRecord] = None
+    level: float = 0.99
+    deltas: tuple = (1.0, 2.0, 3.0)
+    p1: float = 0.5
     strict: bool = False
     config_ids: Optional[Sequence[int]] = None
     convention: Optional[str] = None
+    collect: bool = False
 
     def __post_init__(self):
         if not 1 <= self.rounds <= 16:
             raise ValueError(f"rounds must be in 1..16 (a verdict within the first 16 rounds), got {self.rounds}")
-        for name in ("ratio", "recorded_ratio"):
-            if not 0 < getattr(self, name) <= 1:
-                raise ValueError(f"{name} must be in (0, 1], got {getattr(self, name)}")
-        if not self.explained >= 1:
-            raise ValueError(f"explained must be >= 1, got {self.explained}")
+        for name in ("alpha", "level", "p1"):
+            if not 0 < getattr(self, name) < 1:
+                raise ValueError(f"{name} must be in (0, 1), got {getattr(self, name)}")
+        if not self.deltas or any(not d > 0 for d in self.deltas):
+            raise ValueError(f"deltas must be positive log-odds shifts, got {self.deltas}")
 
     @classmethod
     def for_drafter(cls, config, **settings) -> "WiringCheck":
-        """A check using the recorded acceptance of a drafter config (dict, config.json, or its folder), if any."""
+        """A check using the record of a drafter config (dict, config.json, or its folder), if it has one."""
         import json
         import os
 
@@ -136,58 +204,128 @@ class WiringCheck:
             path = os.fspath(config)
             with open(os.path.join(path, "config.json") if os.path.isdir(path) else path, encoding="utf-8") as f:
                 config = json.load(f)
-        return cls(recorded=RecordedAcceptance.from_config(config), **settings)
+        return cls(record=WiringRecord.from_config(config), **settings)
 
 
 @dataclass
 class WiringReport:
-    """What the check measured. Per request-round: accepted and expected draft tokens."""
+    """What the check measured: per request, the evidence (log likelihood ratio, nats) of each test."""
 
+    checked: bool = False  # False: no record for these settings (message says so)
     rounds: int = 0  # rounds the verdict read
     request_rounds: int = 0
-    accepted: float = 0.0
-    expected: float = 0.0
+    accepted: float = 0.0  # accepted draft tokens per request-round
     flagged: bool = False
+    requests: list = field(default_factory=list)  # the flagged requests (batch rows)
+    first_round: list = field(default_factory=list)  # per request: the round it was flagged in, else 0
+    evidence: list = field(default_factory=list)  # per request: (acceptance, features) log LR, nats
+    threshold: float = 0.0  # each test's: log(2 / alpha)
     message: str = ""
     candidates: list = field(default_factory=list)  # (label, ids) to try, the likeliest first
-    run_accepted: float = 0.0  # the same over the whole run
-    run_expected: float = 0.0
+    collected: Optional[dict] = None  # WiringCheck(collect=True): trials / accepted per bin, features [R, n_aux]
 
     @property
     def acceptance_length(self) -> float:
         return 1.0 + self.accepted
 
-    @property
-    def ratio(self) -> float:
-        return self.accepted / self.expected if self.expected > 0 else 1.0
-
 
 class CheckRun:
-    """One run's check: device accumulators updated inside the round, read on the host between rounds."""
+    """One run's check: per-request state updated on the device inside the round, read on the host between
+    rounds. Without a usable record it only counts acceptance (nothing to test against)."""
 
     def __init__(self, check: WiringCheck, aux_ids: Sequence[int], drafter_ids: Sequence[int], num_layers: int,
-                 spec, device: torch.device):
-        self.check, self.spec = check, spec
+                 spec, device: torch.device, batch: int):
+        self.check, self.spec, self.B = check, spec, batch
         self.aux_ids, self.drafter_ids, self.num_layers = list(aux_ids), list(drafter_ids), num_layers
-        self.acc = torch.zeros(3, dtype=torch.float64, device=device)  # accepted, expected, request-rounds
+        rec = check.record
+        self.record = rec if rec is not None and rec.matches(spec, len(self.aux_ids)) else None
+        f64 = dict(dtype=torch.float64, device=device)
+        # per request: accepted, request-rounds, acceptance log LR per delta, features log LR, first flagged round
+        self.nd = len(check.deltas)
+        self.acc = torch.zeros(batch, 4 + self.nd, **f64)
+        self.round = torch.zeros((), **f64)
+        self.threshold = math.log(2 / check.alpha)
+        self.edges = torch.tensor(CONFIDENCE_EDGES, dtype=torch.float32, device=device)
+        if self.record is not None:
+            self.ok_llr, self.no_llr = (torch.tensor(v, **f64) for v in self._acceptance_terms())
+            self.band = torch.tensor([rec.band_lo, rec.band_hi], dtype=torch.float32, device=device)
+            e0 = _upper_bound(rec.band_outside, rec.band_rounds, check.level)
+            p1 = max(check.p1, e0)  # (a band left that often gives no evidence)
+            self.out_llr = (math.log(p1 / e0), math.log((1 - p1) / (1 - e0)) if e0 < 1 else 0.0)
+            self.out_terms = torch.tensor(self.out_llr[::-1], **f64)  # [inside, outside]
         self.cuda = device.type == "cuda"
-        self.host = torch.zeros(3, dtype=torch.float64, pin_memory=self.cuda)
+        self.host = torch.zeros(batch, 4 + self.nd, dtype=torch.float64, pin_memory=self.cuda)
         self.event = None
         self.pending = False
-        self.report = WiringReport()
+        nb = len(CONFIDENCE_EDGES) + 1
+        self.collected = None if not check.collect else dict(
+            trials=torch.zeros(nb, **f64), accepted=torch.zeros(nb, **f64), features=[])
+        self.report = WiringReport(checked=self.record is not None, threshold=self.threshold)
+
+    def _acceptance_terms(self):
+        """Per bin and delta, the log LR of an accepted and of a rejected trial (null g_j: the recorded rate's
+        lower bound; a bin with no trials has g_j 0 and gives no evidence)."""
+        ok, no = [], []
+        for t, a in zip(self.record.trials, self.record.accepted):
+            g0 = 1.0 - _upper_bound(t - a, t, self.check.level) if t else 0.0  # lower bound on P(accept)
+            row_ok, row_no = [], []
+            for d in self.check.deltas:
+                if not 0 < g0 < 1:
+                    row_ok.append(0.0), row_no.append(0.0)
+                    continue
+                g1 = 1 / (1 + math.exp(-(math.log(g0 / (1 - g0)) - d)))
+                row_ok.append(math.log(g1 / g0)), row_no.append(math.log((1 - g1) / (1 - g0)))
+            ok.append(row_ok), no.append(row_no)
+        return ok, no
 
     def state(self) -> list[Tensor]:
         """What a round graph's warm-up must restore."""
-        return [self.acc]
+        return [self.acc, self.round]
 
-    def observe(self, draft_scores: Tensor, accept_len: Tensor, active: Tensor) -> None:
-        """Inside the round, on the device. draft_scores [B, S, M] fp32 cumulative log-probabilities (-inf:
-        empty slots), accept_len [B] int32, active [B] bool (requests still decoding before this round)."""
-        B = draft_scores.shape[0]
-        probs = draft_scores.view(B, -1).float().exp()
-        expected = probs.topk(self.spec.num_tokens - 1, dim=-1).values.sum(-1)  # [B]
+    def features(self, aux: Tensor) -> Tensor:
+        """[B, n_aux]: each aux slot's mean log-RMS over the request's N verify rows."""
+        B, N, n_aux = self.B, self.spec.num_tokens, len(self.aux_ids)
+        x = aux.view(B, N, n_aux, -1).float()
+        return (x.pow(2).mean(-1) + 1e-30).log().mul(0.5).mean(1)
+
+    def trials(self, logits: Tensor, accept_nodes: Tensor, accept_len: Tensor, active: Tensor):
+        """Per request and depth k = 1..steps: is it a trial, was it accepted, its confidence bin ([B, steps])."""
+        B, N, D = self.B, self.spec.num_tokens, self.spec.steps
+        nodes = accept_nodes[:, :D].long().clamp(min=0)  # depth k's parent: the accepted path's node k - 1
+        rows = logits.index_select(0, (nodes + N * torch.arange(B, device=nodes.device)[:, None]).view(-1)).float()
+        conf = (rows.amax(-1) - rows.logsumexp(-1)).exp().view(B, D)  # the target's top-1 probability
+        k = torch.arange(1, D + 1, device=nodes.device)
+        a = accept_len.long()[:, None]
+        return (k <= a + 1) & active[:, None], k <= a, torch.bucketize(conf, self.edges)
+
+    def observe(self, logits: Tensor, accept_nodes: Tensor, accept_len: Tensor, aux: Tensor, active: Tensor) -> None:
+        """Inside the round, on the device: logits [B * N, V] the verify's, accept_nodes [B, N] int32,
+        accept_len [B] int32, aux [B * N, n_aux * H] the verify rows' captured features, active [B] bool
+        (requests still decoding before this round)."""
         w = active.double()
-        self.acc.add_(torch.stack([(accept_len.double() * w).sum(), (expected.double() * w).sum(), w.sum()]))
+        upd = torch.zeros_like(self.acc)
+        upd[:, 0], upd[:, 1] = accept_len.double() * w, w
+        self.round.add_(1)
+        if self.record is not None:
+            trial, ok, bins = self.trials(logits, accept_nodes, accept_len, active)
+            terms = torch.where(ok[..., None], self.ok_llr[bins], self.no_llr[bins]) * trial[..., None]
+            upd[:, 4:] = terms.sum(1)
+            y = self.features(aux)
+            out = ((y < self.band[0]) | (y > self.band[1])).any(-1)
+            upd[:, 2] = self.out_terms[out.long()] * w
+        self.acc.add_(upd)
+        if self.collected is not None:
+            trial, ok, bins = self.trials(logits, accept_nodes, accept_len, active)
+            self.collected["trials"].index_add_(0, bins[trial], torch.ones_like(bins[trial], dtype=torch.float64))
+            self.collected["accepted"].index_add_(0, bins[trial & ok],
+                                                  torch.ones_like(bins[trial & ok], dtype=torch.float64))
+            self.collected["features"].append(self.features(aux)[active])
+        if self.record is not None:  # the first round a test's evidence reached the threshold
+            crossed = torch.maximum(self._mixture(self.acc), self.acc[:, 2]) >= self.threshold
+            self.acc[:, 3].copy_(torch.where(crossed & (self.acc[:, 3] == 0), self.round, self.acc[:, 3]))
+
+    def _mixture(self, acc: Tensor) -> Tensor:
+        return acc[:, 4:].logsumexp(-1) - math.log(self.nd)
 
     def after_round(self, rounds: int) -> None:
         """On the host, between rounds: snapshot after ``check.rounds`` rounds; judge once the copy is done."""
@@ -201,49 +339,87 @@ class CheckRun:
             self._judge(self.check.rounds)
 
     def finish(self, rounds: int) -> WiringReport:
-        """After the loop (the device drained): judge a snapshot not read yet, or a run shorter than
-        ``check.rounds`` on what it has; the whole run's sums."""
-        total = self.acc.tolist()
+        """After the loop (the device drained): judge a snapshot not read yet, then the whole run (a request
+        flagged after the first verdict warns then)."""
         if self.pending:
             self._judge(self.check.rounds)
-        elif not self.report.rounds and rounds:
-            self.host.copy_(self.acc)
-            self._judge(rounds)
-        n = max(total[2], 1.0)
-        self.report.run_accepted, self.report.run_expected = total[0] / n, total[1] / n
+        self.host.copy_(self.acc)
+        self._judge(rounds)
+        if self.collected is not None:
+            self.report.collected = {k: torch.cat(v).cpu() if k == "features" else v.cpu()
+                                     for k, v in self.collected.items()}
         return self.report
 
     def _judge(self, rounds: int) -> None:
         self.pending = False
-        accepted, expected, n = self.host.tolist()
+        acc = self.host.clone()
         r = self.report
-        r.rounds, r.request_rounds = rounds, int(n)
-        if n == 0:
+        r.rounds = r.rounds or rounds
+        n = float(acc[:, 1].sum())
+        r.request_rounds, r.accepted = int(n), float(acc[:, 0].sum()) / max(n, 1.0)
+        rec = self.check.record
+        if self.record is None:
+            r.message = ("the wiring check cannot check: " + (
+                "the drafter config has no eagle3_ops_wiring_record" if rec is None else
+                f"its record is for {rec.describe()} and {len(rec.band_lo)} aux slots, not {self.spec.steps} / "
+                f"{self.spec.topk} / {self.spec.num_tokens} at temperature {self.spec.temperature:g} with "
+                f"{len(self.aux_ids)}") + " (wiring_check.record_wiring measures one)")
             return
-        r.accepted, r.expected = accepted / n, expected / n
+        mix = self._mixture(acc)
+        r.evidence = [(round(float(a), 2), round(float(f), 2)) for a, f in zip(mix, acc[:, 2])]
+        r.first_round = [int(v) for v in acc[:, 3]]
+        flagged = [b for b, v in enumerate(r.first_round) if v > 0]
+        if not flagged:
+            return
+        r.requests, first = flagged, not r.flagged
+        r.flagged = True
+        if not first:  # warned already (at the first verdict); the report keeps the whole run's requests
+            return
         c = self.check
-        rec = c.recorded if c.recorded is not None and c.recorded.matches(self.spec) else None
-        calib = rec.calibration if rec is not None else 1.0
-        why = []
-        if r.accepted < c.ratio * calib * r.expected:
-            why.append(f"{r.accepted:.2f} draft tokens accepted per round against the {calib * r.expected:.2f} the "
-                       f"drafter's own probabilities predict (< {c.ratio:g}x)")
-        if rec is not None and r.acceptance_length < c.recorded_ratio * rec.acceptance_length and \
-                r.accepted < c.explained * calib * r.expected:
-            why.append(f"acceptance length {r.acceptance_length:.2f} against the {rec.acceptance_length:.2f} its "
-                       f"config records for these settings (< {c.recorded_ratio:g}x), with the drafter confident "
-                       f"enough to expect {calib * r.expected:.2f} accepted")
-        if not why:
-            return
         config_ids = self.drafter_ids if c.config_ids is None else list(c.config_ids)
         convention = "output" if c.config_ids is None else c.convention
         cands = wiring.candidate_wirings(self.aux_ids, self.num_layers, config_ids, convention)
         r.candidates = [(label, ids) for label, ids in cands if list(ids) != self.aux_ids][:4]
-        r.flagged = True
+        why = []
+        acc_hit = [b for b in flagged if float(mix[b]) >= self.threshold]
+        feat_hit = [b for b in flagged if float(acc[b, 2]) >= self.threshold]
+        if acc_hit:
+            why.append(f"accepted far less often than the trained wiring at the same target confidence "
+                       f"(acceptance length {r.acceptance_length:.2f} here, {rec.acceptance_length:.2f} recorded)")
+        if feat_hit:
+            y = "its captured features' log-RMS outside the bands recorded for each slot " \
+                f"({', '.join(f'[{lo:.2f}, {hi:.2f}]' for lo, hi in zip(rec.band_lo, rec.band_hi))})"
+            why.append(y)
         tries = "; ".join(f"{list(ids)} ({label})" for label, ids in r.candidates)
-        r.message = (f"likely miswiring of the drafter's capture {self.aux_ids} (ids: output of layer k) after "
-                     f"{rounds} rounds ({int(n)} request-rounds): {' and '.join(why)}. Wirings to "
-                     f"try: {tries}; eagle3 diagnose measures each")
+        r.message = (f"likely miswiring of the drafter's capture {self.aux_ids} (ids: output of layer k): "
+                     f"request(s) {flagged} of {self.B} flagged by round {max(r.first_round)} "
+                     f"(evidence >= {self.threshold:.1f} nats, false-alarm bound {c.alpha:g} a request): "
+                     f"{' and '.join(why)}. Wirings to try: {tries}; eagle3 diagnose measures each")
         if c.strict:
-            raise MiswiringError(r.message)
+            raise MiswiringError(r.message, r)
         warnings.warn(r.message, WiringWarning, stacklevel=4)
+
+
+def record_wiring(target, drafter, batches, spec, max_new: int, aux_ids=None, measured: str = "") -> WiringRecord:
+    """Measure a ``WiringRecord`` (run it with the drafter's trained wiring, on prompts the check will not be
+    judged on): ``generate_speculative`` on each batch of ``batches`` (token tensors [B, T]), every round
+    counted. Store it with ``config.update(record.to_config())``."""
+    from .decode import generate_speculative
+
+    nb = len(CONFIDENCE_EDGES) + 1
+    trials, accepted, feats, acc, n = torch.zeros(nb, dtype=torch.float64), torch.zeros(nb, dtype=torch.float64), \
+        [], 0.0, 0
+    for prompts in batches:
+        _, stats = generate_speculative(target, drafter, prompts, max_new, spec, aux_ids=aux_ids,
+                                        wiring_check=WiringCheck(collect=True))
+        c, rep = stats.wiring.collected, stats.wiring
+        trials, accepted = trials + c["trials"], accepted + c["accepted"]
+        feats.append(c["features"])
+        acc, n = acc + rep.accepted * rep.request_rounds, n + rep.request_rounds
+    y = torch.cat(feats).double()
+    lo, hi = (torch.quantile(y, q, dim=0) for q in BAND_QUANTILES)
+    outside = int(((y < lo) | (y > hi)).any(-1).sum())
+    return WiringRecord(spec.steps, spec.topk, spec.num_tokens, float(spec.temperature),
+                        tuple(int(v) for v in trials), tuple(int(v) for v in accepted),
+                        tuple(float(v) for v in lo), tuple(float(v) for v in hi), int(y.shape[0]), outside,
+                        1.0 + acc / max(n, 1), measured)
