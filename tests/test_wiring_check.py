@@ -24,8 +24,8 @@ TRAINED, SEED, PLUS_ONE = [1, 5, 6], [-1, 0, 4], [2, 6, 7]
 MAX_NEW = 64  # at most 4 tokens a round: past 16 rounds
 PROMPTS = 20
 NB = len(CONFIDENCE_EDGES) + 1
-RECORD = WiringRecord(3, 1, 4, 0.0, trials=(100,) * NB, accepted=(90,) * NB, band_lo=(0.0, 0.0, 0.0),
-                      band_hi=(1.0, 1.0, 1.0), band_rounds=1000, band_outside=10)
+RECORD = WiringRecord(3, 1, 4, 0.0, trials=(100,) * NB, accepted=(90,) * NB, band_lo=(-0.5,) * 3,
+                      band_hi=(1.05,) * 3, band_rounds=1000, band_outside=10)
 
 
 def _check_run(check=WiringCheck(record=RECORD), B=2, spec=SpecConfig()):
@@ -48,17 +48,17 @@ def test_trials_features_and_evidence_of_a_hand_built_round():
     aux = torch.ones(B * N, 3 * H)
     aux[N:, H:2 * H] = math.e  # request 1's slot 1: log-RMS 1
     assert torch.allclose(run.features(aux), torch.tensor([[0.0, 0, 0], [0, 1, 0]]), atol=1e-6)
-    aux[N:, 2 * H:] = 3.0  # request 1's slot 2 leaves its band [0, 1]
+    aux[N:, 2 * H:] = 3.0  # request 1's slot 2 leaves its band [-0.5, 1.05]: log 3
     run.observe(logits, accept_nodes, accept_len, aux, torch.tensor([True, True]))
     acc = run.acc
     assert acc[:, 0].tolist() == [3, 0] and acc[:, 1].tolist() == [1, 1]
     ok_llr, no_llr = run.ok_llr, run.no_llr
-    assert torch.allclose(acc[0, 4:], 3 * ok_llr[NB - 1]) and torch.allclose(acc[1, 4:], no_llr[0])
+    assert torch.allclose(acc[0, 3:], 3 * ok_llr[NB - 1]) and torch.allclose(acc[1, 3:], no_llr[0])
     assert math.isclose(acc[0, 2], run.out_llr[1]) and math.isclose(acc[1, 2], run.out_llr[0])
     # a frozen request counts nothing
     before = acc.clone()
     run.observe(logits, accept_nodes, accept_len, aux, torch.tensor([False, False]))
-    assert torch.equal(run.acc[:, :3], before[:, :3]) and torch.equal(run.acc[:, 4:], before[:, 4:])
+    assert torch.equal(run.acc, before)
 
 
 def test_each_factor_has_mean_at_most_one_under_the_null():
@@ -79,10 +79,9 @@ def test_each_factor_has_mean_at_most_one_under_the_null():
 
 def _judged(acc_llr, feat_llr, rounds=16, **settings):
     run = _check_run(WiringCheck(record=RECORD, **settings), B=1)
-    run.acc[0, 4:] = acc_llr
+    run.acc[0, 3:] = acc_llr
     run.acc[0, 2] = feat_llr
     run.acc[0, 1] = 16
-    run.acc[0, 3] = 16 if max(acc_llr, feat_llr) >= run.threshold else 0
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         run.after_round(rounds)
@@ -107,7 +106,7 @@ def test_without_a_record_it_cannot_check():
                        (WiringCheck(record=RECORD), "its record is for steps 3, topk 1, num_tokens 4")):
         spec = SpecConfig() if check.record is None else SpecConfig(steps=4, topk=1, num_tokens=5)
         run = _check_run(check, B=1, spec=spec)
-        run.acc[0, 4:] = 50.0  # whatever it holds, nothing is judged
+        run.acc[0, 2:] = 50.0  # whatever it holds, nothing is judged
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             report = run.finish(16)

@@ -217,7 +217,7 @@ class WiringReport:
     accepted: float = 0.0  # accepted draft tokens per request-round
     flagged: bool = False
     requests: list = field(default_factory=list)  # the flagged requests (batch rows)
-    first_round: list = field(default_factory=list)  # per request: the round it was flagged in, else 0
+    first_round: list = field(default_factory=list)  # per request: the read (round) that flagged it, else 0
     evidence: list = field(default_factory=list)  # per request: (acceptance, features) log LR, nats
     threshold: float = 0.0  # each test's: log(2 / alpha)
     message: str = ""
@@ -240,12 +240,14 @@ class CheckRun:
         rec = check.record
         self.record = rec if rec is not None and rec.matches(spec, len(self.aux_ids)) else None
         f64 = dict(dtype=torch.float64, device=device)
-        # per request: accepted, request-rounds, acceptance log LR per delta, features log LR, first flagged round
+        # per request: accepted drafts, request-rounds, the features' log LR, the acceptance log LR per delta
         self.nd = len(check.deltas)
-        self.acc = torch.zeros(batch, 4 + self.nd, **f64)
-        self.round = torch.zeros((), **f64)
+        self.acc = torch.zeros(batch, 3 + self.nd, **f64)
+        self.used = 2 if self.record is None else 3 + self.nd
         self.threshold = math.log(2 / check.alpha)
         self.edges = torch.tensor(CONFIDENCE_EDGES, dtype=torch.float32, device=device)
+        self.depths = torch.arange(1, spec.steps + 1, dtype=torch.int32, device=device)
+        self.row0 = torch.arange(batch, dtype=torch.int32, device=device)[:, None] * spec.num_tokens
         if self.record is not None:
             self.ok_llr, self.no_llr = (torch.tensor(v, **f64) for v in self._acceptance_terms())
             self.band = torch.tensor([rec.band_lo, rec.band_hi], dtype=torch.float32, device=device)
@@ -254,7 +256,7 @@ class CheckRun:
             self.out_llr = (math.log(p1 / e0), math.log((1 - p1) / (1 - e0)) if e0 < 1 else 0.0)
             self.out_terms = torch.tensor(self.out_llr[::-1], **f64)  # [inside, outside]
         self.cuda = device.type == "cuda"
-        self.host = torch.zeros(batch, 4 + self.nd, dtype=torch.float64, pin_memory=self.cuda)
+        self.host = torch.zeros(batch, 3 + self.nd, dtype=torch.float64, pin_memory=self.cuda)
         self.event = None
         self.pending = False
         nb = len(CONFIDENCE_EDGES) + 1
@@ -280,52 +282,46 @@ class CheckRun:
 
     def state(self) -> list[Tensor]:
         """What a round graph's warm-up must restore."""
-        return [self.acc, self.round]
+        return [self.acc]
 
     def features(self, aux: Tensor) -> Tensor:
         """[B, n_aux]: each aux slot's mean log-RMS over the request's N verify rows."""
         B, N, n_aux = self.B, self.spec.num_tokens, len(self.aux_ids)
-        x = aux.view(B, N, n_aux, -1).float()
-        return (x.pow(2).mean(-1) + 1e-30).log().mul(0.5).mean(1)
+        x = aux.view(B, N, n_aux, -1)
+        norm = torch.linalg.vector_norm(x, dim=-1, dtype=torch.float32)  # RMS = norm / sqrt(H)
+        return norm.clamp(min=1e-30).log().mean(1) - 0.5 * math.log(x.shape[-1])
 
     def trials(self, logits: Tensor, accept_nodes: Tensor, accept_len: Tensor, active: Tensor):
         """Per request and depth k = 1..steps: is it a trial, was it accepted, its confidence bin ([B, steps])."""
-        B, N, D = self.B, self.spec.num_tokens, self.spec.steps
-        nodes = accept_nodes[:, :D].long().clamp(min=0)  # depth k's parent: the accepted path's node k - 1
-        rows = logits.index_select(0, (nodes + N * torch.arange(B, device=nodes.device)[:, None]).view(-1)).float()
-        conf = (rows.amax(-1) - rows.logsumexp(-1)).exp().view(B, D)  # the target's top-1 probability
-        k = torch.arange(1, D + 1, device=nodes.device)
-        a = accept_len.long()[:, None]
-        return (k <= a + 1) & active[:, None], k <= a, torch.bucketize(conf, self.edges)
+        B, D = self.B, self.spec.steps
+        nodes = accept_nodes[:, :D].clamp(min=0) + self.row0  # depth k's parent: the accepted path's node k - 1
+        rows = logits.index_select(0, nodes.view(-1))
+        conf = torch.softmax(rows, -1, dtype=torch.float32).amax(-1).view(B, D)  # the target's top-1 probability
+        a = accept_len[:, None]
+        return (self.depths <= a + 1) & active[:, None], self.depths <= a, torch.bucketize(conf, self.edges)
 
     def observe(self, logits: Tensor, accept_nodes: Tensor, accept_len: Tensor, aux: Tensor, active: Tensor) -> None:
-        """Inside the round, on the device: logits [B * N, V] the verify's, accept_nodes [B, N] int32,
-        accept_len [B] int32, aux [B * N, n_aux * H] the verify rows' captured features, active [B] bool
+        """Inside the round, on the device (no host sync): logits [B * N, V] the verify's, accept_nodes [B, N]
+        int32, accept_len [B] int32, aux [B * N, n_aux * H] the verify rows' captured features, active [B] bool
         (requests still decoding before this round)."""
-        w = active.double()
-        upd = torch.zeros_like(self.acc)
-        upd[:, 0], upd[:, 1] = accept_len.double() * w, w
-        self.round.add_(1)
+        w = active[:, None].double()
+        cols = [accept_len[:, None].double(), torch.ones_like(w)]
         if self.record is not None:
             trial, ok, bins = self.trials(logits, accept_nodes, accept_len, active)
-            terms = torch.where(ok[..., None], self.ok_llr[bins], self.no_llr[bins]) * trial[..., None]
-            upd[:, 4:] = terms.sum(1)
+            terms = torch.where(ok[..., None], self.ok_llr[bins], self.no_llr[bins])
             y = self.features(aux)
             out = ((y < self.band[0]) | (y > self.band[1])).any(-1)
-            upd[:, 2] = self.out_terms[out.long()] * w
-        self.acc.add_(upd)
+            cols += [self.out_terms[out.long()][:, None], (terms * trial[..., None]).sum(1)]
+        self.acc[:, :self.used].addcmul_(torch.cat(cols, 1), w)
         if self.collected is not None:
             trial, ok, bins = self.trials(logits, accept_nodes, accept_len, active)
             self.collected["trials"].index_add_(0, bins[trial], torch.ones_like(bins[trial], dtype=torch.float64))
             self.collected["accepted"].index_add_(0, bins[trial & ok],
                                                   torch.ones_like(bins[trial & ok], dtype=torch.float64))
             self.collected["features"].append(self.features(aux)[active])
-        if self.record is not None:  # the first round a test's evidence reached the threshold
-            crossed = torch.maximum(self._mixture(self.acc), self.acc[:, 2]) >= self.threshold
-            self.acc[:, 3].copy_(torch.where(crossed & (self.acc[:, 3] == 0), self.round, self.acc[:, 3]))
 
     def _mixture(self, acc: Tensor) -> Tensor:
-        return acc[:, 4:].logsumexp(-1) - math.log(self.nd)
+        return acc[:, 3:].logsumexp(-1) - math.log(self.nd)
 
     def after_round(self, rounds: int) -> None:
         """On the host, between rounds: snapshot after ``check.rounds`` rounds; judge once the copy is done."""
@@ -367,7 +363,10 @@ class CheckRun:
             return
         mix = self._mixture(acc)
         r.evidence = [(round(float(a), 2), round(float(f), 2)) for a, f in zip(mix, acc[:, 2])]
-        r.first_round = [int(v) for v in acc[:, 3]]
+        r.first_round = r.first_round or [0] * self.B
+        for b in range(self.B):  # (read at two times: still within the bound, which is on the sup over all)
+            if max(float(mix[b]), float(acc[b, 2])) >= self.threshold and not r.first_round[b]:
+                r.first_round[b] = rounds
         flagged = [b for b, v in enumerate(r.first_round) if v > 0]
         if not flagged:
             return
