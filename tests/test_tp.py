@@ -106,8 +106,10 @@ def moe_grouped(tp):
     full, _ = _pair(torch.float32)
     model = shard_target(full, tp)
     x = torch.randn(37, 32, generator=torch.Generator().manual_seed(3))
+    tpm = shard_target(full, tp, moe="tp")  # every expert's columns split instead
     for i in (1, 4):
         torch.testing.assert_close(model.model.layers[i].mlp(x), full.model.layers[i].mlp(x), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(tpm.model.layers[i].mlp(x), full.model.layers[i].mlp(x), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(model.model.layers[0].mlp(x), full.model.layers[0].mlp(x), rtol=1e-5, atol=1e-5)
 
 
@@ -158,17 +160,21 @@ def _tp_pair(tp, dtype=torch.float64, fc="sharded", invariant=0):
 
 @check
 def decode_equals_tp1(tp):
-    """float64: plain and speculative decoding under TP (a chain with the vocab-parallel verify and the sharded
-    fc; a tree with the gathered verify and the replicated fc) emit TP-1's tokens on every rank, with TP-1's
-    acceptance."""
+    """float64: plain decoding under TP (moe "ep" and "tp") and speculative (a chain with moe "tp", the
+    vocab-parallel verify and the sharded fc; a tree with moe "ep", the gathered verify and the replicated fc)
+    emit TP-1's tokens on every rank, with TP-1's acceptance."""
     full, drafter, model, d = _tp_pair(tp)
     prompts = _prompts(3, 10, full.cfg.vocab_size, 7)
     ref, _ = generate_plain(full, prompts, 10)
     plain, _ = generate_plain(model, prompts, 10)
     assert torch.equal(plain, ref), "plain under TP differs from TP-1"
-    for spec, verify, fc in ((SpecConfig(3, 1, 4), "vocab", "sharded"), (SpecConfig(3, 2, 6), "gathered", "replicated")):
+    tpm = shard_target(full, tp, moe="tp")
+    plain, _ = generate_plain(tpm, prompts, 10)
+    assert torch.equal(plain, ref), "plain under TP (moe='tp') differs from TP-1"
+    for spec, verify, fc, m in ((SpecConfig(3, 1, 4), "vocab", "sharded", tpm),
+                                (SpecConfig(3, 2, 6), "gathered", "replicated", model)):
         dd = d if fc == "sharded" else tp_drafter(drafter, tp, fc)
-        out, stats = generate_speculative_tp(model, dd, prompts, 10, spec, verify=verify)
+        out, stats = generate_speculative_tp(m, dd, prompts, 10, spec, verify=verify)
         assert torch.equal(out, ref), f"{spec} {verify}: first mismatch at {(out != ref).nonzero()[0].tolist()}"
         assert torch.equal(_gather(tp, out)[0], out)
         if verify == "vocab":
@@ -308,3 +314,65 @@ def test_fp8_experts_cuda_matches_reference():
     ref = ex.cpu().gate_up_mm(a.cpu(), offs.cpu()).float()
     err = (got.cpu() - ref).norm() / ref.norm()
     assert err < 0.05, f"relative error {err:.4f}"
+
+
+@pytest.mark.parametrize("world,experts,moe", [(1, None, "ep"), (4, None, "ep"), (4, torch.float8_e4m3fn, "ep"),
+                                               (4, torch.float8_e4m3fn, "tp")])
+def test_memory_plan_counts_a_built_model(world, experts, moe):
+    """parallel.memory.rank_bytes' weights (no model built) equal a built rank's own parameter bytes (tiny on the
+    meta device, rank 0 of `world`; fp8 experts with their scales), and its caches new_kv's."""
+    from eagle3_ops.parallel.memory import rank_bytes
+    from eagle3_ops.parallel.target import TPTarget
+
+    cfg = TargetConfig.from_preset("tiny")
+    dcfg = DrafterConfig.for_target(cfg)
+    tp = TP()
+    tp.world = world
+    with torch.device("meta"):
+        model = TPTarget(cfg, tp, experts, moe).to(torch.bfloat16)
+        drafter = Drafter(dcfg, model.model.embed_tokens).to(torch.bfloat16)
+    built = sum(p.numel() * p.element_size() for p in model.parameters()) + \
+        sum(b.numel() * b.element_size() for n, b in model.named_buffers() if n.endswith("_scale"))
+    plan = rank_bytes(cfg, dcfg, world, 3, 40, expert_bytes=1 if experts else 2, fc="replicated", moe=moe)
+    weights = sum(v for k, v in plan.items() if k not in ("latent_cache", "drafter", "drafter_cache", "total"))
+    assert weights == built
+    d_built = sum(p.numel() * 2 for n, p in drafter.named_parameters() if "embed" not in n)
+    assert plan["drafter"] == d_built
+    kv = model.new_kv(3, 40, page_size=8, device="meta")
+    assert plan["latent_cache"] == sum(c.numel() * 2 for c in kv.caches) * 40 / kv.capacity
+
+
+def test_synthesize_tp_replicated_weights_agree():
+    """synthesize_tp draws the replicated tensors (embedding, latent projections, gate and its bias, norms) alike
+    on every rank and the shards per rank; with fp8 experts (kept fp8 through .to(dtype)) the forward runs."""
+    from eagle3_ops.parallel import synthesize_tp
+
+    cfg = TargetConfig.from_preset("tiny")
+    ranks = []
+    for r in range(2):
+        tp = TP()
+        tp.rank, tp.world = r, 2
+        ranks.append(synthesize_tp(cfg, tp, 3, torch.float32, "cpu", torch.float8_e4m3fn))
+    a, b = (dict(m.state_dict()) for m in ranks)
+    for name in (n for n in a if not n.endswith("_scale")):  # (the fp8 scales are constants)
+        same = torch.equal(a[name].float(), b[name].float())
+        replicated = any(k in name for k in ("embed_tokens", "q_a_proj", "kv_a_proj_with_mqa", "mlp.gate.", "norm"))
+        assert same == replicated or (same and a[name].numel() == 1), name
+    assert ranks[0].model.layers[1].mlp.experts.gate_up.dtype == torch.float8_e4m3fn
+    one = synthesize_tp(cfg, TP(), 3, torch.float32, "cpu", torch.float8_e4m3fn)  # (no group: world 1)
+    B, N = 2, 3
+    logits = one.forward(torch.zeros(B, N, dtype=torch.int64), torch.arange(N).expand(B, N), one.new_kv(B, 8),
+                         tree_mask(chain_parents(B, N)))
+    assert logits.shape == (B * N, cfg.vocab_size) and torch.isfinite(logits).all()
+
+
+def test_moe_experts_read():
+    """One token reads k experts in all: tp 1/world of each (k / world experts' worth a rank), ep the same on
+    average but the busiest rank more; many tokens use nearly every expert and the two meet."""
+    from eagle3_ops.parallel.memory import moe_experts_read
+
+    cfg = TargetConfig.from_preset("kimi-k2")
+    one = moe_experts_read(cfg, 8, 1, trials=500)
+    assert one["distinct"] == 8 and one["tp"] == 1.0 and abs(one["ep_mean"] - 1.0) < 1e-6 and one["ep_max"] >= 2
+    many = moe_experts_read(cfg, 8, 512, trials=50)
+    assert many["ep_max"] / many["tp"] < 1.05

@@ -48,13 +48,14 @@ class Fp8Experts(nn.Module):
 
     def _apply(self, fn, recurse=True):
         """.to(dtype) casts neither the fp8 weights nor their fp32 scales (only moves them)."""
-        saved = {n: getattr(self, n) for n in ("gate_up", "down", "gate_up_scale", "down_scale")}
+        # (the tensors themselves: a parameter may be converted in place, its .data swapped)
+        saved = {n: getattr(self, n).data for n in ("gate_up", "down", "gate_up_scale", "down_scale")}
         super()._apply(fn, recurse)
         for n, old in saved.items():
             new = getattr(self, n)
             if new.dtype != old.dtype:
-                moved = old.data.to(device=new.device)
-                if isinstance(old, nn.Parameter):
+                moved = old.to(device=new.device)
+                if n in self._parameters:
                     self._parameters[n] = nn.Parameter(moved, requires_grad=False)
                 else:
                     self._buffers[n] = moved
@@ -75,15 +76,16 @@ class Fp8Experts(nn.Module):
         return m
 
     @torch.no_grad()
-    def synthesize_(self, g: torch.Generator, num_layers: int) -> None:
+    def synthesize_(self, g: torch.Generator, num_layers: int, down_fan_in: int = 0) -> None:
         """Random weights at Target.synthesize's scales, drawn in place one expert at a time (N(0, 1) in e4m3,
-        the scale carrying the std: 1 / sqrt(fan_in), down's / sqrt(2 L) too)."""
+        the scale carrying the std: 1 / sqrt(fan_in), down's / sqrt(2 L) too; down_fan_in: the whole
+        expert's I when these are its columns, default this module's)."""
         dev = self.gate_up.device
         for e in range(self.num):
             self.gate_up[e].copy_(torch.randn(self.gate_up.shape[1:], generator=g, device=dev))
             self.down[e].copy_(torch.randn(self.down.shape[1:], generator=g, device=dev))
         self.gate_up_scale.fill_(self.hidden ** -0.5)
-        self.down_scale.fill_(self.intermediate ** -0.5 / math.sqrt(2 * num_layers))
+        self.down_scale.fill_((down_fan_in or self.intermediate) ** -0.5 / math.sqrt(2 * num_layers))
 
     def weights(self, e: int) -> tuple[Tensor, Tensor, Tensor]:
         """Expert e's (gate_proj, up_proj, down_proj) weights, dequantised to fp32."""

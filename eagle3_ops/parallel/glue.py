@@ -126,14 +126,15 @@ def walk_greedy(pred: Tensor, tokens: Tensor, parents: Tensor):
 
 
 def generate_speculative_tp(target: TPTarget, drafter, prompts: Tensor, max_new: int, spec=None, *,
-                            verify: str = "vocab", **kwargs):
+                            verify: str = "vocab", glue: Optional[TPGlue] = None, **kwargs):
     """engine.generate_speculative under TP: the verify forward's logits sharded (verify="vocab") or gathered
-    ("gathered") and TPGlue's calls; every other argument as there (drafter: a TPDrafter, or an OracleDrafter
-    over one). Every rank returns the same tokens."""
+    ("gathered") and TPGlue's calls (glue: one to reuse, e.g. with a PrefillCache, which checks it is the same;
+    its mode then wins); every other argument as there (drafter: a TPDrafter, or an OracleDrafter over one).
+    Every rank returns the same tokens."""
     from ..engine.decode import SpecConfig, generate_speculative
 
-    glue = TPGlue(target.tp, target, verify)
-    with target.sharded_logits(verify == "vocab"):
+    glue = glue or TPGlue(target.tp, target, verify)
+    with target.sharded_logits(glue.mode == "vocab"):
         return generate_speculative(target, drafter, prompts, max_new, spec or SpecConfig(), glue=glue, **kwargs)
 
 

@@ -4,9 +4,10 @@ the dense FFN and the shared expert split by their intermediate columns, the lm_
 - ``TPMLA``: heads [rank * NH / TP, ...) of q_b_proj, kv_b_proj and o_proj; q_a_proj and kv_a_proj_with_mqa
   whole, so every rank computes and caches the whole latent (each rank's cache is the TP-1 cache); o_proj's
   partial sums all-reduced.
-- ``EPMoE``: the gate whole (every rank routes every token alike), experts [rank * E / TP, ...) local; a
-  token's slots on other ranks' experts are left out of the grouped GEMMs; the routed partial plus this rank's
-  shard of the shared expert, all-reduced once per layer.
+- ``EPMoE``: the gate whole (every rank routes every token alike); moe="ep", experts [rank * E / TP, ...)
+  local (a token's slots on other ranks' experts are left out of the grouped GEMMs), or moe="tp", every expert's
+  intermediate columns [rank * I / TP, ...); the routed partial plus this rank's shard of the shared expert,
+  all-reduced once per layer.
 - ``TPMLP``: the dense FFN's gate/up rows and down columns, all-reduced.
 - ``lm_head``: vocabulary rows ``vocab_range(V, rank, TP)``; ``TPTarget.forward`` returns the gathered
   [T, V] logits, or, inside ``sharded_logits()``, this rank's [T, Vr] columns (the vocab-parallel verify's
@@ -32,6 +33,8 @@ from ..models.config import TargetConfig
 from ..models.target import MLA, MLP, Experts, MoE, Target, grouped_mm
 from .comm import TP, vocab_range
 from .fp8 import Fp8Experts
+
+MOE_MODES = ("ep", "tp")
 
 
 def _split(n: int, tp: TP, what: str) -> tuple[int, int]:
@@ -66,23 +69,34 @@ class TPMLP(MLP):
 
 
 class EPMoE(MoE):
-    """Expert-parallel MoE: experts [e0, e0 + E / TP) here, the gate whole, the shared expert's intermediate
-    columns split; one all-reduce of the layer's output. expert_dtype float8_e4m3fn: the local experts in fp8
-    with per-row scales (parallel/fp8.py)."""
+    """The MoE over the group, the gate whole (every rank routes every token alike), the shared expert's
+    intermediate columns split; one all-reduce of the layer's output. moe="ep" (expert parallel): experts
+    [e0, e0 + E / TP) whole here; moe="tp": every expert here, its intermediate columns [col0, col0 + I / TP)
+    (each rank reads 1/TP of every expert used: no rank waits on a busier one; docs/tp.md compares the bytes).
+    expert_dtype float8_e4m3fn: the local experts in fp8 with per-row scales (parallel/fp8.py)."""
 
-    def __init__(self, cfg: TargetConfig, tp: TP, expert_dtype: Optional[torch.dtype] = None):
+    def __init__(self, cfg: TargetConfig, tp: TP, expert_dtype: Optional[torch.dtype] = None, moe: str = "ep"):
+        if moe not in MOE_MODES:
+            raise ValueError(f"moe must be one of {MOE_MODES}, got {moe!r}")
         super().__init__(cfg)
-        self.tp = tp
-        self.e0, local = _split(cfg.n_routed_experts, tp, "n_routed_experts")
-        H, I = cfg.hidden_size, cfg.moe_intermediate_size
+        self.tp, self.mode = tp, moe
+        H, I, E = cfg.hidden_size, cfg.moe_intermediate_size, cfg.n_routed_experts
+        if moe == "ep":
+            self.e0, local = _split(E, tp, "n_routed_experts")
+            self.col0 = 0
+        else:
+            self.e0, local = 0, E
+            self.col0, I = _split(I, tp, "moe_intermediate_size")
         self.experts = (Fp8Experts(local, H, I) if expert_dtype == torch.float8_e4m3fn else Experts(local, H, I))
         if cfg.n_shared_experts > 0:
-            self.shared_col0, shared = _split(I * cfg.n_shared_experts, tp, "the shared expert's intermediate size")
+            self.shared_col0, shared = _split(cfg.moe_intermediate_size * cfg.n_shared_experts, tp,
+                                              "the shared expert's intermediate size")
             self.shared_experts = MLP(H, shared)
 
     def forward(self, x: Tensor, grouped: Optional[bool] = None, invariant: bool = False) -> Tensor:
         """x [..., H] -> [..., H], as MoE.forward (grouped GEMMs; per-expert gathers for fp64 or with grad; the
-        invariant mode's fixed-size blocks), over the local experts only; the routed sum in fp32, rounded, plus the shared shard, then all-reduced."""
+        invariant mode's fixed-size blocks), over the local experts (or expert columns) only; the routed sum in
+        fp32, rounded, plus the shared shard, then all-reduced."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])  # [T, H]
         idx, w = self.gate(x)  # [T, K], global expert ids
@@ -135,7 +149,7 @@ class TPTarget(Target):
     """Target sharded over ``tp`` (module docstring). ``cfg`` is the whole model's; each TPMLA holds its local
     one. ``new_kv`` gives the whole latent cache (every rank keeps all of it)."""
 
-    def __init__(self, cfg: TargetConfig, tp: TP, expert_dtype: Optional[torch.dtype] = None):
+    def __init__(self, cfg: TargetConfig, tp: TP, expert_dtype: Optional[torch.dtype] = None, moe: str = "ep"):
         super().__init__(cfg)
         self.tp = tp
         self.shard_logits = False
@@ -144,7 +158,7 @@ class TPTarget(Target):
             raise ValueError(f"vocab_size = {cfg.vocab_size} leaves rank {tp.rank} of {tp.world} no vocabulary rows")
         for i, layer in enumerate(self.model.layers):
             layer.self_attn = TPMLA(cfg, tp)
-            layer.mlp = (EPMoE(cfg, tp, expert_dtype) if cfg.is_moe(i)
+            layer.mlp = (EPMoE(cfg, tp, expert_dtype, moe) if cfg.is_moe(i)
                          else TPMLP(cfg.hidden_size, cfg.intermediate_size, tp))
         self.lm_head = nn.Linear(cfg.hidden_size, self.vocab_hi - self.vocab_lo, bias=False)
 
@@ -185,7 +199,10 @@ def _shard_state(full: Target, model: TPTarget) -> dict:
         if ".experts." in name:  # {moe}.experts.{e}.{gate,up,down}_proj.weight: local e is global e0 + e
             moe_name, rest = name.split(".experts.")
             e, tail = rest.split(".", 1)
-            w = src[f"{moe_name}.experts.{int(e) + model.get_submodule(moe_name).e0}.{tail}"]
+            moe = model.get_submodule(moe_name)
+            w = src[f"{moe_name}.experts.{int(e) + moe.e0}.{tail}"]
+            n = t.shape[1] if tail.startswith("down") else t.shape[0]  # moe="tp": the expert's columns
+            w = w[:, moe.col0:moe.col0 + n] if tail.startswith("down") else w[moe.col0:moe.col0 + n]
         elif isinstance(model.get_submodule(parent) if parent else None, TPMLA) and leaf != "kv_a_proj_with_mqa":
             mla = model.get_submodule(parent)
             h0, nh = mla.head0, mla.cfg.num_heads
@@ -208,22 +225,22 @@ def _shard_state(full: Target, model: TPTarget) -> dict:
     return out
 
 
-def shard_target(full: Target, tp: TP) -> TPTarget:
+def shard_target(full: Target, tp: TP, moe: str = "ep") -> TPTarget:
     """This rank's shards of a TP-1 model (same values; same dtype and device; batch_invariant_rows kept)."""
     with torch.device("meta"):
-        model = TPTarget(full.cfg, tp)
+        model = TPTarget(full.cfg, tp, moe=moe)
     model.load_state_dict(_shard_state(full, model), assign=True)
     model.batch_invariant_rows = full.batch_invariant_rows
     return model.reset_rope()
 
 
 def synthesize_tp(cfg: TargetConfig, tp: TP, seed: int = 0, dtype: torch.dtype = torch.bfloat16, device="cpu",
-                  expert_dtype: Optional[torch.dtype] = None) -> TPTarget:
+                  expert_dtype: Optional[torch.dtype] = None, moe: str = "ep") -> TPTarget:
     """This rank's shards with random weights drawn on ``device`` (the full model is never built: kimi-k2 at 61
     layers is ~1 T parameters), at Target.synthesize's scales; each rank draws from seed + rank (its values
     are not a TP-1 model's slices: shard_target gives those). expert_dtype float8_e4m3fn: fp8 experts."""
     with torch.device("meta"):
-        model = TPTarget(cfg, tp, expert_dtype)
+        model = TPTarget(cfg, tp, expert_dtype, moe)
     model = model.to(dtype).to_empty(device=device)
     # replicated tensors (the embedding, the latent projections, the gate, the norms) from one generator on
     # every rank: each rank must route alike and cache the same latent; the shards from a generator per rank
@@ -241,19 +258,20 @@ def synthesize_tp(cfg: TargetConfig, tp: TP, seed: int = 0, dtype: torch.dtype =
                 t.fill_(1.0)
             elif name.endswith("e_score_correction_bias"):
                 t.copy_(torch.randn(t.shape, generator=g, device=device) * 0.05)
-            elif name.endswith(("experts.gate_up", "experts.down")):
-                std = t.shape[-1] ** -0.5 / (math.sqrt(2 * cfg.num_layers) if name.endswith("down") else 1.0)
+            elif name.endswith(("experts.gate_up", "experts.down")):  # (down's fan-in: the whole I)
+                std = (t.shape[-1] * (tp.world if moe == "tp" and name.endswith("down") else 1)) ** -0.5
+                std /= math.sqrt(2 * cfg.num_layers) if name.endswith("down") else 1.0
                 for e in range(t.shape[0]):  # one expert at a time: the fp32 draw stays small
                     t[e].copy_(torch.randn(t.shape[1:], generator=g, device=device) * std)
             else:
                 std = {"embed_tokens": 1.0, "lm_head": 2.0 / math.sqrt(cfg.hidden_size)}.get(leaf, t.shape[-1] ** -0.5)
-                if leaf in ("o_proj", "down_proj"):
-                    std /= math.sqrt(2 * cfg.num_layers)
+                if leaf in ("o_proj", "down_proj"):  # split by input columns: the whole fan-in's scale
+                    std /= math.sqrt(2 * cfg.num_layers * tp.world)
                 t.copy_(torch.randn(t.shape, generator=g, device=device) * std)
         for m in model.modules():
             if isinstance(m, Fp8Experts):
-                m.synthesize_(own, cfg.num_layers)
+                m.synthesize_(own, cfg.num_layers, cfg.moe_intermediate_size)
     return model.reset_rope()
 
 
-__all__ = ["TPMLA", "TPMLP", "EPMoE", "TPTarget", "shard_target", "synthesize_tp"]
+__all__ = ["TPMLA", "TPMLP", "EPMoE", "TPTarget", "shard_target", "synthesize_tp", "MOE_MODES"]
