@@ -102,7 +102,8 @@ def heldout(args) -> list[dict]:
     drafter_dir = os.path.join(ROOT, "eagle3_ops", "assets", "byte-small", "drafter")
     first, last = args.prompts
     rows = []
-    for name, ids in WIRINGS.items():
+    for name in args.wirings:
+        ids = WIRINGS[name]
         for B in args.batch:
             for p0, prompts in _heldout_batches(first, last, B):
                 with warnings.catch_warnings():
@@ -149,6 +150,7 @@ def main():
                     help="instead: the check's verdicts on the shipped pair (CPU) for the trained wiring, the seed's "
                          "and a +1 shift, on held-out prompts --prompts (default 0 20) at each --batch")
     ap.add_argument("--prompts", type=int, nargs=2, default=[0, 20], metavar=("FIRST", "END"))
+    ap.add_argument("--wirings", nargs="+", default=list(WIRINGS), choices=list(WIRINGS))
     ap.add_argument("--record", action="store_true",
                     help="instead: measure the shipped drafter's eagle3_ops_wiring_record and print it; with --write "
                          "store it in its config.json")
