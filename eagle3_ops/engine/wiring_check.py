@@ -5,7 +5,8 @@ host sync), each against a record measured offline with the trained wiring and s
 config (``WiringRecord``, key ``eagle3_ops_wiring_record``; a calibration on the first prompts served would
 be no reference: the wiring under test would be the one calibrated):
 
-1. acceptance. Each round with accept_len a is up to min(a + 1, steps) trials, depth k accepted iff k <= a.
+1. acceptance. Each round with accept_len a is up to min(a + 1, D) trials (D = min(steps, N - 1)), depth
+   k accepted iff k <= a.
    Hard input is told apart from a miswiring by the target's own confidence (its top-1 probability at the
    trial's parent node, on the accepted path), which no wiring changes: the record holds, per confidence
    bin, the trials and acceptances of the trained wiring, and the null is that the served drafter is
@@ -246,7 +247,8 @@ class CheckRun:
         self.used = 2 if self.record is None else 3 + self.nd
         self.threshold = math.log(2 / check.alpha)
         self.edges = torch.tensor(CONFIDENCE_EDGES, dtype=torch.float32, device=device)
-        self.depths = torch.arange(1, spec.steps + 1, dtype=torch.int32, device=device)
+        self.D = min(spec.steps, spec.num_tokens - 1)  # the most drafts a round can accept
+        self.depths = torch.arange(1, self.D + 1, dtype=torch.int32, device=device)
         self.row0 = torch.arange(batch, dtype=torch.int32, device=device)[:, None] * spec.num_tokens
         if self.record is not None:
             self.ok_llr, self.no_llr = (torch.tensor(v, **f64) for v in self._acceptance_terms())
@@ -292,8 +294,9 @@ class CheckRun:
         return norm.clamp(min=1e-30).log().mean(1) - 0.5 * math.log(x.shape[-1])
 
     def trials(self, logits: Tensor, accept_nodes: Tensor, accept_len: Tensor, active: Tensor):
-        """Per request and depth k = 1..steps: is it a trial, was it accepted, its confidence bin ([B, steps])."""
-        B, D = self.B, self.spec.steps
+        """Per request and depth k = 1..D (D = min(steps, N - 1)): is it a trial, was it accepted, its
+        confidence bin ([B, D])."""
+        B, D = self.B, self.D
         nodes = accept_nodes[:, :D].clamp(min=0) + self.row0  # depth k's parent: the accepted path's node k - 1
         rows = logits.index_select(0, nodes.view(-1))
         conf = torch.softmax(rows, -1, dtype=torch.float32).amax(-1).view(B, D)  # the target's top-1 probability
