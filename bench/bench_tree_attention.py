@@ -184,7 +184,7 @@ def _providers(model, B, P, N, tree_kind="bushy"):
         return call
 
     def fp8(cfg=None):
-        from eagle3_ops.triton_kernels.mla_decode import tree_attention_mla_op
+        from eagle3_ops.triton_kernels.tree_attention import tree_attention_mla_op
 
         def call(x):
             tree_attention_mla_op(x["q"], x["k"], x["page_table"], x["prefix_lens"], x["tree_mask"], scale, x["out"],

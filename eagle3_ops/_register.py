@@ -28,7 +28,7 @@ OPS = (
 # eagle3_ops.triton_kernels (imported lazily on first call, so import does no GPU or Triton work).
 # tree_attention_mla's entry routes an fp8 cache to mla_decode's Triton kernel and every other cache to
 # tree_attention.tree_attention_mla (the sm90 CUDA kernel or a Triton one).
-TRITON_OPS: dict[str, str] = {"tree_attention_mla": "mla_decode:tree_attention_mla_op",
+TRITON_OPS: dict[str, str] = {"tree_attention_mla": "tree_attention:tree_attention_mla_op",
                               "tree_attention": "tree_attention:tree_attention",
                               "fc_proj": "fc_proj:fc_proj"}
 

@@ -41,7 +41,7 @@ def quantised(c, scale_of_amax: float = 1.0):
 def run_fp8(c, config=None, with_lse=True, kernel=False):
     """tree_attention_mla on the fp8 cache, outputs poisoned first: through torch.ops (CPU: the reference; CUDA:
     the registered launcher), or with kernel=True mla_decode's launcher itself (the interpreter on CPU)."""
-    from eagle3_ops.triton_kernels.mla_decode import tree_attention_mla_op
+    from eagle3_ops.triton_kernels.tree_attention import tree_attention_mla_op
 
     out = poison_(torch.empty(c.q.shape[0], c.NH, c.Dv, dtype=c.dtype, device=c.q.device))
     lse = poison_(torch.empty(c.q.shape[0], c.NH, device=c.q.device)) if with_lse else None
@@ -322,7 +322,7 @@ def test_kernel_interpreted_bad_scale_poisons_everything(gen, value):
 
 
 def test_kernel_refuses_other_kernels(gen):
-    from eagle3_ops.triton_kernels.mla_decode import tree_attention_mla_op
+    from eagle3_ops.triton_kernels.tree_attention import tree_attention_mla_op
 
     c = fp8_case(gen, N=1, prefixes=[1])
     out = torch.empty(1, c.NH, c.Dv, dtype=c.dtype)

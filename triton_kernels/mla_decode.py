@@ -27,7 +27,7 @@ What differs from tree_attention's kernel (FlashMLA's shape as far as Triton rea
   of 72 HGMMA.64x32x16 per warpgroup and tile).
 - fill=True (the bf16 / fp16 default): splits_fill's split count, which lets one partial wave count as full.
 
-fp8 e4m3 caches (torch.ops.eagle3.tree_attention_mla with kv_scale; tree_attention_mla_op routes them here, as
+fp8 e4m3 caches (torch.ops.eagle3.tree_attention_mla with kv_scale; tree_attention.tree_attention_mla_op routes them here, as
 the sm90 kernel reads 2-byte caches only): the same kernel reads one byte a dim (TMA boxes of fp8, half the
 bytes of bf16), computes in fp16 (each tile converted in registers, exact for e4m3, and bf16 q converted once,
 exactly, with a power-of-two guard against fp16's range: _mla_kernel's KS comment), and folds the per-tensor
@@ -397,7 +397,7 @@ def tree_attention_mla(q: Tensor, kv_cache: Tensor, page_table: Tensor, prefix_l
                        scale: float, out: Tensor, lse: Optional[Tensor], config: dict,
                        kv_scale: Optional[Tensor] = None) -> None:
     """This kernel's launcher (checks done by tree_attention.tree_attention_mla, which calls it by
-    default, or by tree_attention_mla_op for an fp8 cache: kv_scale its [] / [1] fp32 scale). config: tma
+    default, or by tree_attention.tree_attention_mla_op for an fp8 cache: kv_scale its [] / [1] fp32 scale). config: tma
     (bool), rescale_tau (float, 0 = rescale every tile; ignored with cut), cut (bool), fill (bool), BLOCK_M,
     BLOCK_N, num_warps, num_stages, min_chunk, programs_per_sm, splits. Launches on the current device
     (tree_attention.tree_attention_mla and tree_attention_mla_op make q's current)."""
@@ -517,31 +517,3 @@ def tree_attention_mla_sm90(q: Tensor, kv_cache: Tensor, page_table: Tensor, pre
                                               splits, bool(config.get("evict_first", splits > 1)))
     if splits > 1:
         merge_splits(po, plse, out, lse, N, 1, G)
-
-
-def tree_attention_mla_op(q: Tensor, kv_cache: Tensor, page_table: Tensor, prefix_lens: Tensor, tree_mask: Tensor,
-                          scale: float, out: Tensor, lse: Optional[Tensor], kv_scale: Optional[Tensor] = None, *,
-                          config: Optional[dict] = None) -> None:
-    """torch.ops.eagle3.tree_attention_mla's CUDA implementation (eagle3_ops/_register.py registers it; the
-    arguments are checked there, eagle3_ops._validate.tree_attention_mla). A bf16 / fp16 / fp32 cache goes to
-    tree_attention.tree_attention_mla, which picks the sm90 CUDA kernel or a Triton one. An fp8 e4m3 cache
-    (kv_scale given) runs this file's Triton kernel in fp16 with kv_scale folded into the score scale and the
-    output's normalisation: the sm90 kernel reads 2-byte caches only. config as this file's launcher's
-    ({"kernel": "mla_decode"} accepted), benchmarks and tests only."""
-    from .tree_attention import MLA_MAX_DV, MLA_MAX_ROPE, on_device
-    from .tree_attention import tree_attention_mla as launch
-
-    if kv_scale is None:
-        launch(q, kv_cache, page_table, prefix_lens, tree_mask, scale, out, lse, config=config)
-        return
-    config = dict(config or {})
-    if config.pop("kernel", "mla_decode") != "mla_decode":
-        raise ValueError("config kernel must be 'mla_decode' with an fp8 kv_cache (the only kernel that reads one)")
-    D, Dv = q.shape[2], out.shape[2]
-    if Dv > MLA_MAX_DV or D - Dv > MLA_MAX_ROPE:
-        raise ValueError(f"out must have Dv <= {MLA_MAX_DV} and q's D - Dv <= {MLA_MAX_ROPE} for the Triton "
-                         f"kernel (Kimi: 512 and 64), got Dv = {Dv}, D = {D}")
-    with on_device(q.device):
-        tree_attention_mla(q, kv_cache, page_table, prefix_lens, tree_mask, scale, out, lse, {"tma": True, **config},
-                           kv_scale=kv_scale)
-    errors.after_launch(q.device)

@@ -353,3 +353,28 @@ def tree_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, page_table: Tens
         _launch(q, k_cache, v_cache, page_table, prefix_lens, tree_mask, scale, out, lse, HKV=k_cache.shape[2],
                 D1=Dh, D2=0, DV=Dv, shared_v=False, config=config)
     errors.after_launch(q.device)
+
+
+def tree_attention_mla_op(q: Tensor, kv_cache: Tensor, page_table: Tensor, prefix_lens: Tensor, tree_mask: Tensor,
+                          scale: float, out: Tensor, lse: Optional[Tensor], kv_scale: Optional[Tensor] = None, *,
+                          config: Optional[dict] = None) -> None:
+    """torch.ops.eagle3.tree_attention_mla's CUDA implementation (eagle3_ops/_register.py registers it; the
+    arguments are checked there, eagle3_ops._validate.tree_attention_mla). A bf16 / fp16 / fp32 cache goes to
+    tree_attention_mla above, which picks the sm90 CUDA kernel or a Triton one. An fp8 e4m3 cache
+    (kv_scale given) runs mla_decode's Triton kernel in fp16 with kv_scale folded into the score scale and the
+    output's normalisation: the sm90 kernel reads 2-byte caches only. config as mla_decode's launcher's
+    ({"kernel": "mla_decode"} accepted), benchmarks and tests only."""
+    if kv_scale is None:
+        tree_attention_mla(q, kv_cache, page_table, prefix_lens, tree_mask, scale, out, lse, config=config)
+        return
+    config = dict(config or {})
+    if config.pop("kernel", "mla_decode") != "mla_decode":
+        raise ValueError("config kernel must be 'mla_decode' with an fp8 kv_cache (the only kernel that reads one)")
+    D, Dv = q.shape[2], out.shape[2]
+    if Dv > MLA_MAX_DV or D - Dv > MLA_MAX_ROPE:
+        raise ValueError(f"out must have Dv <= {MLA_MAX_DV} and q's D - Dv <= {MLA_MAX_ROPE} for the Triton "
+                         f"kernel (Kimi: 512 and 64), got Dv = {Dv}, D = {D}")
+    with on_device(q.device):
+        _mla_decode_launch(q, kv_cache, page_table, prefix_lens, tree_mask, scale, out, lse, {"tma": True, **config},
+                           kv_scale=kv_scale)
+    errors.after_launch(q.device)
