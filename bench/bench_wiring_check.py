@@ -124,7 +124,7 @@ def record(args) -> dict:
     """Measure the shipped drafter's record (trained wiring, prompts 20-63 at batch 4 and batch 1, every round)."""
     from eagle3_ops.cli import _load_pair
     from eagle3_ops.engine import SpecConfig
-    from eagle3_ops.engine.wiring_check import record_wiring
+    from eagle3_ops.engine.wiring_record import record_wiring
 
     target, drafter, _ = _load_pair("byte-small", "cpu", torch.float32)
     batches = [b for B in (4, 1) for _, b in _heldout_batches(20, 64, B)]

@@ -30,7 +30,7 @@ pinned buffer and an event on CUDA) and reads it once the copy is done, at a lat
 loop's own stop-test sync; the rest of the run is read at its end. A flag is a ``WiringWarning`` naming
 candidate wirings to try (``wiring.candidate_wirings``), or a ``MiswiringError`` in strict mode. Without a
 record for the run's settings (steps, topk, num_tokens, temperature, aux slots) the check cannot check:
-it says so in ``WiringReport.message`` and never flags. ``record_wiring`` measures a record.
+it says so in ``WiringReport.message`` and never flags. ``engine.wiring_record.record_wiring`` measures a record.
 """
 
 from __future__ import annotations
@@ -362,7 +362,7 @@ class CheckRun:
                 "the drafter config has no eagle3_ops_wiring_record" if rec is None else
                 f"its record is for {rec.describe()} and {len(rec.band_lo)} aux slots, not {self.spec.steps} / "
                 f"{self.spec.topk} / {self.spec.num_tokens} at temperature {self.spec.temperature:g} with "
-                f"{len(self.aux_ids)}") + " (wiring_check.record_wiring measures one)")
+                f"{len(self.aux_ids)}") + " (wiring_record.record_wiring measures one)")
             return
         mix = self._mixture(acc)
         r.evidence = [(round(float(a), 2), round(float(f), 2)) for a, f in zip(mix, acc[:, 2])]
@@ -400,28 +400,3 @@ class CheckRun:
         if c.strict:
             raise MiswiringError(r.message, r)
         warnings.warn(r.message, WiringWarning, stacklevel=4)
-
-
-def record_wiring(target, drafter, batches, spec, max_new: int, aux_ids=None, measured: str = "") -> WiringRecord:
-    """Measure a ``WiringRecord`` (run it with the drafter's trained wiring, on prompts the check will not be
-    judged on): ``generate_speculative`` on each batch of ``batches`` (token tensors [B, T]), every round
-    counted. Store it with ``config.update(record.to_config())``."""
-    from .decode import generate_speculative
-
-    nb = len(CONFIDENCE_EDGES) + 1
-    trials, accepted, feats, acc, n = torch.zeros(nb, dtype=torch.float64), torch.zeros(nb, dtype=torch.float64), \
-        [], 0.0, 0
-    for prompts in batches:
-        _, stats = generate_speculative(target, drafter, prompts, max_new, spec, aux_ids=aux_ids,
-                                        wiring_check=WiringCheck(collect=True))
-        c, rep = stats.wiring.collected, stats.wiring
-        trials, accepted = trials + c["trials"], accepted + c["accepted"]
-        feats.append(c["features"])
-        acc, n = acc + rep.accepted * rep.request_rounds, n + rep.request_rounds
-    y = torch.cat(feats).double()
-    lo, hi = (torch.quantile(y, q, dim=0) for q in BAND_QUANTILES)
-    outside = int(((y < lo) | (y > hi)).any(-1).sum())
-    return WiringRecord(spec.steps, spec.topk, spec.num_tokens, float(spec.temperature),
-                        tuple(int(v) for v in trials), tuple(int(v) for v in accepted),
-                        tuple(float(v) for v in lo), tuple(float(v) for v in hi), int(y.shape[0]), outside,
-                        1.0 + acc / max(n, 1), measured)
