@@ -293,7 +293,9 @@ def run(args) -> list[dict]:
                             out, st = generate_speculative(target, oracle, prompts, args.max_new, spec, glue=glue,
                                                            graphs=args.graphs, prefill_cache=caches[glue])
                             converged = bool(torch.equal(out, ref))
-                            if converged or passes >= max(args.fixpoint, 1):
+                            # (at p = 0 every proposal is another token than the reference's, whichever: no pass
+                            # can change the acceptance, 0)
+                            if converged or passes >= max(args.fixpoint, 1) or p == 0:
                                 break
                             ref = out
                         steps = max(st.rounds, 1)
@@ -308,9 +310,13 @@ def run(args) -> list[dict]:
                                    identical=bool(torch.equal(out, reference)), first_diff=_first_diff(out, reference),
                                    oracle_reference="plain" if ref is reference else "the run's own output",
                                    fixpoint_passes=passes, matches_oracle_reference=converged)
+                        row.update(_calibration(p, st, spec, converged, B))
                         # the breakdown: each component's span on the device timeline of an undisturbed run (CUDA
                         # events, no syncs); the glue share and "other" (the small ops between the sections, and
                         # any wait for the host) from it
+                        if args.no_breakdown:
+                            _finish_row(row, profile, full_cfg, spec, B, rows, name, p, glue, converged)
+                            continue
                         timer = Timer(device=args.device, mode="events")
                         oracle.calls.zero_()
                         _, ev = generate_speculative(target, oracle, prompts, args.max_new, spec, glue=glue,
@@ -355,36 +361,74 @@ def run(args) -> list[dict]:
                             row["spec_floor_ms"] = fb["spec"] / copy_bw * 1e3
                             row["plain_floor_fraction"] = row["plain_floor_ms"] / (B / row["plain_tok_s"] * 1e3)
                             row["spec_floor_fraction"] = row["spec_floor_ms"] / row["step_ms"]
-                        row["forward_profile"] = profile
-                        row["extrapolated"] = extrapolate(profile, full_cfg, row["step_ms"], row["accept_len"], B,
-                                                         spec.num_tokens)
-                        rows.append(row)
-                        alone = (f"  step / components alone {row['step_over_components']:.2f}"
-                                 if "step_over_components" in row else "")
-                        if "spec_floor_fraction" in row:
-                            alone += (f"  floor: step {100 * row['spec_floor_fraction']:.0f}%, plain "
-                                      f"{100 * row['plain_floor_fraction']:.0f}%")
-                        print(f"  {name:<12} p {p:<4} glue {glue:<6} {row['spec_tok_s']:8.1f} tok/s "
-                              f"{row['speedup']:5.2f}x  accept {row['accept_len']:.2f}  step {row['step_ms']:.2f} ms  "
-                              f"glue {100 * row['glue_share']:.1f}% ({100 * row['glue_share_without_oracle']:.1f}% of "
-                              f"the step less the oracle's {row['oracle_ms_per_round']:.3f} ms)  "
-                              f"identical {'yes' if row['identical'] else 'NO'}"
-                              f"{'' if row['identical'] else ' (from ' + str(row['first_diff']) + ')'}  tok/s / "
-                              f"predicted {row['tok_s_over_predicted']:.3f}{alone}"
-                              f"{'' if converged else '  (oracle reference NOT the run' + chr(39) + 's own)'}",
-                              flush=True)
+                        _finish_row(row, profile, full_cfg, spec, B, rows, name, p, glue, converged)
             if "adaptive" in args.policy:
                 rows += adaptive_rows(args, target, drafter, prompts, reference, plain, profile, full_cfg,
                                       caches[args.glue[0]])
+            if args.json and "{" in args.json:  # this batch and prefix's own file, written now
+                _write(args.json.format(batch=B, prefix=prefix), args, [r for r in rows if (r["batch"], r["prefix"])
+                                                                       == (B, prefix)])
     return rows
 
 
+def _finish_row(row, profile, full_cfg, spec, B, rows, name, p, glue, converged) -> None:
+    """A fixed shape's row: the forward profile and the EXTRAPOLATED figures added, kept and printed."""
+    row["forward_profile"] = profile
+    row["extrapolated"] = extrapolate(profile, full_cfg, row["step_ms"], row["accept_len"], B, spec.num_tokens)
+    rows.append(row)
+    alone = f"  step / components alone {row['step_over_components']:.2f}" if "step_over_components" in row else ""
+    if "spec_floor_fraction" in row:
+        alone += f"  floor: step {100 * row['spec_floor_fraction']:.0f}%, plain {100 * row['plain_floor_fraction']:.0f}%"
+    glue_part = (f"  glue {100 * row['glue_share']:.1f}% ({100 * row['glue_share_without_oracle']:.1f}% of the step "
+                 f"less the oracle's {row['oracle_ms_per_round']:.3f} ms)  tok/s / predicted "
+                 f"{row['tok_s_over_predicted']:.3f}" if "glue_share" in row else "")
+    print(f"  {name:<12} p {p:<6.4f} glue {glue:<6} {row['spec_tok_s']:8.1f} tok/s {row['speedup']:5.2f}x  accept "
+          f"{row['accept_len']:.2f} (rate {row['accept_rate']:.3f})  step {row['step_ms']:.2f} ms{glue_part}  identical "
+          f"{'yes' if row['identical'] else 'NO'}{'' if row['identical'] else ' (from ' + str(row['first_diff']) + ')'}"
+          f"{alone}{_calibration_note(row, converged)}", flush=True)
+
+
+def calibration(p: float, tested: int, accepted: int, batch: int) -> dict:
+    """Whether a run's ORACLE acceptance is the one its p sets. Each draft that verification tested (every draft
+    before it accepted) is the reference's token with probability p, so when the reference is the run's own
+    output, accepted ~ Binomial(tested, p); the run is calibrated when accepted is within 3 standard deviations
+    of p * tested, plus one draft a request (the last round's drafts past max_new propose the reference's last
+    token: one can be rejected at any p). A reference that is not the run's own (plain greedy's, where a bf16 run
+    left it) has its proposals rejected from there on: far below p * tested."""
+    tol = 3 * (tested * p * (1 - p)) ** 0.5 + batch
+    return dict(tested=tested, p_measured=accepted / tested if tested else None,
+                calibrated=bool(abs(accepted - p * tested) <= tol))
+
+
+def _calibration(p: float, st, spec, converged: bool, batch: int) -> dict:
+    """calibration() of a fixed shape's run: the tested drafts from its acceptance histogram (a chain: a round
+    that emitted k tokens tested min(k, steps) drafts). A tree's acceptance has no such closed form: it is
+    calibrated when its reference is its own output (or p = 0, where no reference changes the outcome)."""
+    if spec.topk > 1:
+        return dict(tested=None, p_measured=None, calibrated=bool(converged or p == 0))
+    tested = sum(c * min(k, spec.steps) for k, c in enumerate(st.accept_hist))
+    return calibration(p, tested, st.accepted, batch)
+
+
+def _calibration_note(row: dict, converged: bool) -> str:
+    note = "" if converged or row["p"] == 0 else "  (oracle reference NOT the run's own)"
+    if not row["calibrated"]:
+        got = "" if row["p_measured"] is None else f": accepted {row['p_measured']:.3f} of tested drafts"
+        note += f"  UNCALIBRATED (p {row['p']:.4f}{got})"
+    return note
+
+
 def adaptive_rows(args, target, drafter, prompts, reference, plain, profile, full_cfg, cache) -> list[dict]:
-    """Issue 24: the adaptive policy (engine/policy.py) at each p, through our glue, its oracle reference plain
-    greedy's (--fixpoint K: the run's own output, as for the fixed shapes). A row per p: tokens/s of the decode
-    phase, the decisions' histogram, the start-up cost table, the graphs' memory, acceptance length and accept
-    rate, and the EXTRAPOLATED full model (each round's verify forward, or a plain round's decode forward,
-    scaled as extrapolate() does, the rest of the round as measured)."""
+    """Issue 24: the adaptive policy (engine/policy.py) at each p, through our glue. Its cost table is measured
+    once, in the warm-up run at this batch and prefix, and given to every run after it (an engine profiles once
+    at start-up; and a run's decisions are then a function of its rounds' outcomes alone, so the fixed point of
+    the oracle's reference holds). Per p and variant (the measured table; --full-costs: the same with each
+    forward scaled to the full model), the oracle's reference is the run's own output by --fixpoint K passes
+    (from the higher p's output down, plain greedy's first; one pass at p = 0), as for the fixed shapes. A row
+    per p and variant: tokens/s of the decode phase, the decisions' histogram, the cost table, the graphs'
+    memory, acceptance length and accept rate, the calibration check, and the EXTRAPOLATED full model (each
+    round's verify forward, or a plain round's decode forward, scaled as extrapolate() does, the rest of the
+    round as measured)."""
     from eagle3_ops.engine import SpecConfig, generate_speculative
     from eagle3_ops.engine.oracle import OracleDrafter
     from eagle3_ops.engine.policy import AdaptivePolicy
@@ -395,8 +439,10 @@ def adaptive_rows(args, target, drafter, prompts, reference, plain, profile, ful
 
     def run(ref, p, n, costs=None):
         oracle = OracleDrafter(drafter, torch.cat([prompts, ref], 1), p, V, start=prefix - 1)
-        return generate_speculative(target, oracle, prompts, n, spec, glue=glue, graphs=args.graphs,
-                                    prefill_cache=cache, policy=AdaptivePolicy(ADAPTIVE_STEPS, costs=costs))
+        policy = AdaptivePolicy(ADAPTIVE_STEPS, costs=costs)
+        out, st = generate_speculative(target, oracle, prompts, n, spec, glue=glue, graphs=args.graphs,
+                                       prefill_cache=cache, policy=policy)
+        return out, st, policy
 
     def forward_key(name):  # the target forward a round of this decision runs
         return "decode" if name == "plain" else f"verify_{int(name.split('/')[2])}"
@@ -405,22 +451,23 @@ def adaptive_rows(args, target, drafter, prompts, reference, plain, profile, ful
         key = forward_key(name)
         return (_full_forward_ms(profile[key], full_cfg) - profile[key]["forward_ms"]) / 1e3
 
-    run(reference, max(args.p), min(12, args.max_new))  # warm-up at these shapes (compilations, allocator)
+    # warm-up at these shapes (compilations, allocator), and the cost table every run below decides from
+    _, warm, _ = run(reference, max(args.p), min(12, args.max_new))
+    measured = dict(warm.costs)
+    tables = [("adaptive", measured)]
+    if args.full_costs:  # the decisions it would make on the full model: the cost table's forwards scaled
+        tables.append((f"adaptive, {full_cfg.num_layers}-layer costs",
+                       {k: v + (0.0 if k.startswith("resume") else full_delta_s(k)) for k, v in measured.items()}))
     plain_step = _full_forward_ms(profile["decode"], full_cfg)
-    for p in sorted(args.p, reverse=True):
+    for name, costs in tables:
         ref = reference
-        for passes in range(1, max(args.fixpoint, 1) + 1):
-            out, st = run(ref, p, args.max_new)
-            converged = bool(torch.equal(out, ref))
-            if converged or passes >= max(args.fixpoint, 1):
-                break
-            ref = out
-        variants = [("adaptive", out, st)]
-        if args.full_costs:  # the decisions it would make on the full model: the cost table's forwards scaled
-            full = {k: v + (0.0 if k.startswith("resume") else full_delta_s(k)) for k, v in st.costs.items()}
-            o2, s2 = run(ref, p, args.max_new, costs=full)
-            variants.append((f"adaptive, {full_cfg.num_layers}-layer costs", o2, s2))
-        for name, o, r in variants:
+        for p in sorted(args.p, reverse=True):
+            for passes in range(1, max(args.fixpoint, 1) + 1):
+                out, r, policy = run(ref, p, args.max_new, costs)
+                converged = bool(torch.equal(out, ref))
+                if converged or passes >= max(args.fixpoint, 1) or p == 0:
+                    break
+                ref = out
             decode_s = r.seconds - r.prefill_seconds - r.setup_seconds
             full_s = decode_s + sum(c * full_delta_s(k) for k, c in r.decisions.items())
             full_tok_s = (r.tokens - B) / full_s if full_s > 0 else 0.0
@@ -430,19 +477,24 @@ def adaptive_rows(args, target, drafter, prompts, reference, plain, profile, ful
                        speedup=r.decode_tokens_per_s / max(plain.decode_tokens_per_s, 1e-12),
                        accept_len=r.acceptance_length, accept_rate=r.accept_rate, rounds=r.rounds,
                        step_ms=decode_s / max(r.rounds, 1) * 1e3, graph_setup_ms=r.setup_seconds * 1e3,
-                       identical=bool(torch.equal(o, reference)), first_diff=_first_diff(o, reference),
+                       identical=bool(torch.equal(out, reference)), first_diff=_first_diff(out, reference),
                        oracle_reference="plain" if ref is reference else "the run's own output",
                        fixpoint_passes=passes, matches_oracle_reference=converged, decisions=r.decisions,
                        resumes=r.resumes, costs_ms={k: v * 1e3 for k, v in r.costs.items()},
+                       regret_ms=policy.regret * 1e3,
                        graph_memory_bytes=r.graph_memory, graph_prepares=r.graph_prepares, forward_profile=profile,
                        extrapolated=dict(layers=full_cfg.num_layers, plain_step_ms=plain_step,
                                          plain_tok_s=B / plain_step * 1e3, spec_tok_s=full_tok_s,
                                          speedup=full_tok_s / (B / plain_step * 1e3)))
+            row.update(calibration(p, policy.tested, r.accepted, B))
             rows.append(row)
             print(f"  {name:<12} p {p:<6.4f} glue {glue:<6} {row['spec_tok_s']:8.1f} tok/s {row['speedup']:5.2f}x  "
                   f"accept {row['accept_len']:.2f} (rate {row['accept_rate']:.3f})  identical "
                   f"{'yes' if row['identical'] else 'NO'}  decisions {r.decisions}  resumes {r.resumes}  graphs "
-                  f"{r.graph_memory / 2**20:.0f} MiB  EXTRAPOLATED {row['extrapolated']['speedup']:.2f}x", flush=True)
+                  f"{r.graph_memory / 2**20:.0f} MiB  EXTRAPOLATED {row['extrapolated']['speedup']:.2f}x  passes "
+                  f"{passes}{_calibration_note(row, converged)}", flush=True)
+            if converged:  # the next (lower) p starts from this fixed point
+                ref = out
     return rows
 
 
@@ -461,13 +513,14 @@ def _table(rows: list[dict]) -> str:
     for r in rows:
         if r["spec"].startswith("adaptive"):
             continue  # (policy_table)
-        t = r["timed_step_ms"]
-        parts = " / ".join(f"{t.get(k, 0.0):.2f}" for k in ("target", "draft", "fc", "build_tree", "verify",
-                                                               "kv_accept")) + f" / {r['timed_other_ms']:.2f}"
+        t = r.get("timed_step_ms")  # (--no-breakdown: none)
+        parts = "-" if t is None else " / ".join(f"{t.get(k, 0.0):.2f}" for k in (
+            "target", "draft", "fc", "build_tree", "verify", "kv_accept")) + f" / {r['timed_other_ms']:.2f}"
+        share = f"{100 * r['glue_share']:.1f}%" if "glue_share" in r else "-"
         lines.append(f"| {r['batch']} | {r['prefix']} | {r['spec']} | {r['p']} | {r['glue']} | "
                      f"{r['plain_tok_s']:.1f} | "
                      f"{r['spec_tok_s']:.1f} | {r['speedup']:.2f}x | {r['accept_len']:.2f} | {r['step_ms']:.2f} | "
-                     f"{parts} | {100 * r['glue_share']:.1f}% | {'yes' if r['identical'] else 'NO'} | "
+                     f"{parts} | {share} | {'yes' if r['identical'] else 'NO'} | "
                      f"{r['extrapolated']['plain_tok_s']:.1f} / {r['extrapolated']['spec_tok_s']:.1f} "
                      f"({r['extrapolated']['layers']} layers) |")
     return "\n".join(lines)
@@ -565,15 +618,20 @@ def _policy_line(key, a: dict, at: dict, specs: list) -> str:
     best = max(fixed, key=lambda r: r["spec_tok_s"]) if fixed else None
     best_x = max(fixed, key=lambda r: r["extrapolated"]["spec_tok_s"]) if fixed else None
     L = a.get("accept_length_target")
-    cells = [f"{at[k]['spec_tok_s']:.1f}, {at[k]['accept_len']:.2f}, {at[k]['accept_rate']:.3f}" if k in at else "-"
-             for k in specs]
+    cells = [f"{at[k]['spec_tok_s']:.1f}, {at[k]['accept_len']:.2f}, {at[k]['accept_rate']:.3f}{_mark(at[k])}"
+             if k in at else "-" for k in specs]
     ext = a["extrapolated"]
     vs_best = f"{a['spec_tok_s'] / best['spec_tok_s']:.3f} ({best['spec']})" if best else "-"
     vs_best_x = f"{ext['spec_tok_s'] / best_x['extrapolated']['spec_tok_s']:.3f}" if best_x else "-"
     return (f"| {key[0]} | {key[1]} | {'-' if L is None else f'{L:g}'} ({key[2]:.4f}) | {a['plain_tok_s']:.1f} | "
             + " | ".join(cells) + f" | {a['spec']}: {a['spec_tok_s']:.1f}, {a['accept_len']:.2f}, "
-            f"{a['accept_rate']:.3f} | {a['speedup']:.3f} | {vs_best} | {ext['speedup']:.3f}, {vs_best_x} | "
+            f"{a['accept_rate']:.3f}{_mark(a)} | {a['speedup']:.3f} | {vs_best} | {ext['speedup']:.3f}, {vs_best_x} | "
             + ", ".join(f"{k} {v}" for k, v in sorted(a["decisions"].items())) + " |")
+
+
+def _mark(row: dict) -> str:
+    """A policy-table cell's flag: UNCALIBRATED where the measured acceptance is off the oracle's p."""
+    return "" if row.get("calibrated", True) else " UNCALIBRATED"
 
 
 def plot(path: str) -> str:
@@ -641,9 +699,13 @@ def main(argv=None) -> int:
     # so tokens/s and B x acceptance / step count the same tokens
     ap.add_argument("--max-new", type=int, default=61)
     ap.add_argument("--batch-invariant", action="store_true")
-    ap.add_argument("--fixpoint", type=int, default=0, metavar="K",
+    ap.add_argument("--fixpoint", type=int, default=None, metavar="K",
                     help="the oracle's reference per (glue, p): from plain greedy's (and down from the higher p's), "
-                         "replaced by the run's own output until they agree, at most K runs (0 or 1: plain's)")
+                         "replaced by the run's own output until they agree, at most K runs (0 or 1: plain's); "
+                         "default 3 with --accept-length (a calibrated acceptance), else 0. Every row's acceptance is "
+                         "checked against its p either way: off by more than chance, the row says UNCALIBRATED")
+    ap.add_argument("--no-breakdown", action="store_true",
+                    help="fixed shapes: only the timed run (no CUDA-event breakdown, no components-alone run)")
     ap.add_argument("--no-prefill-cache", action="store_true",
                     help="every speculative run prefills (default: once per batch, prefix and glue; PrefillCache)")
     ap.add_argument("--fenced-all", action="store_true",
@@ -668,6 +730,8 @@ def main(argv=None) -> int:
             ap.error(f"--accept-length must be in [1, {REFERENCE_STEPS + 1}], got {bad[0]:g}")
         args.lengths = {p_for_acceptance_length(L, REFERENCE_STEPS): L for L in args.accept_length}
         args.p = sorted(args.lengths)
+    if args.fixpoint is None:  # a length asks for a calibrated acceptance: the run's own output as the reference
+        args.fixpoint = 3 if args.accept_length else 0
     if args.plot:
         print(plot(args.plot))
         return 0
@@ -684,22 +748,38 @@ def main(argv=None) -> int:
                            rows=rows), f, indent=1)
         print(f"rows: {path}")
         return 0 if all(r["identical"] for r in rows) else 1
+    args.start = start
     rows = run(args)
+    print(_table(rows))
+    if "adaptive" in args.policy:
+        print(policy_table(rows))
+    bad = [r for r in rows if not r["calibrated"]]
+    print(f"calibration: {len(rows) - len(bad)} of {len(rows)} rows at their oracle p"
+          + "".join(f"\n  UNCALIBRATED: B {r['batch']} prefix {r['prefix']} {r['spec']} p {r['p']:.4f}: accepted "
+                    f"{r['p_measured']:.3f} of {r['tested']} tested drafts" if r["p_measured"] is not None else
+                    f"\n  UNCALIBRATED: B {r['batch']} prefix {r['prefix']} {r['spec']} p {r['p']:.4f}: reference not "
+                    "the run's own" for r in bad))
+    if not (args.json and "{" in args.json):
+        path = args.json or os.path.join(os.environ.get("EAGLE3_BENCH_OUT", "."), "e2e.json")
+        _write(path, args, rows)
+        print(f"rows: {path}")
+    return 0 if all(r["identical"] for r in rows) or not args.batch_invariant else 1
+
+
+def _write(path: str, args, rows: list[dict]) -> None:
+    """The rows with the run's settings (--json; with {batch} and {prefix} in it, one file per batch and prefix,
+    written as each is done)."""
     meta = dict(commit=_commit(), preset=args.preset, dtype=args.dtype, device=args.device,
                 device_name=torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
                 torch=torch.__version__, max_new=args.max_new, batch_invariant=args.batch_invariant,
                 eager=not args.graphs, graphs="round" if args.graphs else None, policy=args.policy,
-                accept_length_reference_steps=REFERENCE_STEPS,
+                accept_length_reference_steps=REFERENCE_STEPS, fixpoint=args.fixpoint,
                 drafter="ORACLE (engine/oracle.py): acceptance set by p, not by a trained drafter",
-                seconds=time.time() - start)
-    print(_table(rows))
-    if "adaptive" in args.policy:
-        print(policy_table(rows))
-    path = args.json or os.path.join(os.environ.get("EAGLE3_BENCH_OUT", "."), "e2e.json")
+                seconds=time.time() - args.start)
     with open(path, "w") as f:
         json.dump(dict(meta, rows=rows), f, indent=1)
-    print(f"rows: {path}")
-    return 0 if all(r["identical"] for r in rows) or not args.batch_invariant else 1
+    if "{" in (args.json or ""):
+        print(f"rows: {path}", flush=True)
 
 
 if __name__ == "__main__":

@@ -61,7 +61,10 @@ def test_bench_e2e_policy_rows_and_table(tmp_path, capsys):
                          "--accept-length", "1.0", "4.0", "--spec", "chain 3/1/4", "--glue", "eagle3", "--max-new", "12",
                          "--policy", "fixed", "adaptive", "--full-costs", "--json", str(path)])
     assert rc == 0
-    rows = json.loads(path.read_text())["rows"]
+    data = json.loads(path.read_text())
+    rows = data["rows"]
+    assert data["fixpoint"] == 3  # --accept-length: the oracle's reference is each run's own output by default
+    assert all(r["calibrated"] for r in rows)  # float32 on the CPU: every acceptance at its p
     adaptive = [r for r in rows if r["spec"].startswith("adaptive")]
     assert len(adaptive) == 4 and {r["accept_length_target"] for r in rows} == {1.0, 4.0}
     for r in adaptive:
@@ -71,3 +74,18 @@ def test_bench_e2e_policy_rows_and_table(tmp_path, capsys):
         assert r["accept_rate"] == (0.0 if r["p"] == 0.0 else r["accept_rate"])
     out = capsys.readouterr().out
     assert "adaptive / best fixed" in out and "chain 3/1/4: tok/s, L, rate" in out
+
+
+def test_calibration_flags_an_acceptance_off_its_p():
+    """accepted ~ Binomial(tested, p) with the run's own reference: within 3 standard deviations plus one draft a
+    request is calibrated; the fixpoint-0 H200 run's 3/1/4 at L 4 (p = 1: 1.67 tokens a round over 36 rounds, 24
+    of the 60 tested drafts accepted) is not, nor is a p = 0 run that accepted anything past the cap's slack."""
+    import bench_e2e
+
+    assert bench_e2e.calibration(0.5, 100, 50, 1)["calibrated"]
+    assert bench_e2e.calibration(0.5, 100, 64, 1)["calibrated"]  # 3 x 5 + 1 = 16 drafts of slack
+    assert not bench_e2e.calibration(0.5, 100, 30, 1)["calibrated"]
+    assert bench_e2e.calibration(1.0, 60, 59, 1)["calibrated"]  # the last round's draft past max_new
+    assert not bench_e2e.calibration(1.0, 60, 24, 1)["calibrated"]
+    assert not bench_e2e.calibration(0.0, 60, 3, 1)["calibrated"]
+    assert bench_e2e.calibration(0.0, 60, 0, 1)["p_measured"] == 0.0

@@ -14,7 +14,8 @@ import torch
 from eagle3_ops.engine import SpecConfig, generate_plain, generate_speculative
 from eagle3_ops.engine.graphs import RoundGraph
 from eagle3_ops.engine.oracle import OracleDrafter, acceptance_length, p_for_acceptance_length
-from eagle3_ops.engine.policy import PLAIN, AdaptivePolicy, label
+from eagle3_ops.engine.adaptive import simulate
+from eagle3_ops.engine.policy import PLAIN, AdaptivePolicy, FixedPolicy, label
 from eagle3_ops.models.config import DrafterConfig, TargetConfig
 from eagle3_ops.models.drafter import Drafter
 from eagle3_ops.models.target import Target
@@ -106,8 +107,9 @@ def test_adaptive_policy_is_lossless_with_the_oracle(pair, p):
     assert torch.equal(out, plain)
     if p == 0.0:  # every draft rejected: after its first evidence the policy decodes plainly
         assert stats.accepted == 0 and stats.decisions.get(PLAIN, 0) > sum(stats.decisions.values()) / 2
-    if p == 1.0:  # every draft accepted: the longest chain
-        assert stats.decisions == {"5/1/6": stats.rounds} and stats.accept_rate > 0.9
+    if p == 1.0:  # every draft accepted: the cheap probe, then the longest chain (shorter ones where the cap cuts)
+        assert stats.decisions["1/1/2"] <= 2 and stats.decisions["5/1/6"] >= stats.rounds - 3
+        assert stats.accept_rate > 0.9
 
 
 def test_sampled_plain_rounds_keep_the_sampler(pair):
@@ -139,34 +141,41 @@ def test_model_by_hand():
     specs = pol.shapes(SpecConfig())
     pol.start(2, costs, specs)
     assert pol.rate(None, [True, True], 0) == 1.0 and pol.choose([True, True], 0) == specs[1]  # 6 / 3.5 > 1
+    # the first round is the probe, valued under the uniform prior: 2 x H_2 / 3.0 = 1.0 < 2 x H_3 / 3.5 = 1.048
+    assert pol.uninformed_tokens(0, 2) == pytest.approx(1 + 1 / 2 + 1 / 3)
     # request 0 accepts 1 of 2 drafts (depth 0 accepted, depth 1 rejected); request 1 none (depth 1 untested)
     lp = math.log(0.5)
     pol.observe(specs[1], [True, True], [1, 0], [[0.0, lp], [0.0, lp]], None)
-    assert pol.alpha(0, 0) == 1.0 and pol.alpha(0, 1) == 0.5  # (1 + 1) / (1 + 1); (1 * 1 + 0) / (1 + 1)
-    assert pol.alpha(1, 0) == 0.5 and pol.alpha(1, 1) == 0.5  # (1 + 0) / (1 + 1); untested: depth 0's
+    # request 0, depth 0: the other's evidence over the prior, (1 * 1 + 0) / (1 + 1) = 0.5, then its own,
+    # (1 * 0.5 + 1) / (1 + 1) = 0.75; depth 1: the other's (none) over 0.75, then its own (1 * 0.75 + 0) / (1 + 1)
+    assert pol.alpha(0, 0) == 0.75 and pol.alpha(0, 1) == 0.375
+    # request 1, depth 0: (1 * 1 + 1) / (1 + 1) = 1, then (1 * 1 + 0) / (1 + 1) = 0.5; depth 1: request 0's
+    # rejection over 0.5, (1 * 0.5 + 0) / (1 + 1) = 0.25, its own none
+    assert pol.alpha(1, 0) == 0.5 and pol.alpha(1, 1) == 0.25
     # confidence 0.5 at depth 1 against a mean 1 + 0.2 (0.5 - 1) = 0.9: factor 0.5 / 0.9
-    q01 = min(1.0, 0.5 * 0.5 / 0.9)
-    assert pol.expected_tokens(0, 2) == pytest.approx(1 + 1 + q01)
-    assert pol.expected_tokens(1, 2) == pytest.approx(1 + 0.5 + 0.5 * min(1.0, 0.5 * 0.5 / 0.9))
+    assert pol.expected_tokens(0, 2) == pytest.approx(1 + 0.75 + 0.75 * min(1.0, 0.375 * 0.5 / 0.9))
+    assert pol.expected_tokens(1, 2) == pytest.approx(1 + 0.5 + 0.5 * min(1.0, 0.25 * 0.5 / 0.9))
     e1 = pol.expected_tokens(0, 1) + pol.expected_tokens(1, 1)
     assert pol.rate(specs[0], [True, True], 0) == pytest.approx(e1 / 3.0)
-    assert pol.rate(specs[0], [True, True], 2) == pytest.approx(e1 / 3.5)  # after plain rounds: the resume too
-    assert pol.rate(specs[0], [True, True], 9) == pytest.approx(e1 / 3.7)  # 9 pending rows: the 64-row resume
+    # after plain rounds the resume too, spread over the rounds the chain can run (at most R = 64: no max_new here)
+    assert pol.rate(specs[0], [True, True], 2) == pytest.approx(e1 / (3.0 + 0.5 / 64))
+    assert pol.rate(specs[0], [True, True], 9) == pytest.approx(e1 / (3.0 + 0.7 / 64))  # 9 pending: the 64-row one
     assert pol.rate(specs[0], [True, False], 0) == pytest.approx(pol.expected_tokens(0, 1) / 3.0)
 
 
 def test_forgetting_brings_a_failed_request_back():
     """At p = 0 the policy falls back to plain decoding, and the decaying evidence makes it probe again later."""
-    pol = AdaptivePolicy(steps=(1,), forget=0.9)
+    pol = AdaptivePolicy(steps=(1,), forget=0.9, budget=1.0)  # (a budget that does not bind: the evidence decides)
     specs = pol.shapes(SpecConfig())
     pol.start(1, {PLAIN: 1.0, "resume/8": 0.1, "resume/64": 0.1, "1/1/2": 1.5}, specs)
     assert pol.choose([True], 0) == specs[0]
-    pol.observe(specs[0], [True], [0], [[0.0]], None)
-    for _ in range(2):
+    for _ in range(3):
+        pol.launched(specs[0], None)
         pol.observe(specs[0], [True], [0], [[0.0]], None)
     assert pol.choose([True], 0) is None
     rounds = 0
-    while pol.choose([True], 1) is None:
+    while pol.choose([True], 1) is None and rounds < 1000:
+        pol.launched(None, None)
         pol.observe(None, [True], [0], None, None)
         rounds += 1
     assert 5 < rounds < 60
@@ -233,3 +242,138 @@ def test_gpu_policy_graphs_match_the_eager_loop():
     adaptive, st = generate_speculative(target, drafter, prompts, 48, SpecConfig(), graphs=True,
                                         policy=AdaptivePolicy())
     assert sum(st.decisions.values()) == st.rounds and ((adaptive >= 0) & (adaptive < 256)).all()
+
+
+# The H200's cost tables (ms), kimi-k2-slice bf16, CUDA graphs: the plain step is B over plain decoding's tokens/s,
+# a chain's round its fixed run's step (mean over the five p), 4/1/5 the mean of 3/1/4's and 5/1/6's (not run),
+# a resume one drafter forward (the draft part of 1/1/2's step) plus fc, 1.1 x that at 64 rows (estimates); the
+# forwards (whole, dense layer, MoE layer, outside the layers) at N = 1 .. 6 give the 61-layer table (--full-costs:
+# each round's forward scaled as bench_e2e._full_forward_ms scales it). B 1 and B 8 at 32768:
+# bench/results/policy_fixpoint0_h200/*.log (a62169d); B 8 at 4096: e2e_graphs_b8_4096_h200.log (abf0228), which
+# ran 3/1/4 and the tree only: its other chains are 3/1/4's round with the verify forward at their N (N = 2, 3, 5,
+# 6 modelled from B 8 32768's forwards, scaled to this prefix's decode-to-N-4 span) and one drafter forward (1.22
+# ms) a draft step more or less.
+H200 = {
+    (1, 4096): dict(plain=1000 / 449.0, rounds={1: 3.69, 2: 4.99, 3: 6.23, 5: 8.68}, draft=0.79,
+                    fwd={1: (2.26, .58, .80, .09), 2: (2.80, .70, 1.01, .07), 3: (3.34, .82, 1.22, .07),
+                         4: (3.71, .68, 1.22, .59), 5: (4.13, .88, 1.70, 0), 6: (4.48, .95, 1.96, 0)}),
+    (1, 32768): dict(plain=1000 / 437.9, rounds={1: 4.04, 2: 5.70, 3: 7.26, 5: 10.34}, draft=1.09,
+                     fwd={1: (2.25, .61, .87, 0), 2: (2.93, .79, 1.14, 0), 3: (3.29, .73, 1.19, .18),
+                          4: (3.84, 1.01, 1.53, 0), 5: (4.36, 1.01, 1.75, 0), 6: (4.78, 1.07, 1.91, 0)}),
+    (8, 4096): dict(plain=8000 / 1534.1, rounds={1: 14.50 - 10.79 + 7.46 - 2 * 1.22, 2: 14.50 - 10.79 + 9.12 - 1.22,
+                                                 3: 14.50, 5: 14.50 - 10.79 + 13.51 + 2 * 1.22}, draft=1.22,
+                    fwd={1: (5.09, 1.14, 2.15, 0), 2: (7.46, 1.54, 3.15, 0), 3: (9.12, 1.68, 3.72, 0),
+                         4: (10.79, 1.79, 5.16, 0), 5: (11.65, 1.90, 5.37, 0), 6: (13.51, 2.12, 6.28, 0)}),
+    (8, 32768): dict(plain=8000 / 1465.9, rounds={1: 11.84, 2: 17.13, 3: 22.37, 5: 32.3}, draft=3.70,
+                     fwd={1: (5.54, 1.24, 2.29, 0), 2: (8.11, 1.67, 3.86, 0), 3: (9.90, 1.82, 4.63, 0),
+                          4: (11.71, 1.91, 5.50, 0), 5: (12.64, 2.04, 5.93, 0), 6: (14.65, 2.28, 6.92, 0)}),
+}
+LENGTHS = (1.0, 1.5, 2.4, 3.0, 4.0)  # the done-when's oracle acceptance lengths (3 drafts)
+
+
+def h200_costs(key, full=False) -> dict:
+    """The cost table {label: seconds} of H200[key]; full: each round's forward scaled to kimi-k2's 61 layers."""
+    t, layers = H200[key], TargetConfig.from_preset("kimi-k2").num_layers
+    r = {**t["rounds"], 4: (t["rounds"][3] + t["rounds"][5]) / 2}
+    ms = {PLAIN: t["plain"], "resume/8": t["draft"] + 0.08, "resume/64": 1.1 * t["draft"] + 0.08,
+          **{f"{s}/1/{s + 1}": r[s] for s in range(1, 6)}}
+    if full:
+        for name, n in [(PLAIN, 1)] + [(f"{s}/1/{s + 1}", s + 1) for s in range(1, 6)]:
+            whole, dense, moe, outside = t["fwd"][n]
+            ms[name] += outside + dense + (layers - 1) * moe - whole
+    return {k: v / 1e3 for k, v in ms.items()}
+
+
+TABLES = [(key, full) for key in H200 for full in (False, True)]
+TABLE_IDS = [f"B{k[0]}-P{k[1]}-{'61layers' if f else 'slice'}" for k, f in TABLES]
+
+
+def expected_rate(costs, B, p, steps) -> float:
+    """Tokens per second of a chain of `steps` drafts (0: plain) repeated, the ORACLE at p: B L(p) / T."""
+    return B * sum(p ** k for k in range(steps + 1)) / costs[PLAIN if steps == 0 else f"{steps}/1/{steps + 1}"]
+
+
+@pytest.mark.parametrize("key,full", TABLES, ids=TABLE_IDS)
+def test_first_probe_prices_its_cost(key, full):
+    """The first round is the chain of the best rate under the uniform prior (H_{S+1} tokens over its cost), never
+    the longest chain for being the longest: on the H200's slice tables the cheapest (1/1/2)."""
+    costs, B = h200_costs(key, full), key[0]
+    pol = AdaptivePolicy(costs=costs)
+    specs = pol.shapes(SpecConfig())
+    pol.start(B, costs, specs, 61)
+    first = pol.choose([True] * B, 0)
+    harmonic = {s.steps: sum(1 / (k + 1) for k in range(s.steps + 1)) / costs[label(s)] for s in specs}
+    assert first.steps == max(harmonic, key=harmonic.get)
+    if not full:
+        assert label(first) == "1/1/2"
+
+
+@pytest.mark.parametrize("key,full", TABLES, ids=TABLE_IDS)
+def test_overhead_at_p0_is_bounded(key, full):
+    """At p = 0, in the cost table's terms, the run's time over plain decoding's is within the policy docstring's
+    bound, A + eps n T(plain) + F_n, at 61 tokens and at 1201; at 61 tokens (the done-when's runs) it is within 3%
+    (the probe's excess and what the rejections leave the posterior to try) on every H200 table."""
+    costs, B = h200_costs(key, full), key[0]
+    for max_new in (61, 1201):
+        pol = AdaptivePolicy(costs=costs)
+        run = simulate(pol, costs, B, max_new, 0.0)
+        n = max_new - 1
+        plain = n * costs[PLAIN]
+        forced = n // pol.resume_rows * costs[f"resume/{pol.resume_rows}"]
+        assert run["seconds"] - plain <= pol.allowance + pol.budget * plain + forced + 1e-9
+        assert run["accepted"] == 0 and run["decisions"][PLAIN] >= 0.9 * n
+        if max_new == 61:
+            assert run["seconds"] / plain - 1 <= 0.03, run["decisions"]
+
+
+def test_budget_binds_where_speculation_is_nearly_free():
+    """A table where a chain costs 1% more than a plain step: the posterior alone would keep speculating at p = 0
+    for ~100 rounds (a rejection moves alpha little when so little is needed); the regret budget stops it."""
+    costs = {PLAIN: 1.0, "resume/8": 0.05, "resume/64": 0.06, **{f"{s}/1/{s + 1}": 1.0 + 0.01 * s for s in range(1, 6)}}
+    pol = AdaptivePolicy(costs=costs)
+    run = simulate(pol, costs, 1, 601, 0.0)
+    assert run["seconds"] - 600 <= pol.allowance + pol.budget * 600 + 1e-9
+    assert pol.regret <= pol.allowance + pol.budget * pol.rounds + 1e-9
+
+
+@pytest.mark.parametrize("key,full", TABLES, ids=TABLE_IDS)
+def test_decisions_maximise_tokens_per_second(key, full):
+    """Simulated with the H200's costs (adaptive.simulate: the ORACLE's acceptance drawn, run_policy's schedule)
+    at the done-when's acceptance lengths: over long runs (1201 tokens) the policy's most frequent decision is
+    the shape of the highest expected rate, B L_S(p) / T(S), wherever it beats the runner-up by 3%, and its
+    tokens/s is within 5% of that shape's expected rate; over the done-when's 61-token runs (mean of 16 seeds) it is within 6%
+    of the best of plain and every fixed chain run the same way, and within 5% of plain decoding where plain is
+    the best (the probe pays on its own or costs a round)."""
+    costs, B = h200_costs(key, full), key[0]
+    for L in LENGTHS:
+        p = p_for_acceptance_length(L, 3)
+        rates = {s: expected_rate(costs, B, p, s) for s in range(6)}
+        best = max(rates, key=rates.get)
+        runner_up = max(v for s, v in rates.items() if s != best)
+        long = simulate(AdaptivePolicy(costs=costs), costs, B, 1201, p, seed=1)
+        if rates[best] > 1.03 * runner_up:
+            top = max(long["decisions"], key=long["decisions"].get)
+            assert top == (PLAIN if best == 0 else f"{best}/1/{best + 1}"), (L, rates, long["decisions"])
+        # (one seed's draws: ~2% of sampling noise on a long run's acceptance)
+        assert long["tok_s"] >= 0.95 * rates[best], (L, long["tok_s"] / rates[best], long["decisions"])
+        seeds = range(16)
+        mean = sum(simulate(AdaptivePolicy(costs=costs), costs, B, 61, p, seed=i)["tok_s"] for i in seeds) / 16
+        fixed = [sum(simulate(FixedPolicy(steps=s, topk=1, num_tokens=s + 1), costs, B, 61, p, seed=i)["tok_s"]
+                     for i in seeds) / 16 for s in range(1, 6)]
+        assert mean >= 0.94 * max(fixed + [rates[0]]), (L, mean / max(fixed + [rates[0]]))
+        if rates[0] >= max(fixed):
+            assert mean >= 0.95 * rates[0], (L, mean / rates[0])
+
+
+@pytest.mark.parametrize("p", [0.0, 1.0])
+def test_simulation_follows_the_loop(pair, p):
+    """simulate() makes the decisions the real loop makes (the tiny pair with the ORACLE, on the CPU: stale 0) at
+    the acceptances whose outcomes are certain, under the H200's B 1 table."""
+    target, drafter, prompts, plain = pair
+    costs = h200_costs((1, 4096))
+    oracle = OracleDrafter(drafter, torch.cat([prompts[:1], plain[:1]], 1), p, CFG.vocab_size,
+                           start=prompts.shape[1] - 1)
+    _, stats = generate_speculative(target, oracle, prompts[:1], plain.shape[1], SpecConfig(),
+                                    policy=AdaptivePolicy(costs=costs))
+    sim = simulate(AdaptivePolicy(costs=costs), costs, 1, plain.shape[1], p, stale=0)
+    assert stats.decisions == sim["decisions"] and stats.resumes == sim["resumes"]

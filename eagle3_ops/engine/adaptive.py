@@ -8,8 +8,8 @@ replayed, whatever the sequence of decisions (RoundGraph.prepares stays 1):
   verify, kv_accept, bookkeeping, the drafter's catch-up), each with its own [B, N] buffers;
 - the plain round: the target's forward on the root alone with capture, verify at N = 1 (verify_greedy's
   argmax, or verify_sampling's sample at the temperature: the same pick as plain decoding), the prefix advanced
-  by one (kv_accept's effect at N = 1) and the bookkeeping; the drafter does not run: the token and its target features are kept in a pending buffer
-  ([B, R] tokens, [B, R, n_aux * H] features) and ``lag`` counts them;
+  by one (kv_accept's effect at N = 1) and the bookkeeping; the drafter does not run: the token and its
+  target features are kept in a pending buffer ([B, R] tokens, [B, R, n_aux * H] features) and ``lag`` counts them;
 - the resume, in two sizes r (resume_sizes: 8 rows and R): the drafter's catch-up on the pending rows (fc over
   r rows a request, one drafter forward of r rows, the last pending row's logits and hidden state kept:
   fused.accept_finish with step = lag), the smallest that holds the lag, before the first speculative round
@@ -19,8 +19,13 @@ Every graph ends by writing a small snapshot [B, 2 + S] float64 (count, accepted
 log-probabilities; the resume writes d_1's top-1 log-probability) that the host copies into pinned memory
 without waiting. The host keeps one round in flight: it launches round r, then waits for round r - 1's copy
 (the loop's sync point: round r keeps the device busy), feeds it to the policy and decides round r + 1. It
-waits for the newest round only when the rounds in flight could finish every request (the stop test), and
-for the first round (the first decision's evidence).
+waits for the newest round only when the rounds in flight could finish every request (the stop test), for
+the first round (the first decision's evidence) and for a probe (a speculative round after plain ones: the
+next decision needs its outcome, or it would probe again blind). Which snapshots a decision has read depends
+on the decisions alone, never on timing (schedule()), so the decisions are a function of the rounds' outcomes
+and a run repeats itself: what bench_e2e's fixed point of the ORACLE's reference needs. simulate() drives the
+same schedule with the acceptance drawn on the host and the time taken from a cost table (another machine's:
+the H200's, on the CPU).
 
 The output is the target's whatever the decisions: each round is lossless alone and the loop's state
 (out, count, root, the caches' prefix lengths, last_logits, g) is shared, so a switch of shape, a fall back to
@@ -29,6 +34,7 @@ plain decoding and a return to speculation continue the same sequence (tests/tes
 
 from __future__ import annotations
 
+import random
 import time
 from collections import Counter, deque
 
@@ -131,6 +137,82 @@ class _PolicyGraphs:
             self.graphs[label(s)] = graph(spec_round(loop.round_fn(s)[0], s.steps))
 
 
+class _Ready:
+    """A simulated round's snapshot rows, ready at launch."""
+
+    def __init__(self, rows):
+        self.rows = rows
+
+    def read(self):
+        return self.rows
+
+
+class _Copied:
+    """A round's snapshot on its way to pinned memory: read() waits for the copy (CUDA) and returns the rows."""
+
+    def __init__(self, buf, ev):
+        self.buf, self.ev = buf, ev
+
+    def read(self):
+        if self.ev is not None:
+            self.ev.synchronize()
+        return self.buf.tolist()
+
+
+def schedule(policy, B: int, max_new: int, R: int, launch, stale: int, progress=None) -> dict:
+    """The host side of a policy's run, shared by run_policy and simulate: choose, launch (the resume first when
+    due), read the snapshots and feed them to the policy, until every request has max_new tokens.
+
+    launch(spec, resume) runs the round (after the resume graph `resume`, a cost-table label, when not None) and
+    returns a handle whose read() gives its snapshot rows (B lists: count, accepted drafts, the scores or d_1's
+    log-probability), waiting for them. stale: the rounds left unread at the sync point (1 on CUDA: the host
+    decides round r + 1 from round r - 1 while round r runs; 0 on the CPU). Always read before deciding: the
+    first round, a probe (a speculative round after plain ones), and the rounds in flight when they could finish
+    every request (the stop test). Which rounds are read before which decision depends on the decisions only,
+    never on timing, so a run's decisions are a function of its snapshots (a fixed point of the ORACLE's reference
+    holds through them). Returns the counters DecodeStats takes."""
+    inflight: deque = deque()  # (spec or None, resumed, handle)
+    count, decisions, rounds, resumes, lag, settled = [1] * B, Counter(), 0, 0, 0, 0
+    drafted = accepted = 0
+
+    def settle(keep: int) -> None:
+        nonlocal drafted, accepted, settled
+        while len(inflight) > keep:
+            s, resumed, handle = inflight.popleft()
+            rows = handle.read()
+            active = [c < max_new for c in count]
+            accept_len = [int(r[1]) for r in rows]
+            for b in range(B):
+                if active[b] and s is not None:
+                    drafted += s.num_tokens - 1
+                    accepted += accept_len[b]
+                count[b] = int(rows[b][0])
+            policy.observe(s, active, accept_len, [r[2:] for r in rows] if s is not None else None,
+                           [r[2] for r in rows] if resumed and s is None else None, counts=list(count))
+            settled += 1
+
+    while not all(c >= max_new for c in count):
+        s = policy.choose([c < max_new for c in count], lag)
+        resume = resume_label(lag, R) if lag and (s is not None or lag >= R) else None
+        handle = launch(s, resume)
+        policy.launched(s, resume)
+        probe = s is not None and (rounds == 0 or resume is not None)
+        if resume is not None:
+            resumes, lag = resumes + 1, 0
+        lag += s is None
+        inflight.append((s, resume is not None, handle))
+        rounds += 1
+        decisions[label(s)] += 1
+        settle(0 if probe or settled == 0 or getattr(policy, "need_outcome", False) else stale)
+        # the stop test: wait for the newest round only when the rounds in flight could finish every request
+        most = sum(1 if x is None else min(x.num_tokens, x.steps + 1) for x, *_ in inflight)
+        if inflight and all(c + most >= max_new for c in count):
+            settle(0)
+        if progress is not None:
+            progress(min(count))
+    return dict(rounds=rounds, decisions=dict(decisions), resumes=resumes, drafted=drafted, accepted=accepted)
+
+
 def run_policy(loop, policy, shapes, spec, start, prefill_seconds, prefill_times, progress):
     """The rounds of generate_speculative under `policy` (the module docstring); returns (tokens, stats)."""
     B, dev, max_new, R = loop.B, loop.dev, loop.max_new, policy.resume_rows
@@ -141,73 +223,69 @@ def run_policy(loop, policy, shapes, spec, start, prefill_seconds, prefill_times
     for g in pg.graphs.values():
         g.prepare()
     graph_memory = torch.cuda.memory_reserved(dev) - reserved if cuda else 0
-    costs = {name: g.measure(COST_REPS) for name, g in pg.graphs.items()}
-    policy.start(B, costs, shapes)
+    fixed = getattr(policy, "fixed_costs", None)  # a table given: nothing to measure
+    costs = dict(fixed) if fixed is not None else {name: g.measure(COST_REPS) for name, g in pg.graphs.items()}
+    policy.start(B, costs, shapes, max_new)
     setup = time.perf_counter() - t0
     ring = [torch.zeros(pg.snap.shape, dtype=pg.snap.dtype, pin_memory=cuda) for _ in range(3)]
-    inflight: deque = deque()  # (spec or None, resumed, host buffer, event)
-    count, decisions, rounds, resumes, lag = [1] * B, Counter(), 0, 0, 0
-    drafted = accepted = 0
+    launches = [0]
 
-    def settle(block: bool) -> None:
-        """Read the snapshots in flight, oldest first (block: wait for the oldest; else only those copied)."""
-        nonlocal drafted, accepted
-        while inflight:
-            s, resumed, buf, ev = inflight[0]
-            if ev is not None and not block and not ev.query():
-                return
-            if ev is not None:
-                ev.synchronize()
-            inflight.popleft()
-            rows = buf.tolist()
-            active = [c < max_new for c in count]
-            accept_len = [int(r[1]) for r in rows]
-            for b in range(B):
-                if active[b] and s is not None:
-                    drafted += s.num_tokens - 1
-                    accepted += accept_len[b]
-                count[b] = int(rows[b][0])
-            policy.observe(s, active, accept_len, [r[2:] for r in rows] if s is not None else None,
-                           [r[2] for r in rows] if resumed and s is None else None)
-            block = False
-
-    bar = _progress(progress, max_new, "adaptive")
-    while not all(c >= max_new for c in count):
-        s = policy.choose([c < max_new for c in count], lag)
-        resumed = bool(lag) and (s is not None or lag >= R)
-        if resumed:
-            pg.graphs[resume_label(lag, R)]()
-            resumes, lag = resumes + 1, 0
+    def launch(s, resume):
+        if resume is not None:
+            pg.graphs[resume]()
         pg.graphs[label(s)]()
-        lag += s is None
-        buf = ring[rounds % len(ring)]
+        buf = ring[launches[0] % len(ring)]  # (at most two rounds in flight: a buffer is read before its reuse)
+        launches[0] += 1
         buf.copy_(pg.snap, non_blocking=cuda)
         ev = torch.cuda.Event() if cuda else None
         if ev is not None:
             ev.record()
-        inflight.append((s, resumed, buf, ev))
-        rounds += 1
-        decisions[label(s)] += 1
-        settle(block=False)
-        while len(inflight) > 1 or (inflight and policy.observed == 0):
-            settle(block=True)
-        # the stop test: wait for the newest round only when the rounds in flight could finish every request
-        most = sum(1 if x is None else min(x.num_tokens, x.steps + 1) for x, *_ in inflight)
-        if inflight and all(c + most >= max_new for c in count):
-            settle(block=True)
-        if bar is not None:
-            bar.update(min(min(count), max_new) - bar.n)
+        return _Copied(buf, ev)
+
+    bar = _progress(progress, max_new, "adaptive")
+    run = schedule(policy, B, max_new, R, launch, stale=1 if cuda else 0,
+                   progress=None if bar is None else lambda n: bar.update(min(n, max_new) - bar.n))
     if bar is not None:
         bar.close()
     if cuda:
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start
-    stats = DecodeStats(tokens=B * max_new, seconds=seconds, rounds=rounds, accept_hist=loop.hist.tolist(),
+    stats = DecodeStats(tokens=B * max_new, seconds=seconds, accept_hist=loop.hist.tolist(),
                         prefill_seconds=prefill_seconds, prefill_times=prefill_times, batch=B,
-                        setup_seconds=setup, drafted=drafted, accepted=accepted, decisions=dict(decisions),
-                        resumes=resumes, costs=costs, graph_memory=graph_memory,
-                        graph_prepares={name: g.prepares for name, g in pg.graphs.items()})
+                        setup_seconds=setup, costs=costs, graph_memory=graph_memory,
+                        graph_prepares={name: g.prepares for name, g in pg.graphs.items()}, **run)
     return loop.out[:, :max_new], stats
 
 
-__all__ = ["PLAIN", "label", "resume_label", "resume_sizes", "run_policy"]
+def simulate(policy, costs: dict, B: int, max_new: int, p: float, seed: int = 0, stale: int = 1) -> dict:
+    """The policy's decisions and the run's time in the cost table's terms, with the ORACLE's acceptance drawn on
+    the host instead of decoded: each tested draft accepted with probability p (so a chain of S drafts accepts its
+    first k with probability p^k (1 - p), as the ORACLE's do), the drafter's confidence 1 (the ORACLE's), every
+    round scheduled as run_policy schedules it (schedule(): the same reads before the same decisions, `stale` 1 as
+    on CUDA). seconds: the sum of the launched rounds' and resumes' costs. Returns dict(seconds, tok_s,
+    decisions, rounds, resumes, drafted, accepted)."""
+    from .decode import SpecConfig
+
+    rng = random.Random(seed)
+    shapes = policy.shapes(SpecConfig())
+    policy.start(B, costs, shapes, max_new)
+    S = max(s.steps for s in shapes)
+    count, clock = [1] * B, [0.0]
+
+    def launch(s, resume):
+        clock[0] += costs[label(s)] + (costs[resume] if resume is not None else 0.0)
+        rows = []
+        for b in range(B):
+            a = 0
+            if count[b] < max_new:
+                while s is not None and a < s.steps and rng.random() < p:
+                    a += 1
+                count[b] = min(max_new, count[b] + a + 1)
+            rows.append([count[b], a] + [0.0] * S)
+        return _Ready(rows)
+
+    run = schedule(policy, B, max_new, policy.resume_rows, launch, stale)
+    return dict(run, seconds=clock[0], tok_s=B * (max_new - 1) / clock[0])
+
+
+__all__ = ["PLAIN", "label", "resume_label", "resume_sizes", "run_policy", "schedule", "simulate"]
