@@ -27,7 +27,7 @@ for name in sys.argv[2:]:
 
 
 def test_every_dev_tool_imports_and_has_main(tmp_path):
-    # the glob found them (bench/dev/peer_flashmla.py became bench/peer_mla.py)
+    # the glob found them (the FlashMLA peer tool moved out of bench/dev: bench/peer_mla.py)
     assert {"ceiling_mla", "profile_mla", "sweep_fc", "sweep_mla", "trace_mla", "tune_fc"} <= set(TOOLS), TOOLS
     r = subprocess.run([sys.executable, "-c", LOADER, DEV, *TOOLS], cwd=tmp_path, capture_output=True, text=True,
                        timeout=300)

@@ -258,14 +258,16 @@ CONFIGS = {"tma16": dict(tma=True, BLOCK_N=16),  # TMA boxes of fp8 where page_s
            "tma16.lazy": dict(tma=True, BLOCK_N=16, rescale_tau=8.0, cut=0)}
 
 
+# every config at every page size for decode (N 1, the prefix split three ways + the merge) and a one-split tree
+# (N 7: the kernel writes out and lse itself); two mask words (N 33, bit 31: the slowest under the interpreter) at
+# one page size, with TMA boxes and with gathered tiles
+KERNEL_CASES = [(config, page_size, N, kind, splits) for config in CONFIGS for page_size in (1, 16, 64)
+                for N, kind, splits in ((1, "chain", 3), (7, "bushy", 1))] + \
+               [(config, 16, 33, "chain", 2) for config in ("tma16", "gather32")]
+
+
 @interpreted
-@pytest.mark.parametrize("config", list(CONFIGS))
-@pytest.mark.parametrize("page_size", [1, 16, 64])
-@pytest.mark.parametrize("N, kind, splits", [
-    (1, "chain", 3),  # decode: the prefix split three ways + the merge
-    (7, "bushy", 1),  # one split: the kernel writes out and lse itself
-    (33, "chain", 2),  # two mask words, bit 31
-])
+@pytest.mark.parametrize("config, page_size, N, kind, splits", KERNEL_CASES)
 def test_kernel_interpreted(gen, config, page_size, N, kind, splits):
     c = fp8_case(gen, N=N, kind=kind, page_size=page_size)
     out, lse = run_fp8(c, dict(CONFIGS[config], splits=splits), kernel=True)
