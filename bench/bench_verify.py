@@ -11,7 +11,7 @@ B 64 x N 8; bf16 and fp32 logits.
 
 Two figures per provider: bench "verify", device time of CUDA-graph replays of back-to-back calls over
 logits sets rotated past L2 (graph_time_us); bench "verify/eager", wall time per call of back-to-back
-eager calls (host launch cost included; the median of 5 batches: common.eager_time_us), what an engine calling it
+eager calls (host launch cost included; the fastest of 10 batches: common.eager_time_us), what an engine calling it
 outside its graphs pays.
 Bytes: the logits, read once (+ the small tree tensors and outputs). The target is
 us <= 1.25 * bytes / copy_bw + 5 (issue 6); `target_us` in each eagle3 row.
