@@ -40,8 +40,8 @@ class Eagle3InputError(IndexError, ValueError):
 OPS = ("capture_aux", "add_rmsnorm_capture", "fc_proj", "build_tree", "tree_attention_mla", "tree_attention",
        "verify_greedy", "verify_sampling", "kv_accept")
 ARGS = ("rows", "page_table", "prefix_lens", "accept_len", "accept_nodes", "draft_parents", "draft_scores",
-        "parents", "temperature", "d2t", "tree_mask")
-KINDS = ("range", "nan", "negative")
+        "parents", "temperature", "d2t", "tree_mask", "kv_scale")
+KINDS = ("range", "nan", "negative", "not_positive")
 NO_INDEX = -(1 << 63)
 WORDS = 12
 _STATE, _OP, _ARG, _KIND, _I0, _I1, _I2, _VALUE, _LO, _HI = range(10)
@@ -57,6 +57,8 @@ def message(op: str, arg: str, index: Sequence[int], value, lo: Optional[int] = 
         return f"{op}: {arg}{where} is NaN"
     if kind == "negative":
         return f"{op}: {arg}{where} = {float(value)!r} must be >= 0"
+    if kind == "not_positive":
+        return f"{op}: {arg}{where} = {float(value)!r} must be finite and > 0"
     raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
 
 

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from . import _philox, _validate, tree
-from .errors import Eagle3InputError, check_float, check_range
+from .errors import Eagle3InputError, check_float, check_range, input_error
 
 
 def _acc(*ts: Optional[Tensor]) -> torch.dtype:
@@ -350,14 +350,14 @@ def tree_attention_mla(q: Tensor, kv_cache: Tensor, page_table: Tensor, prefix_l
     is recorded for eagle3_ops.check_errors() with the same message. A node missing its own tree_mask bit
     raises ValueError here; CUDA does not check it. A kv_scale that is not finite and > 0 raises
     Eagle3InputError here (`tree_attention_mla: kv_scale = 0.0 must be finite and > 0`); on CUDA every row of
-    out and lse is NaN (not recorded in the error word).
+    out and lse is NaN and the violation is recorded with the same message.
     """
     s = _validate.tree_attention_mla(q, kv_cache, page_table, prefix_lens, tree_mask, scale, out, lse, kv_scale)
     acc, NH, Dv = _acc(q), s["NH"], s["Dv"]
     if kv_scale is not None:
         ks = float(kv_scale.reshape(()))
         if not 0 < ks < float("inf"):
-            raise Eagle3InputError(f"tree_attention_mla: kv_scale = {ks!r} must be finite and > 0")
+            raise input_error("tree_attention_mla", "kv_scale", (), ks, kind="not_positive")
 
     def kv_rows(b, length):  # one latent head shared by every query head; V = its first Dv dims
         kv = _gather_pages(kv_cache, page_table, b, length, "tree_attention_mla").to(acc)[:, None, :]

@@ -11,6 +11,7 @@ is the storage format's error, not the kernel's: test_quantisation_error_against
 
 from __future__ import annotations
 
+import re
 import zlib
 
 import pytest
@@ -168,12 +169,15 @@ def test_bad_arguments(gen, change, error, match):
         torch.ops.eagle3.tree_attention_mla(*a.values())
     assert torch.isnan(out).all(), "a refused call wrote into out"
 
+# a kv_scale value that is not finite and > 0: raised by the reference, recorded by the kernel, one message
+BAD_SCALE = r"^tree_attention_mla: kv_scale = {} must be finite and > 0$"
+
 
 @pytest.mark.parametrize("value", [0.0, -1.0, float("inf"), float("nan")])
 def test_bad_scale_value_raises_on_cpu(gen, value):
     c = fp8_case(gen, N=2, prefixes=[1, 5])
     c.kv_scale = torch.tensor(value)
-    with pytest.raises(Eagle3InputError, match=r"^tree_attention_mla: kv_scale = .* must be finite and > 0"):
+    with pytest.raises(Eagle3InputError, match=BAD_SCALE.format(re.escape(repr(value)))):
         run_fp8(c)
 
 
@@ -320,7 +324,8 @@ def test_kernel_interpreted_bad_scale_poisons_everything(gen, value):
     c.kv_scale = torch.tensor(value)
     out, lse = run_fp8(c, dict(splits=2, BLOCK_N=16), kernel=True)
     assert torch.isnan(out).all() and torch.isnan(lse).all()
-    eagle3_ops.check_errors(c.q.device)  # nothing recorded: the scale is no index
+    with pytest.raises(Eagle3InputError, match=BAD_SCALE.format(re.escape(repr(value)))):  # the reference's message
+        eagle3_ops.check_errors(c.q.device)
 
 
 def test_kernel_refuses_other_kernels(gen):
@@ -416,6 +421,8 @@ def test_gpu_bad_scale_poisons_and_bad_arguments_raise():
     c.kv_scale.fill_(0.0)
     out, lse = run_fp8(c)
     assert torch.isnan(out).all() and torch.isnan(lse).all()
+    with pytest.raises(Eagle3InputError, match=BAD_SCALE.format("0.0")):
+        eagle3_ops.check_errors()
     out = poison_(torch.empty(c.q.shape[0], c.NH, c.Dv, dtype=c.dtype, device="cuda"))
     with pytest.raises(ValueError, match="kv_scale .* is required with an fp8 kv_cache"):
         torch.ops.eagle3.tree_attention_mla(c.q, c.k8, c.page_table, c.prefix_lens, c.tree_mask, c.scale, out, None)

@@ -46,10 +46,12 @@ from torch import Tensor
 
 from .. import errors
 from ._device import hopper_kernel
+from ._errors import arg_id, report_not_positive
 from ._attention_common import (LOG2E, MAX_SPLITS, NO_POS, OP_MLA, merge_splits, num_splits_for, pow2, report_request,
                                 request_span, sm_count)
 
 _OP_MLA = tl.constexpr(OP_MLA)
+_ARG_KV_SCALE = tl.constexpr(arg_id("kv_scale"))
 
 try:  # triton >= 3.3 (host-side descriptors; the H200's triton 3.6 and this machine's 3.8 have it)
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -306,8 +308,10 @@ def _mla_kernel(
     bad = bad_prefix | (first_pos < NO_POS)
     if bad:
         report_request(ERR, _OP_MLA, b, bad_prefix, prefix_raw, CAPACITY, N, first_pos, pt_row, PAGE_SIZE, NUM_PAGES)
-    if KV_SCALED:  # a scale that is not finite and > 0 poisons every request (reference: Eagle3InputError)
+    if KV_SCALED:  # a scale that is not finite and > 0 poisons every request, recorded (reference: raised)
         bad_scale = ~((kv_scale > 0.0) & (kv_scale < float("inf")))
+        if bad_scale:
+            report_not_positive(ERR, _OP_MLA, _ARG_KV_SCALE, kv_scale)
         poison = tl.where(bad | bad_scale, float("nan"), 0.0)
     else:
         poison = tl.where(bad, float("nan"), 0.0)

@@ -55,10 +55,11 @@ enum ErrorArg : int64_t {
   kArgTemperature,
   kArgD2t,
   kArgTreeMask,
+  kArgKvScale,
 };
 
-// what was wrong: an integer outside [lo, hi]; a NaN; a float below zero
-enum ErrorKind : int64_t { kKindRange = 1, kKindNaN, kKindNegative };
+// what was wrong: an integer outside [lo, hi]; a NaN; a float below zero; a float not finite and > 0
+enum ErrorKind : int64_t { kKindRange = 1, kKindNaN, kKindNegative, kKindNotPositive };
 
 // The word of `device` (its address in the module's static device memory; read once per device).
 int64_t* device_error_word(int device);
