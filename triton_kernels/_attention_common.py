@@ -32,15 +32,18 @@ NO_POS = tl.constexpr(2**31 - 1)  # "no bad position seen" in the kernels' runni
 
 
 @triton.jit
-def report_request(ERR, OP: tl.constexpr, b, bad_prefix, prefix_raw, CAPACITY, N, first, pt_row, PAGE_SIZE,
-                   NUM_PAGES):
+def report_request(ERR, OP: tl.constexpr, PL, PT, b, stride_pt, CAPACITY, N, first, PAGE_SIZE, NUM_PAGES):
     """Record request b's bad value (the error path only): its prefix length, else the page id of its first
-    position `first` whose page is out of range (NO_POS: none)."""
-    if bad_prefix:
+    position `first` whose page is out of range (NO_POS: none). It reloads the prefix length and the page-table
+    row rather than taking request_span's values, so that nothing of this cold path stays live across the KV
+    loop; the kernels call it last, after their stores (see tree_attention.py's kernel)."""
+    prefix_raw = tl.load(PL + b)
+    if (prefix_raw < 0) | (prefix_raw > CAPACITY - N):
         report_range(ERR, OP, _ARG_PREFIX_LENS, prefix_raw, 0, CAPACITY - N, b, _NO_INDEX, _NO_INDEX)
     elif first < NO_POS:
         slot = first // PAGE_SIZE
-        report_range(ERR, OP, _ARG_PAGE_TABLE, tl.load(pt_row + slot), 0, NUM_PAGES - 1, b, slot, _NO_INDEX)
+        report_range(ERR, OP, _ARG_PAGE_TABLE, tl.load(PT + b.to(tl.int64) * stride_pt + slot), 0, NUM_PAGES - 1,
+                     b, slot, _NO_INDEX)
 
 
 @triton.jit

@@ -303,15 +303,11 @@ def _mla_kernel(
                 acc_a, acc_b, m_i, l_i, qa, qb, qr, K, page.to(tl.int64), (pos % PAGE_SIZE).to(tl.int64),
                 stride_kp, stride_ks, j_ok & real, visible, dh, dr, DV, DR, BLOCK_H, TAU, DOT_PREC, qk_scale)
 
-    # NaN for the whole request on bad values (the merge carries it through every split), and the report.
+    # NaN for the whole request on bad values (the merge carries it through every split); the reports below.
     first_pos = tl.min(first, 0)
     bad = bad_prefix | (first_pos < NO_POS)
-    if bad:
-        report_request(ERR, _OP_MLA, b, bad_prefix, prefix_raw, CAPACITY, N, first_pos, pt_row, PAGE_SIZE, NUM_PAGES)
     if KV_SCALED:  # a scale that is not finite and > 0 poisons every request, recorded (reference: raised)
         bad_scale = ~((kv_scale > 0.0) & (kv_scale < float("inf")))
-        if bad_scale:
-            report_not_positive(ERR, _OP_MLA, _ARG_KV_SCALE, kv_scale)
         poison = tl.where(bad | bad_scale, float("nan"), 0.0)
     else:
         poison = tl.where(bad, float("nan"), 0.0)
@@ -333,6 +329,14 @@ def _mla_kernel(
         tl.store(O + o_row[:, None] + BLOCK_H + dh[None, :], ob.to(O.dtype.element_ty), mask=mb)
         if HAS_LSE:
             tl.store(LSE + token * G + head, lse2 * 0.6931471805599453, mask=row_ok)
+    # The reports last, after the stores (with the accumulators live they add registers and spills;
+    # tree_attention.py's kernel says what that cost); b recomputed there, the span reloaded.
+    if bad:
+        report_request(ERR, _OP_MLA, PL, PT, tl.program_id(0) // m_blocks, stride_pt, CAPACITY, N, first_pos,
+                       PAGE_SIZE, NUM_PAGES)
+    if KV_SCALED:
+        if bad_scale:
+            report_not_positive(ERR, _OP_MLA, _ARG_KV_SCALE, kv_scale)
 
 
 def default_config(dtype: torch.dtype) -> dict:

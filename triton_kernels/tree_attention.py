@@ -193,11 +193,9 @@ def _tree_attention_kernel(
                                   j_ok & real, visible, d1, do, d2, dv, D1, D2, DV, SHARED_V, V_SPLIT, DOT_PREC,
                                   scale_log2)
 
-    # NaN for the whole request on bad values (the merge carries it through every split), and the report.
+    # NaN for the whole request on bad values (the merge carries it through every split); the report below.
     first_pos = tl.min(first, 0)
     bad = bad_prefix | (first_pos < NO_POS)
-    if bad:
-        report_request(ERR, OP, b, bad_prefix, prefix_raw, CAPACITY, N, first_pos, pt_row, PAGE_SIZE, NUM_PAGES)
     poison = tl.where(bad, float("nan"), 0.0)
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     o = acc / l_safe[:, None] + poison
@@ -213,6 +211,12 @@ def _tree_attention_kernel(
                  mask=row_ok[:, None] & (dv[None, :] < DV))
         if HAS_LSE:
             tl.store(LSE + token * NH + head, lse2 * 0.6931471805599453, mask=row_ok & (pid_v == 0))
+    # The report last, after the stores. Before them, with the accumulator live, the v_split kernel compiled
+    # for sm_90a (triton 3.8) spilled (255 registers, 4 bytes) where the build without checks did not (229):
+    # the checks cost it 2-3.5% on the H200 (device_checks_d8ca4e0_h200.log). Here: 255 registers, no spills.
+    if bad:
+        report_request(ERR, OP, PL, PT, tl.program_id(0) // per_bh // HKV, stride_pt, CAPACITY, N, first_pos,
+                       PAGE_SIZE, NUM_PAGES)
 
 
 # ---- launchers ---------------------------------------------------------------------------------------
