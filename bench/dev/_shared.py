@@ -22,25 +22,26 @@ KIMI_SCALE = 0.130861
 NH, D, DV = 64, 576, 512
 
 
-def mla_inputs(B: int, P: int, N: int, ps: int, g: torch.Generator) -> dict:
+def mla_inputs(B: int, P: int, N: int, ps: int, g: torch.Generator, nh: int = NH) -> dict:
     """One input set of tree_attention_mla on the GPU: B requests of prefix P and a bushy N-node tree, paged
-    KV of page size ps with the pages of all requests in one random permutation, out and lse allocated."""
+    KV of page size ps with the pages of all requests in one random permutation, out and lse allocated; nh
+    query heads (Kimi's 64 / the tensor-parallel degree on one rank)."""
     from eagle3_ops import tree
 
     L = P + N
     pages = -(-L // ps)
     page_table = torch.randperm(B * pages, generator=g, device="cuda").int().view(B, pages).contiguous()
     parents = tree.random_parents(B, N, torch.Generator().manual_seed(B * 1000 + N), "bushy")
-    return dict(q=torch.randn(B * N, NH, D, generator=g, device="cuda", dtype=torch.bfloat16),
+    return dict(q=torch.randn(B * N, nh, D, generator=g, device="cuda", dtype=torch.bfloat16),
                 k=torch.randn(B * pages, ps, D, generator=g, device="cuda", dtype=torch.bfloat16),
                 page_table=page_table, prefix_lens=torch.full((B,), P, dtype=torch.int32, device="cuda"),
                 tree_mask=tree.tree_mask(parents).cuda(),
-                out=torch.empty(B * N, NH, DV, device="cuda", dtype=torch.bfloat16),
-                lse=torch.empty(B * N, NH, device="cuda"))
+                out=torch.empty(B * N, nh, DV, device="cuda", dtype=torch.bfloat16),
+                lse=torch.empty(B * N, nh, device="cuda"))
 
 
-def mla_counts(B: int, P: int, N: int) -> tuple[int, int]:
+def mla_counts(B: int, P: int, N: int, nh: int = NH) -> tuple[int, int]:
     """(bytes, flops) of one tree_attention_mla call: the KV read once plus q read and out written; the score
     and P V matmuls over every (node, head, key)."""
     L = P + N
-    return B * L * D * 2 + B * N * NH * (D + DV) * 2, 2 * B * N * NH * L * (D + DV)
+    return B * L * D * 2 + B * N * nh * (D + DV) * 2, 2 * B * N * nh * L * (D + DV)

@@ -3,9 +3,13 @@ the end-to-end CUDA-graph time (as bench/dev/sweep_mla.py times it) and each ker
 torch.profiler (CUPTI), so the attention kernel, the split merge and the gaps between them separate.
 
     python3 bench/dev/profile_mla.py        # on the GPU, from the repo root (built in place)
+    python3 bench/dev/profile_mla.py --tp   # issue 23's tensor-parallel rows: 8 and 16 local heads, the
+                                            # default split count and others, 4-chains and N 1
 """
 
 from __future__ import annotations
+
+import sys
 
 
 import torch
@@ -26,7 +30,17 @@ CASES = {
 }
 
 
-def main():
+# (heads, B, prefix, N, page_size) -> configs: issue 23's memory-bound rows under tensor parallelism
+TP_CASES = {
+    (8, 8, 8192, 4, 64): [{}, dict(splits=8), dict(splits=32), dict(splits=64), dict(evict_first=False)],
+    (16, 8, 8192, 4, 64): [{}, dict(splits=8), dict(splits=32), dict(splits=64)],
+    (8, 64, 4096, 4, 64): [{}, dict(splits=1), dict(splits=2), dict(splits=4)],
+    (8, 1, 32768, 1, 64): [{}, dict(splits=64), dict(splits=128)],
+    (16, 1, 32768, 4, 64): [{}, dict(splits=64), dict(splits=128)],
+}
+
+
+def main(tp: bool = False):
     from torch.profiler import ProfilerActivity, profile
 
     from common import Ceilings, graph_time_us
@@ -36,9 +50,10 @@ def main():
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  copy {ceil.copy_bw / 1e12:.2f} TB/s, "
           f"bf16 matmul {ceil.mm_rate / 1e12:.0f} TFLOP/s")
     g = torch.Generator(device="cuda").manual_seed(0)
-    for (B, P, N, ps), cfgs in CASES.items():
-        nbytes, flops = mla_counts(B, P, N)
-        sets = [mla_inputs(B, P, N, ps, g) for _ in range(2)]
+    cases = TP_CASES if tp else {(64, *k): v for k, v in CASES.items()}
+    for (nh, B, P, N, ps), cfgs in cases.items():
+        nbytes, flops = mla_counts(B, P, N, nh)
+        sets = [mla_inputs(B, P, N, ps, g, nh) for _ in range(2)]
         for cfg in cfgs:
             def call(x, cfg=cfg):
                 ta.tree_attention_mla(x["q"], x["k"], x["page_table"], x["prefix_lens"], x["tree_mask"], KIMI_SCALE,
@@ -59,7 +74,9 @@ def main():
             kernels = [(e.key, e.count, e.device_time_total / max(e.count, 1)) for e in prof.key_averages()
                        if e.device_time_total > 0]
             parts = "; ".join(f"{k[:28]} x{c // 20 if c >= 20 else c}: {t:.1f} us" for k, c, t in kernels)
-            print(f"N{N} B{B} P{P} {str(cfg or 'default'):<16} graph {us:7.1f} us  {flops / us * 1e-6:6.1f} TFLOP/s  "
+            from eagle3_ops.triton_kernels.mla_decode import sm90_splits
+            auto = sm90_splits(-(-N * nh // 64) * B, sets[0]["page_table"].shape[1] * ps, torch.cuda.get_device_properties(0).multi_processor_count)
+            print(f"H{nh} N{N} B{B} P{P} {str(cfg or f'default ({auto} splits)'):<22} graph {us:7.1f} us  {flops / us * 1e-6:6.1f} TFLOP/s  "
                   f"{100 * nbytes / us * 1e6 / ceil.copy_bw:5.1f}% copy  | {parts}", flush=True)
         if N == 1:  # what the cache's bytes alone cost at this size: read once (amax), and copied (read + written)
             red = [torch.empty(x["k"].shape[:2], dtype=x["k"].dtype, device="cuda") for x in sets]
@@ -103,5 +120,8 @@ def merge_variants():
 
 
 if __name__ == "__main__":
-    main()
-    merge_variants()
+    if "--tp" in sys.argv:
+        main(tp=True)
+    else:
+        main()
+        merge_variants()
