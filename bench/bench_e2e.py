@@ -172,6 +172,17 @@ def _bytes(params) -> int:
     return sum(t.numel() * t.element_size() for t in params)
 
 
+def _kv_cache(args):
+    """--kv-cache-dtype / --kv-scale as the target's latent cache (models.cache.KVCacheConfig checks them)."""
+    from eagle3_ops.models.cache import KVCacheConfig
+
+    scale = args.kv_scale
+    if scale is not None and scale != "calibrate":
+        scale = tuple(float(v) for v in scale.split(","))
+        scale = scale[0] if len(scale) == 1 else scale
+    return KVCacheConfig(args.kv_cache_dtype, 1.0 if scale is None else scale)
+
+
 def step_floor_bytes(target, drafter, B: int, prefix: int, N: int, draft_forwards: int) -> dict:
     """The bytes a step must read at least (its roofline floor is that over the copy bandwidth): the target's
     weights (routed experts: the expected distinct ones for B * N tokens under uniform top-k routing, E (1 -
@@ -180,7 +191,8 @@ def step_floor_bytes(target, drafter, B: int, prefix: int, N: int, draft_forward
     from eagle3_ops.models.target import Experts
 
     cfg = target.cfg
-    esize = target.lm_head.weight.element_size()  # the caches' element (the model's dtype)
+    esize = target.lm_head.weight.element_size()  # the drafter's K / V element (the model's dtype)
+    kv_esize = torch.empty((), dtype=target.kv_cache.torch_dtype(target.lm_head.weight.dtype)).element_size()
     experts = [m for m in target.modules() if isinstance(m, Experts)]
     expert_ids = {id(p) for m in experts for p in m.parameters()}
     dense = _bytes(p for n, p in target.named_parameters() if id(p) not in expert_ids and "embed_tokens" not in n)
@@ -189,7 +201,7 @@ def step_floor_bytes(target, drafter, B: int, prefix: int, N: int, draft_forward
     def target_bytes(T: int) -> float:
         E, k = cfg.n_routed_experts, cfg.num_experts_per_tok
         used = E * (1 - (1 - k / E) ** T) if E else 0.0
-        return dense + (routed * used / E if E else 0) + cfg.num_layers * B * prefix * cfg.kv_dim * esize
+        return dense + (routed * used / E if E else 0) + cfg.num_layers * B * prefix * cfg.kv_dim * kv_esize
 
     dc = drafter.cfg
     d_weights = _bytes(p for n, p in drafter.named_parameters() if "embed_tokens" not in n and not n.startswith("fc."))
@@ -244,6 +256,7 @@ def run(args) -> list[dict]:
         copy_bw = Ceilings.measure().copy_bw
         print(f"copy ceiling {copy_bw / 1e12:.2f} TB/s (read + write), measured now", flush=True)
     target, drafter, _ = _load_pair(args.preset, args.device, dtype)  # synthesised (or the shipped byte-small)
+    target.kv_cache = _kv_cache(args)  # every run's latent cache (plain, speculative, the forward profile)
     full_cfg = TargetConfig.from_preset(args.full)  # what the per-layer times are extrapolated to
     V = target.cfg.vocab_size
     rows = []
@@ -539,6 +552,7 @@ def run_heldout(args) -> list[dict]:
 
     torch.set_num_threads(args.threads)
     target, drafter, _ = _load_pair("byte-small", args.device, getattr(torch, args.dtype))
+    target.kv_cache = _kv_cache(args)
     enc = [data.encode(p) for p in data.load_heldout_prompts()[:args.heldout]]
     n = min(len(e) for e in enc)
     prompts = torch.stack([e[-n:] for e in enc]).to(args.device)
@@ -699,6 +713,11 @@ def main(argv=None) -> int:
     # so tokens/s and B x acceptance / step count the same tokens
     ap.add_argument("--max-new", type=int, default=61)
     ap.add_argument("--batch-invariant", action="store_true")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bf16", "bfloat16", "fp8", "fp8_e4m3"],
+                    help="the target's latent cache (vLLM's spelling); fp8 = fp8_e4m3, key = fp8 * --kv-scale")
+    ap.add_argument("--kv-scale", default=None, metavar="S|calibrate",
+                    help="fp8 cache: one scale, one per layer (comma-separated; default 1.0) or calibrate (amax / 448 "
+                         "per layer after the prefill)")
     ap.add_argument("--fixpoint", type=int, default=None, metavar="K",
                     help="the oracle's reference per (glue, p): from plain greedy's (and down from the higher p's), "
                          "replaced by the run's own output until they agree, at most K runs (0 or 1: plain's); "
@@ -723,6 +742,11 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     from eagle3_ops.engine.oracle import p_for_acceptance_length
 
+    try:
+        _kv_cache(args)
+    except ValueError as e:  # (names kv_dtype / kv_scale: the flags --kv-cache-dtype / --kv-scale)
+        ap.error(f"--kv-cache-dtype / --kv-scale: {e}")
+
     args.lengths = {}
     if args.accept_length:
         bad = [L for L in args.accept_length if not 1 <= L <= REFERENCE_STEPS + 1]
@@ -738,7 +762,8 @@ def main(argv=None) -> int:
     start = time.time()
     print(f"# commit {_commit()}, {platform.node()} ({platform.machine()}, {os.cpu_count()} CPUs"
           f"{', ' + torch.cuda.get_device_name() if args.device.startswith('cuda') else ''}), torch {torch.__version__}, "
-          f"{args.preset if not args.heldout else 'byte-small'}, {args.dtype}, {'CUDA graphs' if args.graphs else 'eager'}",
+          f"{args.preset if not args.heldout else 'byte-small'}, {args.dtype}, {'CUDA graphs' if args.graphs else 'eager'}, "
+          f"{_kv_cache(args).describe()}",
           flush=True)
     if args.heldout:
         rows = run_heldout(args)
@@ -772,6 +797,7 @@ def _write(path: str, args, rows: list[dict]) -> None:
     meta = dict(commit=_commit(), preset=args.preset, dtype=args.dtype, device=args.device,
                 device_name=torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
                 torch=torch.__version__, max_new=args.max_new, batch_invariant=args.batch_invariant,
+                kv_cache_dtype=args.kv_cache_dtype, kv_scale=args.kv_scale,
                 eager=not args.graphs, graphs="round" if args.graphs else None, policy=args.policy,
                 accept_length_reference_steps=REFERENCE_STEPS, fixpoint=args.fixpoint,
                 drafter="ORACLE (engine/oracle.py): acceptance set by p, not by a trained drafter",

@@ -19,6 +19,10 @@ time, DecodeStats.prefill_seconds), and the optional timer's; the optional wirin
 (engine/wiring_check.py). With a policy (engine/policy.py) each round's shape is chosen between rounds,
 plain decode steps included, and the rounds run in engine/adaptive.py: every shape's round is _Loop.round_fn's
 over the same state.
+
+The target's latent cache: kv_dtype ("auto", "bf16", "fp8" / "fp8_e4m3": vLLM's --kv-cache-dtype) and, for fp8,
+kv_scale (per layer, default 1.0, or "calibrate": amax / 448 per layer after the prefill), or by default the
+target's own kv_cache (models.cache.KVCacheConfig). The drafter's K / V stay in its dtype.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import torch
 from torch import Tensor
 
 from .. import ops, tree
+from ..models.cache import KVCacheConfig, PagedKV
 from . import fused
 from .graphs import RoundGraph, StepGraph, new_pool
 from .wiring_check import CheckRun, WiringCheck, WiringReport
@@ -235,13 +240,39 @@ def _prefill_chunks(B: int, T0: int):
     return [(s, min(C, T0 - s)) for s in range(0, T0, C)]
 
 
+def kv_config(target, kv_dtype: Optional[str] = None, kv_scale=None) -> KVCacheConfig:
+    """The latent cache a run makes: kv_dtype / kv_scale as given (KVCacheConfig checks them, naming the argument),
+    or target.kv_cache where both are None."""
+    if kv_dtype is None and kv_scale is None:
+        return getattr(target, "kv_cache", KVCacheConfig())
+    return KVCacheConfig(kv_dtype or "auto", 1.0 if kv_scale is None else kv_scale)
+
+
+def _prefill_kv(target, kv: PagedKV, T0: int) -> PagedKV:
+    """Where a prefill of T0 positions writes: kv itself, or, for an fp8 cache whose scales are calibrated
+    (kv.calibrating), a cache in the model's dtype with room for the prompt, quantised into kv afterwards
+    (_prefill_done). (It holds B * T0 rows per layer in the model's dtype for the prefill's duration.)"""
+    if not kv.calibrating:
+        return kv
+    return target.new_kv(kv.batch, T0, page_size=kv.page_size, dtype=target.lm_head.weight.dtype,
+                         device=kv.prefix_lens.device)
+
+
+def _prefill_done(kv: PagedKV, pkv: PagedKV, T0: int) -> None:
+    if pkv is not kv:
+        kv.calibrate_from(pkv, T0)  # scales = amax / 448 per layer, on the device
+
+
 def _prefill(target, prompts: Tensor, kv) -> Tensor:
-    """Target forward over whole prompts (equal lengths), chunk by chunk; the last position's logits [B, V]."""
+    """Target forward over whole prompts (equal lengths), chunk by chunk; the last position's logits [B, V]. A
+    calibrating fp8 kv gets its scales and its quantised rows once the prefill is over (_prefill_kv)."""
     B, T0 = prompts.shape
+    pkv = _prefill_kv(target, kv, T0)
     for s, n in _prefill_chunks(B, T0):
         positions = torch.arange(s, s + n, device=prompts.device).expand(B, n)
-        logits = target.forward(prompts[:, s:s + n], positions, kv, _chain_mask(B, n, prompts.device), last_only=True)
-        kv.advance(n)
+        logits = target.forward(prompts[:, s:s + n], positions, pkv, _chain_mask(B, n, prompts.device), last_only=True)
+        pkv.advance(n)
+    _prefill_done(kv, pkv, T0)
     return logits
 
 
@@ -270,16 +301,19 @@ def _check_graphs(target, graphs) -> None:
 
 def generate_plain(target, prompts: Tensor, max_new: int, *, temperature: float = 0.0, seed: int = 0,
                    page_size: int = 16, timer: Optional[Timer] = None,
-                   progress: bool = False, graphs: bool | str = False) -> tuple[Tensor, DecodeStats]:
+                   progress: bool = False, graphs: bool | str = False, kv_dtype: Optional[str] = None,
+                   kv_scale=None) -> tuple[Tensor, DecodeStats]:
     """Plain decoding: one target forward per token. graphs: each decode step replayed from a CUDA graph
-    (engine/graphs.py; any of speculative decoding's graph modes). Returns (tokens [B, max_new] int64, stats)."""
+    (engine/graphs.py; any of speculative decoding's graph modes). kv_dtype, kv_scale: the target's latent cache
+    (kv_config; default target.kv_cache). Returns (tokens [B, max_new] int64, stats)."""
     graphs = bool(_graph_mode(graphs))
     _check_graphs(target, graphs)
     B, T0 = prompts.shape
     timer = timer or Timer(enabled=False)
     gen = torch.Generator(device=prompts.device).manual_seed(seed) if temperature > 0 else None
     start = time.perf_counter()
-    kv = target.new_kv(B, T0 + max_new + 1, page_size=page_size, device=prompts.device)
+    kv = target.new_kv(B, T0 + max_new + 1, page_size=page_size, device=prompts.device,
+                       config=kv_config(target, kv_dtype, kv_scale))
     out = torch.empty(B, max_new, dtype=torch.int64, device=prompts.device)
     with timer("target"):
         tok = _pick(_prefill(target, prompts, kv), temperature, gen)
@@ -444,7 +478,8 @@ def generate_speculative(target, drafter, prompts: Tensor, max_new: int, spec: S
                          timer: Optional[Timer] = None, progress: bool = False,
                          glue: str = "eagle3", graphs: bool | str = False,
                          prefill_cache: Optional[PrefillCache] = None,
-                         wiring_check: Optional[WiringCheck] = None, policy=None) -> tuple[Tensor, DecodeStats]:
+                         wiring_check: Optional[WiringCheck] = None, policy=None, kv_dtype: Optional[str] = None,
+                         kv_scale=None) -> tuple[Tensor, DecodeStats]:
     """Speculative decoding (chain or tree, greedy or sampled). aux_ids: which target layers feed the
     drafter (ours, "output of layer k"; default the drafter's configured ids; eagle3_ops.diagnose
     passes miswirings here). glue: "eagle3" (torch.ops.eagle3) or "torch", the same loop with capture, fc,
@@ -459,8 +494,11 @@ def generate_speculative(target, drafter, prompts: Tensor, max_new: int, spec: S
     miswiring; stats.wiring holds its numbers). policy: None (every round `spec`), or an
     engine.policy.Policy choosing each round's shape among its candidates, plain decoding included
     (engine/policy.py; eager or graphs="round", no timer, no wiring check; `spec` gives the temperature and
-    seed). Returns (tokens [B, max_new] int64, stats)."""
+    seed). kv_dtype, kv_scale: the target's latent cache (kv_config; default target.kv_cache: "auto", or fp8
+    e4m3 with per-layer scales or "calibrate"); the drafter's K / V stay in its dtype. Returns (tokens
+    [B, max_new] int64, stats)."""
     graphs = _graph_mode(graphs)
+    kv_cache = kv_config(target, kv_dtype, kv_scale)
     _check_graphs(target, graphs)
     g_ops = _glue(glue)
     if glue == "torch" and spec.temperature > 0:
@@ -470,11 +508,11 @@ def generate_speculative(target, drafter, prompts: Tensor, max_new: int, spec: S
             raise ValueError("a policy runs eager or with graphs='round', without a timer or a wiring check")
     with _plain_capture(target, glue == "torch"):
         return _generate_speculative(target, drafter, prompts, max_new, spec, aux_ids, page_size, timer, progress,
-                                     g_ops, graphs, prefill_cache, glue, wiring_check, policy)
+                                     g_ops, graphs, prefill_cache, glue, wiring_check, policy, kv_cache)
 
 
 def _spec_prefill(target, drafter, prompts, temperature, gen, aux_ids, tkv, dkv, timer, g_ops, prefill_cache,
-                  glue, start):
+                  glue, start, kv_key=None):
     """Steps 1-2: prefill with capture, then the drafter's extend on (embed(x_{i+1}), fc(F_i)), chunk by chunk
     (each chunk's features go straight to the drafter: the capture buffer is one chunk's), or a kept prefill
     copied in. Returns (root [B], last_logits [B, V], g [B, Hd]): the loop's state, updated in place each round
@@ -491,24 +529,30 @@ def _spec_prefill(target, drafter, prompts, temperature, gen, aux_ids, tkv, dkv,
                              f"a {kind}")
         if not torch.equal(cached["prompts"], prompts):  # (one host sync, before the decode)
             raise ValueError("prefill_cache holds the prefill of other prompts (same shape, other tokens)")
+        if cached["kv"] != kv_key:
+            raise ValueError(f"prefill_cache holds a prefill into a {cached['kv']} latent cache, not {kv_key}")
         for kv, rows in ((tkv, cached["target"]), (dkv, cached["drafter"])):
             page, slot = kv.index(torch.arange(T0, device=dev).expand(B, T0))
-            for c, r in zip(kv.caches, rows):
-                c[page, slot] = r
+            for i, r in enumerate(rows):
+                kv.put(i, page, slot, r)
             kv.prefix_lens.fill_(T0)
+        if tkv.kv_scales is not None:  # fp8: the scales its rows were quantised with (calibrated ones included)
+            tkv.kv_scales.copy_(cached["kv_scales"])
+            tkv.calibrating = False
         hook = getattr(drafter, "after_cached_prefill", None)
         last_logits = (hook(len(chunks), torch.full((B, 1), T0 - 1, dtype=torch.int64, device=dev)) if hook
                        else cached["last_logits"].clone())
         return cached["root"].clone(), last_logits, cached["g"].clone()
     aux_chunk = torch.empty(B * chunks[0][1], len(aux_ids) * H, dtype=dtype, device=dev)
+    pkv = _prefill_kv(target, tkv, T0)
     for s, n in chunks:
         final = s + n == T0
         positions = torch.arange(s, s + n, device=dev).expand(B, n)
         aux = aux_chunk[:B * n]
         with timer("target"):
-            logits = target.forward(prompts[:, s:s + n], positions, tkv, _chain_mask(B, n, dev), aux, aux_ids,
+            logits = target.forward(prompts[:, s:s + n], positions, pkv, _chain_mask(B, n, dev), aux, aux_ids,
                                     last_only=True)
-            tkv.advance(n)
+            pkv.advance(n)
         if final:
             root = _pick(logits, temperature, gen)
         nxt = torch.cat([prompts[:, s + 1:], root[:, None]], 1) if final else prompts[:, s + 1:s + n + 1]
@@ -517,15 +561,18 @@ def _spec_prefill(target, drafter, prompts, temperature, gen, aux_ids, tkv, dkv,
         with timer("draft"):
             logits, hidden = drafter.forward(nxt, hidden, positions, dkv, _chain_mask(B, n, dev))
             dkv.advance(n)
+    with timer("target"):
+        _prefill_done(tkv, pkv, T0)
     last_logits = logits.view(B, n, -1)[:, -1].clone()
     g = hidden.view(B, n, -1)[:, -1].clone()
     if prefill_cache is not None:
         rows = {}
         for name, kv in (("target", tkv), ("drafter", dkv)):
             page, slot = kv.index(torch.arange(T0, device=dev).expand(B, T0))
-            rows[name] = [c[page, slot] for c in kv.caches]
+            rows[name] = [kv.read(i, page, slot) for i in range(len(kv.caches))]
         prefill_cache.state = dict(prompts=prompts.clone(), glue=glue, drafter_kind=type(drafter).__name__,
-                                   root=root.clone(), g=g.clone(), last_logits=last_logits.clone(), **rows)
+                                   root=root.clone(), g=g.clone(), last_logits=last_logits.clone(), kv=kv_key,
+                                   kv_scales=None if tkv.kv_scales is None else tkv.kv_scales.clone(), **rows)
         prefill_cache.prefill_seconds = _elapsed(start, dev)
     return root, last_logits, g
 
@@ -587,6 +634,11 @@ class _Loop:
         chainN = _chain_mask(B, N, dev)
         drafting = _Drafting(B, spec, self.g.shape[-1], self.g.dtype, dev)
         hist, check, max_new = self.hist[:N + 1], self.check, self.max_new
+        # ours move fp8 rows as they are; the plain-PyTorch glue's index_copy_ has no float8 kernel: it moves their
+        # bytes, as engines that keep fp8 caches in uint8 tensors (vLLM) do
+        accept_caches = tkv.caches
+        if g_ops is _glue("torch") and tkv.kv_scales is not None:
+            accept_caches = [c.view(torch.uint8) for c in tkv.caches]
 
         def verify_fwd(tokens, positions, mask):
             return target.forward(tokens, positions, tkv, mask, aux, aux_ids)
@@ -630,7 +682,7 @@ class _Loop:
                     check.observe(logits, accept_nodes, accept_len, aux, self.count < max_new)
             # 5. accept: compact the target's KV, emit, freeze finished requests (fused.accept_update says how)
             with timer("kv_accept"):
-                g_ops.kv_accept(tkv.caches, tkv.page_table, tkv.prefix_lens, accept_nodes, accept_len)
+                g_ops.kv_accept(accept_caches, tkv.page_table, tkv.prefix_lens, accept_nodes, accept_len)
             fused.accept_update(accept_nodes, accept_len, emitted, self.count, self.out, hist, self.root,
                                 tkv.prefix_lens, dkv.prefix_lens, max_new, cu_rows, cu_tokens, cu_positions, cu_step)
             # 6. catch-up: the drafter re-reads the accepted tokens with the target's features
@@ -647,7 +699,8 @@ class _Loop:
 
 
 def _generate_speculative(target, drafter, prompts, max_new, spec, aux_ids, page_size, timer, progress, g_ops,
-                          graphs, prefill_cache=None, glue="eagle3", wiring_check=None, policy=None):
+                          graphs, prefill_cache=None, glue="eagle3", wiring_check=None, policy=None,
+                          kv_cache: Optional[KVCacheConfig] = None):
     B, T0 = prompts.shape
     dev = prompts.device
     aux_ids = list(drafter.cfg.aux_ids if aux_ids is None else aux_ids)
@@ -662,12 +715,14 @@ def _generate_speculative(target, drafter, prompts, max_new, spec, aux_ids, page
     # prefix = T0 + count - 1; while others go on, every round still writes its N verify rows (and the drafter
     # its rows) past that prefix: room for T0 + max_new + E + N - 2 positions (a policy's resume: R rows more)
     cap = T0 + max_new + N + min(N, S + 1)
-    tkv = target.new_kv(B, cap, page_size=page_size, device=dev)
+    kv_cache = kv_cache or kv_config(target)
+    tkv = target.new_kv(B, cap, page_size=page_size, device=dev, config=kv_cache)
+    kv_key = (str(tkv.caches[0].dtype).replace("torch.", ""), kv_cache.scale if tkv.kv_scales is not None else None)
     dkv = drafter.new_kv(B, cap + block + (policy.resume_rows if policy is not None else 0), page_size=page_size,
                          device=dev)
     gen = torch.Generator(device=dev).manual_seed(spec.seed) if spec.temperature > 0 else None
     root, last_logits, g = _spec_prefill(target, drafter, prompts, spec.temperature, gen, aux_ids, tkv, dkv, timer,
-                                         g_ops, prefill_cache, glue, start)
+                                         g_ops, prefill_cache, glue, start, kv_key)
     prefill_seconds, prefill_times = _elapsed(start, dev), dict(timer.times)
     check = None if wiring_check is None else CheckRun(wiring_check, aux_ids, drafter.cfg.aux_ids,
                                                         target.cfg.num_layers, spec, dev, B)

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..wiring import capture_sites
-from .cache import PagedKV
+from .cache import KVCacheConfig, PagedKV, query_dtype
 from .config import TargetConfig
 from .rope import apply_rope, yarn_inv_freq
 
@@ -311,7 +311,8 @@ class MLA(nn.Module):
     def forward(self, x: Tensor, pos: Tensor, inv_freq: Tensor, kv: PagedKV, layer: int,
                 tree_mask: Tensor, invariant: bool = False) -> Tensor:
         """Absorbed MLA step. x [B*N (+ padding), H] (input-normed), pos [B*N (+ padding)] -> x's shape; writes
-        this step's latent rows into kv.caches[layer] at prefix_lens + node (prefix_lens unchanged).
+        this step's latent rows into kv.caches[layer] at prefix_lens + node (prefix_lens unchanged; an fp8 cache
+        stores them quantised with kv.scale(layer), which every attention call then reads them back with).
 
         invariant: Target.batch_invariant_rows' mode: attention through batch_invariant_mla_attention
         instead of the kernel. Rows past B*N (padding) are projected but neither cached nor attended."""
@@ -325,14 +326,17 @@ class MLA(nn.Module):
         w_kvb = self.kv_b_proj.weight.view(NH, nope + cfg.v_head_dim, Dl)
         w_uk, w_uv = w_kvb[:, :nope], w_kvb[:, nope:]  # [NH, nope, Dl], [NH, v, Dl]
         q_abs = torch.einsum("thd,hdc->thc", q_nope, w_uk)  # [T, NH, Dl]
-        q = torch.cat([q_abs, q_pe], -1)[:B * N].contiguous()  # [B*N, NH, kv_dim]
+        # q and out in the cache's dtype (an fp8 cache: bf16 / fp16, the model's or bf16; cache.query_dtype)
+        cache, kv_scale = kv.caches[layer], kv.scale(layer)
+        q = torch.cat([q_abs, q_pe], -1)[:B * N].to(query_dtype(cache.dtype, x.dtype)).contiguous()  # [B*N, NH, kv_dim]
         if invariant:
-            out = batch_invariant_mla_attention(q, kv.caches[layer], kv.page_table, kv.prefix_lens, tree_mask,
-                                                cfg.softmax_scale, Dl)
+            out = batch_invariant_mla_attention(q, cache, kv.page_table, kv.prefix_lens, tree_mask, cfg.softmax_scale,
+                                                Dl, kv_scale)
         else:
             out = q.new_empty(B * N, NH, Dl)  # [B*N, NH, Dl]: attention output in latent space
-            torch.ops.eagle3.tree_attention_mla(q, kv.caches[layer], kv.page_table, kv.prefix_lens, tree_mask,
-                                                cfg.softmax_scale, out, None)
+            torch.ops.eagle3.tree_attention_mla(q, cache, kv.page_table, kv.prefix_lens, tree_mask, cfg.softmax_scale,
+                                                out, None, kv_scale)
+        out = out.to(x.dtype)
         if T > B * N:
             out = F.pad(out, (0, 0, 0, 0, 0, T - B * N))
         o = torch.einsum("thc,hdc->thd", out, w_uv)  # [T, NH, v]
@@ -340,18 +344,22 @@ class MLA(nn.Module):
 
 
 def batch_invariant_mla_attention(q: Tensor, kv_cache: Tensor, page_table: Tensor, prefix_lens: Tensor,
-                                  tree_mask: Tensor, scale: float, dv: int = 512) -> Tensor:
+                                  tree_mask: Tensor, scale: float, dv: int = 512,
+                                  kv_scale: Optional[Tensor] = None) -> Tensor:
     """tree_attention_mla's values computed so that a row's result does not depend on the step it is in: in
     float64, over every slot of the request's page table (slots past its keys masked to exact zeros), so
     a token's output in a 4-node verify step and in a 1-token plain step agree to far below bf16's rounding.
     (A kernel's split count, its tiling of tree keys apart from the prefix and its GEMMs chosen by row count
     all change fp32 rounding with the step's shape.) [B * N, NH, D] -> [B * N, NH, dv] in q's dtype (Kimi: 576, 512).
-    Page ids must be valid; no host sync, but float64 over the whole capacity: a correctness mode."""
+    Page ids must be valid; no host sync, but float64 over the whole capacity: a correctness mode. An fp8
+    kv_cache is read as fp8 * kv_scale (exact in float64), as tree_attention_mla reads it."""
     B, N, W = tree_mask.shape
     NH, D = q.shape[1], q.shape[2]
     page_size = kv_cache.shape[1]
     cap = page_table.shape[1] * page_size
     keys = kv_cache[page_table.long()].reshape(B, cap, D).double()  # [B, cap, D]
+    if kv_scale is not None:
+        keys = keys * kv_scale.double().reshape(())
     pos = torch.arange(cap, device=q.device)
     j = pos[None, :] - prefix_lens.long()[:, None]  # [B, cap]: tree index of each slot (< 0: prefix)
     keys = keys.masked_fill((j >= N)[:, :, None], 0.0)  # slots past the tree: never read (0 x NaN would be NaN)
@@ -409,6 +417,8 @@ class Target(_KeepFp32):
         # True: capture the plain-PyTorch way, as engines do (h + r at each captured layer, torch.cat after the
         # forward) instead of in the fused add + RMSNorm: issue 7's comparison (engine/torch_glue.py)
         self.plain_capture = False
+        # the latent cache new_kv makes by default (dtype and fp8 scales; the decode loop's kv_dtype / kv_scale)
+        self.kv_cache = KVCacheConfig()
         self.model = Backbone(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.register_buffer("inv_freq", yarn_inv_freq(cfg), persistent=False)
@@ -459,12 +469,19 @@ class Target(_KeepFp32):
         return model.reset_rope()
 
     def new_kv(self, batch: int, max_len: int, page_size: int = 16, dtype: Optional[torch.dtype] = None,
-               device=None) -> PagedKV:
-        """A paged latent cache: one [num_pages, page_size, kv_dim] tensor per layer, in the model's dtype and
-        on its device unless given."""
+               device=None, config: Optional[KVCacheConfig] = None) -> PagedKV:
+        """A paged latent cache: one [num_pages, page_size, kv_dim] tensor per layer, on the model's device unless
+        given. Its dtype: `dtype` if given (fp8 then with scale 1.0), else config's (default self.kv_cache: "auto"
+        is the model's dtype; fp8 e4m3 with config.scale per layer, or "calibrate")."""
         w = self.lm_head.weight
+        config = config or self.kv_cache
+        cache_dtype = dtype or config.torch_dtype(w.dtype)
+        if cache_dtype == torch.float8_e4m3fn and w.dtype == torch.float64:
+            raise ValueError("kv_dtype fp8_e4m3 needs a float32 / bfloat16 / float16 target (fp8 caches read bf16 / "
+                             "fp16 queries), got a float64 one")
+        scale = config.scale if dtype is None and config.fp8 else None
         return PagedKV([(self.cfg.kv_dim,)] * self.cfg.num_layers, batch, max_len, page_size=page_size,
-                       dtype=dtype or w.dtype, device=device if device is not None else w.device)
+                       dtype=cache_dtype, device=device if device is not None else w.device, kv_scale=scale)
 
     # ---- the training / reference forward -----------------------------------------------------------
     def forward_train(self, tokens: Tensor, output_hidden_states: bool = False):
@@ -512,7 +529,8 @@ class Target(_KeepFp32):
         positions : Tensor [B, N] int64
             RoPE positions: prefix_len + depth for a tree, prefix_len + i for a chain or a prefill.
         kv : PagedKV
-            new_kv(...): L latent caches [num_pages, page_size, kv_dim], page_table, prefix_lens [B] int32.
+            new_kv(...): L latent caches [num_pages, page_size, kv_dim] (the model's dtype, bf16, or fp8 e4m3 with
+            kv.scale(i) per layer), page_table, prefix_lens [B] int32.
         tree_mask : Tensor [B, N, ceil(N / 32)] int32
             Ancestor-or-self bits (eagle3_ops.tree.tree_mask).
         aux : Tensor [B * N, n_aux * H] model dtype, optional, mutated
