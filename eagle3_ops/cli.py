@@ -72,6 +72,25 @@ def _float_in(low: float, high: float = math.inf):
     return parse
 
 
+# --kv-cache-dtype's spellings (vLLM's), as models.cache.KV_DTYPES has them (a test keeps the two equal: torch is not
+# loaded while the flags are checked)
+KV_CACHE_DTYPES = ("auto", "bf16", "bfloat16", "fp8", "fp8_e4m3")
+
+
+def _kv_scale(text: str):
+    """--kv-scale: "calibrate", one scale > 0, or one per layer (comma-separated)."""
+    if text == "calibrate":
+        return text
+    try:
+        values = tuple(float(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be 'calibrate', a number > 0 or one per layer (comma-separated), "
+                                         f"got {text!r}") from None
+    if not all(0 < v < math.inf for v in values):
+        raise argparse.ArgumentTypeError(f"must be finite and > 0, got {text}")
+    return values[0] if len(values) == 1 else values
+
+
 def _device(text: str) -> str:
     kind, colon, index = text.partition(":")
     if text == "cpu" or (kind == "cuda" and (not colon or index.isdigit())):
@@ -136,6 +155,16 @@ def check_args(args) -> None:
                              f"for other dtypes), got --dtype {args.dtype}")
         if args.batch_invariant:
             raise UsageError("--graphs and --batch-invariant exclude each other (the batch-invariant MoE syncs the host)")
+    kv_dtype, kv_scale = getattr(args, "kv_cache_dtype", "auto"), getattr(args, "kv_scale", None)
+    if kv_scale is not None and not kv_dtype.startswith("fp8"):
+        raise UsageError(f"--kv-scale is the scale of an fp8 cache: it needs --kv-cache-dtype fp8 / fp8_e4m3, got "
+                         f"--kv-cache-dtype {kv_dtype}")
+    if kv_dtype.startswith("fp8") and args.dtype == "float64":
+        raise UsageError("--kv-cache-dtype fp8 needs --dtype float32 or bfloat16 (fp8 caches read bf16 / fp16 queries), "
+                         "got --dtype float64")
+    if isinstance(kv_scale, tuple) and len(kv_scale) != cfg.num_layers:
+        raise UsageError(f"--kv-scale takes one scale or one per layer ({cfg.num_layers} for preset {args.preset}), "
+                         f"got {len(kv_scale)}")
     ids = getattr(args, "aux_ids", None)
     if getattr(args, "engine_config", None) is not None and ids is not None:
         raise UsageError("--engine-config and --aux-ids exclude each other (the launch configuration names the "
@@ -340,6 +369,9 @@ def demo(args) -> int:
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     target, drafter, label = _load_pair(args.preset, args.device, dtype, args.seed)
+    from .models.cache import KVCacheConfig
+
+    target.kv_cache = KVCacheConfig(args.kv_cache_dtype, 1.0 if args.kv_scale is None else args.kv_scale)
     prompts, texts = _prompts(args, target)
     spec = _spec(args)
     adaptive = getattr(args, "policy", "fixed") == "adaptive"
@@ -364,7 +396,8 @@ def demo(args) -> int:
                   "acceptance is set by p, not by any trained drafter")
     print(f"models: {label}")
     print(f"target: {target.cfg.name}, {target.cfg.num_layers} layers, hidden {target.cfg.hidden_size}; drafter "
-          f"aux ids {list(drafter.cfg.aux_ids)} (output of layer k); device {args.device}, {args.dtype}")
+          f"aux ids {list(drafter.cfg.aux_ids)} (output of layer k); device {args.device}, {args.dtype}; "
+          f"{target.kv_cache.describe()}")
     print(f"speculative: {spec.steps} draft steps, topk {spec.topk}, {spec.num_tokens} verify tokens, "
           f"{'greedy' if spec.temperature == 0 else f'temperature {spec.temperature}'}; batch {prompts.shape[0]}, "
           f"{args.max_new} new tokens each\n")
@@ -523,6 +556,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--accept-length", type=_float_in(1), default=None, metavar="L",
                    help="the ORACLE drafter calibrated by acceptance length: p solves 1 + p + ... + p^steps = L "
                         "(L in [1, steps + 1] for --steps drafts); excludes --oracle; greedy only")
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                   help="the target's latent cache (vLLM's spelling): auto (the model's dtype), bf16, or fp8 = "
+                        "fp8_e4m3 (e4m3, key = fp8 * scale; the drafter's K / V stay in --dtype)")
+    p.add_argument("--kv-scale", type=_kv_scale, default=None, metavar="S|calibrate",
+                   help="fp8 cache: its dequantisation scale, one for every layer or one per layer (comma-separated; "
+                        "default 1.0, SGLang's unscaled cast), or calibrate: amax / 448 per layer after the prefill")
     p = sub.add_parser("diagnose", help="acceptance per plausible wiring: is the configured capture the trained one?",
                        **kw)
     _add_decode_args(p)
