@@ -357,7 +357,10 @@ def batch_invariant_mla_attention(q: Tensor, kv_cache: Tensor, page_table: Tenso
     NH, D = q.shape[1], q.shape[2]
     page_size = kv_cache.shape[1]
     cap = page_table.shape[1] * page_size
-    keys = kv_cache[page_table.long()].reshape(B, cap, D).double()  # [B, cap, D]
+    if kv_cache.dtype == torch.float8_e4m3fn:  # gathered as bytes (float8 indexing is missing from some builds)
+        keys = kv_cache.view(torch.uint8)[page_table.long()].view(kv_cache.dtype).reshape(B, cap, D).double()
+    else:
+        keys = kv_cache[page_table.long()].reshape(B, cap, D).double()  # [B, cap, D]
     if kv_scale is not None:
         keys = keys * kv_scale.double().reshape(())
     pos = torch.arange(cap, device=q.device)
