@@ -79,6 +79,31 @@ TORCH_LIBRARY(eagle3, m) {
   m.def(
       "kv_accept(Tensor(a!)[] caches, Tensor page_table, Tensor(b!) prefix_lens, Tensor accept_nodes, "
       "Tensor accept_len) -> ()");
+
+  // ---- compat -----------------------------------------------------------------------------------
+  // internal, CUDA only: eagle3_ops.compat.sglang's functions on CUDA tensors (csrc/compat_sglang.cu), with
+  // sgl-kernel's argument names and order (its in-place outputs where it puts them) and every check the
+  // Python path makes; the Python wrappers call these and keep their tensor-op path for CPU tensors
+  m.def(
+      "_sglang_build_tree(Tensor parent_list, Tensor selected_index, Tensor verified_seq_len, "
+      "Tensor(a!) tree_mask, Tensor(b!) positions, Tensor(c!) retrive_index, Tensor(d!) retrive_next_token, "
+      "Tensor(e!) retrive_next_sibling, int topk, int depth, int draft_token_num, int tree_mask_mode) -> ()");
+  m.def(
+      "_sglang_verify_greedy(Tensor(a!) predicts, Tensor(b!) accept_index, Tensor(c!) accept_token_num, "
+      "Tensor candidates, Tensor retrive_index, Tensor retrive_next_token, Tensor retrive_next_sibling, "
+      "Tensor target_predict) -> ()");
+  m.def(
+      "_sglang_verify_sampling(Tensor(a!) predicts, Tensor(b!) accept_index, Tensor(c!) accept_token_num, "
+      "Tensor candidates, Tensor retrive_index, Tensor retrive_next_token, Tensor retrive_next_sibling, "
+      "Tensor uniform_samples, Tensor uniform_samples_for_final_sampling, Tensor target_probs, "
+      "Tensor(d!)? draft_probs, float threshold_single, float threshold_acc) -> ()");
+  m.def(
+      "_sglang_segment_packbits(Tensor x, Tensor input_indptr, Tensor output_indptr, Tensor(a!) y, "
+      "int batch_size) -> ()");
+  m.def(
+      "_sglang_reconstruct_indices(Tensor tree_mask, Tensor verified_seq_len, Tensor(a!) positions, "
+      "Tensor(b!) retrive_index, Tensor(c!) retrive_next_token, Tensor(d!) retrive_next_sibling, "
+      "int batch_size, int draft_token_num) -> ()");
 }
 
 // ---- build information, exposed through pybind11 as eagle3_ops._C.build_info() ---------------------

@@ -915,13 +915,18 @@ def test_build_kernel_matches_tensor_path(B, topk, depth, N, mode):
 @pytest.mark.parametrize("mode", MODES)
 def test_build_kernel_unselected_parents_unsorted_and_duplicates(selected, mode):
     # outside SGLang's contract (its kernel leaves such nodes unlinked): the kernel ranks them as build_tree does
+    kernels_match_tensor_path(build_tree_kernel_efficient, _golden_selection_case(selected, mode), (3, 4, 5, 6, 7))
+
+
+def _golden_selection_case(selected, mode):
+    """build_tree_kernel_efficient's arguments for the golden parent_list with another selection."""
     B, N = 1, len(selected) + 1
     args = _build_case(torch.Generator().manual_seed(2), B, 2, 3, N, mode)
     args[0], args[1] = torch.tensor([GOLDEN_PARENT_LIST[0]]), torch.tensor([selected])
     args[2] = torch.tensor([3])
     if mode == TreeMaskMode.FULL_MASK:
         args[3] = torch.ones(3 * N + N * N, dtype=torch.bool)
-    kernels_match_tensor_path(build_tree_kernel_efficient, args, (3, 4, 5, 6, 7))
+    return args
 
 
 def _walk_case(g, B, N, kind, V, shuffled):
@@ -945,11 +950,20 @@ WALK_SHAPES = [(1, 1, "chain", 1), (1, 1, "chain", 4), (3, 8, "beam", 5), (2, 7,
 @pytest.mark.parametrize("shuffled", [False, True])
 @pytest.mark.parametrize("B,N,kind,S", WALK_SHAPES)
 def test_greedy_kernel_matches_tensor_path(B, N, kind, S, shuffled):
+    kernels_match_tensor_path(verify_tree_greedy, *_greedy_case(B, N, kind, S, shuffled))
+
+
+def _walk_outs(B, N, S):
+    """predicts (SGLang's B * N + 1), accept_index, accept_token_num, poisoned with -9."""
+    return [torch.full((B * N + 1,), -9, dtype=torch.int32), torch.full((B, S), -9, dtype=torch.int32),
+            torch.full((B,), -9, dtype=torch.int32)]
+
+
+def _greedy_case(B, N, kind, S, shuffled):
+    """(arguments, outputs to compare) of one verify_tree_greedy call."""
     g = torch.Generator().manual_seed(B * 100 + N)
     tokens, target, r_index, r_next, r_sib = _walk_case(g, B, N, kind, 9, shuffled)
-    outs = [torch.full((B * N + 1,), -9, dtype=torch.int32), torch.full((B, S), -9, dtype=torch.int32),
-            torch.full((B,), -9, dtype=torch.int32)]
-    kernels_match_tensor_path(verify_tree_greedy, [*outs, tokens, r_index, r_next, r_sib, target], (0, 1, 2))
+    return [*_walk_outs(B, N, S), tokens, r_index, r_next, r_sib, target], (0, 1, 2)
 
 
 SAMPLING_SHAPES = [(1, 1, "chain", 1, 7), (3, 8, "beam", 5, 50), (2, 7, "wide", 8, 111),
@@ -962,41 +976,53 @@ SAMPLING_CASES = [(*shape, th, wd) for shape in SAMPLING_SHAPES for th in ((1.0,
 @needs_kernels
 @pytest.mark.parametrize("B,N,kind,S,V,thresholds,with_draft", SAMPLING_CASES)
 def test_sampling_kernel_matches_tensor_path(B, N, kind, S, V, thresholds, with_draft):
+    for args, outs in _sampling_cases(B, N, kind, S, V, thresholds, with_draft):
+        kernels_match_tensor_path(tree_speculative_sampling_target_only, args, outs)
+
+
+def _sampling_cases(B, N, kind, S, V, thresholds, with_draft):
+    """(arguments, outputs to compare) of three tree_speculative_sampling_target_only calls on one tree with
+    fresh coins (the first final coin 1.0: the draw past the mass takes the last token)."""
     g = torch.Generator().manual_seed(B * 100 + N + V)
     tokens, _, r_index, r_next, r_sib = _walk_case(g, B, N, kind, V, shuffled=True)
     probs = torch.softmax(torch.randn(B, N, V, generator=g) * 4, -1)
     draft = torch.softmax(torch.randn(B, N, V, generator=g), -1) * 0.5 if with_draft else None
-    outs = [torch.full((B * N + 1,), -9, dtype=torch.int32), torch.full((B, S), -9, dtype=torch.int32),
-            torch.full((B,), -9, dtype=torch.int32)]
-    for _ in range(3):  # fresh coins (the first coin 1.0 too: the draw past the mass takes the last token)
+    for _ in range(3):
         coins, final = torch.rand(B, N, generator=g), torch.rand(B, generator=g)
         final[0] = 1.0
-        args = [*outs, tokens, r_index, r_next, r_sib, coins, final, probs, draft, *thresholds]
-        kernels_match_tensor_path(tree_speculative_sampling_target_only, args, (0, 1, 2) + ((10,) if with_draft else ()))
+        yield ([*_walk_outs(B, N, S), tokens, r_index, r_next, r_sib, coins, final, probs, draft, *thresholds],
+               (0, 1, 2) + ((10,) if with_draft else ()))
 
 
 @needs_kernels
 @pytest.mark.parametrize("lengths", [[0], [1], [7, 8, 9], [0, 13, 0, 64, 3], list(range(0, 300, 7))])
 def test_packbits_kernel_matches_tensor_path(lengths):
+    kernels_match_tensor_path(segment_packbits, _packbits_args(lengths), (3,))
+
+
+def _packbits_args(lengths):
     g = torch.Generator().manual_seed(len(lengths))
     L = torch.tensor(lengths)
     in_ptr = torch.cat([torch.zeros(1, dtype=torch.int32), L.cumsum(0).int()])
     out_ptr = torch.cat([torch.zeros(1, dtype=torch.int32), ((L + 7) // 8).cumsum(0).int()])
     x = torch.rand(int(in_ptr[-1]), generator=g) < 0.5
     y = torch.full((int(out_ptr[-1]) + 3,), 77, dtype=torch.uint8)  # bytes outside every segment left as they are
-    kernels_match_tensor_path(segment_packbits, [x, in_ptr, out_ptr, y, len(lengths)], (3,))
+    return [x, in_ptr, out_ptr, y, len(lengths)]
 
 
 @needs_kernels
 @pytest.mark.parametrize("B,N,kind", [(1, 1, "chain"), (3, 9, "bushy"), (2, 17, "beam"), (65, 4, "wide"),
                                       (1, 64, "bushy")])
 def test_reconstruct_kernel_matches_tensor_path(B, N, kind):
+    kernels_match_tensor_path(reconstruct_indices_from_tree_mask, _reconstruct_args(B, N, kind), (2, 3, 4, 5))
+
+
+def _reconstruct_args(B, N, kind):
     g = torch.Generator().manual_seed(B + N)
     parents = tree.random_parents(B, N, g, kind)
     mask = tree.mask_to_dense(tree.tree_mask(parents), N).reshape(-1)
     outs = [torch.full((B * N,), -7), torch.full((B, N), -7), torch.full((B, N), -7), torch.full((B, N), -7)]
-    kernels_match_tensor_path(reconstruct_indices_from_tree_mask, [mask, torch.randint(0, 99, (B,), generator=g), *outs,
-                                                                   B, N], (2, 3, 4, 5))
+    return [mask, torch.randint(0, 99, (B,), generator=g), *outs, B, N]
 
 
 @pytest.mark.gpu
@@ -1035,3 +1061,339 @@ def test_gpu_kernels_at_bench_shapes_and_in_one_graph():
         step()
         for a, b in zip(got, (*greedy_outs, *outs, draft)):
             assert_equal(a, b, "replay vs eager")
+
+
+# ---- the C++ ops (csrc/compat_sglang.cu) == the Triton kernels == the tensor-op path -------------------------
+# On CUDA tensors compat.sglang calls torch.ops.eagle3._sglang_* (kernels = "auto"); kernels = "triton" and
+# "torch" take the other two paths on copies of the same tensors. Every output compared exactly, the sampling
+# bonus too (both kernels sum the residual in fp64, in other associations: a draw within an fp64 rounding step
+# of a token boundary could go either way).
+
+
+def needs_cpp_ops():
+    ops = compat._cuda_ops()
+    missing = [name for name, op in zip(ops._fields, ops) if op is None]
+    assert not missing, f"this build has no CUDA kernel for {missing} (EAGLE3_CUDA_ONLY without compat_sglang?)"
+
+
+def cpp_matches_paths(fn, args, outs):
+    """fn(*args) on CUDA copies through the C++ op, the Triton kernels and the tensor ops: the arguments in `outs`
+    equal afterwards. Returns the C++ op's copies."""
+    needs_cpp_ops()
+    runs = {}
+    for path in ("torch", "triton", "auto"):
+        copies = [a.clone().cuda() if isinstance(a, torch.Tensor) else a for a in args]
+        compat.kernels = path
+        try:
+            fn(*copies)
+        finally:
+            compat.kernels = "auto"
+        runs[path] = copies
+    for i in outs:
+        for other in ("triton", "torch"):
+            assert_equal(runs["auto"][i].cpu(), runs[other][i].cpu(), f"{fn.__name__} argument {i} (C++ vs {other})")
+    return runs["auto"]
+
+
+# BUILD_KERNEL_SHAPES, then the bench's (B 64: Kimi-like 8 x 6 x 64, 4 x 5 x 16, a chain of 4)
+CPP_BUILD_SHAPES = BUILD_KERNEL_SHAPES + [(64, 8, 6, 64), (64, 4, 5, 16), (64, 1, 3, 4)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("B,topk,depth,N", CPP_BUILD_SHAPES)
+def test_gpu_cpp_build_matches_paths(B, topk, depth, N, mode):
+    if mode == TreeMaskMode.QLEN_ONLY_BITPACKING and N > 32:
+        pytest.skip("the packed mask holds N <= 32")
+    g = torch.Generator().manual_seed(B * 1000 + N)
+    args = _build_case(g, B, topk, depth, N, mode, seq_max=4096 if B == 64 else 9)
+    cpp_matches_paths(build_tree_kernel_efficient, args, (3, 4, 5, 6, 7))
+    args[2] = args[2].int()  # verified_seq_len int32, positions [B, N]
+    args[4] = args[4].view(B, N)
+    cpp_matches_paths(build_tree_kernel_efficient, args, (3, 4, 5, 6, 7))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("selected", [[0, 8], [8, 0], [6, 0, 1, 2, 2], [9, 7, 5], [9, 8, 7, 6], [-1, 10, 3]])
+@pytest.mark.parametrize("mode", MODES)
+def test_gpu_cpp_build_unselected_parents_unsorted_duplicates_outside(selected, mode):
+    # outside SGLang's contract: the C++ op ranks such selections as the Triton kernel and build_tree do (a
+    # selected index outside [0, C) skipped)
+    cpp_matches_paths(build_tree_kernel_efficient, _golden_selection_case(selected, mode), (3, 4, 5, 6, 7))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("N,dtype", [(9, torch.uint16), (16, torch.int16), (17, torch.uint32), (32, torch.int32)])
+def test_gpu_cpp_build_bitpacked_dtypes(N, dtype):
+    # SGLang's 1-D masks of 2 and 4 bytes a row: the same bytes as the CPU path writes
+    g = torch.Generator().manual_seed(N)
+    B, topk, depth = 5, 4, 3
+    parent_list, selected = eagle_selection(g, B, topk, depth, N)
+    seq = torch.randint(0, 50, (B,), generator=g)
+    args = [parent_list, selected, seq, torch.zeros(B * N, dtype=dtype), torch.full((B * N,), -7),
+            torch.full((B, N), -7), torch.full((B, N), -1), torch.full((B, N), -1), topk, depth, N, 2]
+    cpu = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+    build_tree_kernel_efficient(*cpu)
+    gpu = [a.cuda() if isinstance(a, torch.Tensor) else a for a in args]
+    build_tree_kernel_efficient(*gpu)
+    assert_equal(gpu[3].cpu().view(torch.uint8), cpu[3].view(torch.uint8), "tree_mask bytes")
+    for i in (4, 5, 6, 7):
+        assert_equal(gpu[i].cpu(), cpu[i], f"argument {i}")
+
+
+@pytest.mark.gpu
+def test_gpu_cpp_build_records_a_bad_parent_as_the_triton_kernel_does():
+    # parent_list[0, 3] = 7 feeds selected candidate 6 (slot 8 = depth 2, m 0 of our layout) a parent outside
+    # depth 1: recorded as build_tree's draft_parents, the candidate hanging from the root, on both CUDA paths
+    import eagle3_ops
+
+    args = _build_args()
+    args[0][0, 3] = 7
+    eagle3_ops.check_errors()
+    messages = []
+    for path in ("triton", "auto"):
+        copies = [a.clone().cuda() for a in args]
+        compat.kernels = path
+        try:
+            build_tree_kernel_efficient(*copies, 2, 3, 6, TreeMaskMode.QLEN_ONLY)
+        finally:
+            compat.kernels = "auto"
+        with pytest.raises(Eagle3InputError) as e:
+            eagle3_ops.check_errors()
+        messages.append((str(e.value), [t.cpu() for t in copies[3:]]))
+    assert messages[0][0] == messages[1][0] == "build_tree: draft_parents[0, 2, 0] = 5 is out of range (valid: 0..3)"
+    for a, b in zip(messages[0][1], messages[1][1]):
+        assert_equal(b, a, "outputs after the bad entry (C++ vs Triton)")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shuffled", [False, True])
+@pytest.mark.parametrize("B,N,kind,S", WALK_SHAPES + [(64, 4, "chain", 4), (64, 8, "beam", 8), (1, 8, "beam", 8),
+                                                      (3, 300, "bushy", 9)])  # + the bench's; N past Triton's 256
+def test_gpu_cpp_verify_greedy_matches_paths(B, N, kind, S, shuffled):
+    cpp_matches_paths(verify_tree_greedy, *_greedy_case(B, N, kind, S, shuffled))
+
+
+@pytest.mark.gpu
+def test_gpu_cpp_verify_greedy_bad_links_and_rows():
+    # links outside [0, N), a node linked from a later one, rows outside [0, B * N): clamped / never followed,
+    # as the Triton kernel does
+    g = torch.Generator().manual_seed(21)
+    B, N, S = 4, 16, 6
+    tokens, target, r_index, r_next, r_sib = _walk_case(g, B, N, "bushy", 3, shuffled=True)
+    r_next[0, 0], r_sib[1, 2], r_next[2, 5] = 99, -5, 3
+    r_index[3, 1], r_index[3, 2] = -4, B * N + 7
+    needs_cpp_ops()
+    runs = []
+    for path in ("triton", "auto"):
+        copies = [a.clone().cuda() for a in [*_walk_outs(B, N, S), tokens, r_index, r_next, r_sib, target]]
+        compat.kernels = path
+        try:
+            verify_tree_greedy(*copies)
+        finally:
+            compat.kernels = "auto"
+        runs.append(copies)
+    for i in (0, 1, 2):
+        assert_equal(runs[1][i].cpu(), runs[0][i].cpu(), f"argument {i} (C++ vs Triton)")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B,N,kind,S,V,thresholds,with_draft",
+                         SAMPLING_CASES + [(64, 8, "beam", 8, 163840, (1.0, 1.0), True),
+                                           (64, 4, "chain", 4, 163840, (0.5, 0.7), False),
+                                           (1, 8, "beam", 8, 163841, (0.3, 0.6), True)])  # the bench's; V odd
+def test_gpu_cpp_sampling_matches_paths(B, N, kind, S, V, thresholds, with_draft):
+    for args, outs in _sampling_cases(B, N, kind, S, V, thresholds, with_draft):
+        cpp_matches_paths(tree_speculative_sampling_target_only, args, outs)
+    # [B * N, V] probabilities, the newest release's positional thresholds (no draft_probs)
+    args[9:] = [args[9].view(B * N, V), *thresholds]
+    cpp_matches_paths(tree_speculative_sampling_target_only, args, (0, 1, 2))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lengths", [[0], [1], [7, 8, 9], [0, 13, 0, 64, 3], list(range(0, 300, 7)),
+                                     [64 * (4096 + 64)] * 3])  # the last: the bench's segments, aligned
+def test_gpu_cpp_packbits_matches_paths(lengths):
+    x, in_ptr, out_ptr, y, n = _packbits_args(lengths)
+    cpp_matches_paths(segment_packbits, [x, in_ptr, out_ptr, y, n], (3,))
+    if len(x) > 1:  # x at an odd offset (its 8-byte loads not aligned)
+        cpp_matches_paths(segment_packbits, [x[1:], in_ptr.clamp(max=len(x) - 1), out_ptr, y, n], (3,))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B,N,kind", [(1, 1, "chain"), (3, 9, "bushy"), (2, 17, "beam"), (65, 4, "wide"),
+                                      (1, 64, "bushy"), (2, 300, "beam")])  # N 300: past the Triton kernel's 256
+def test_gpu_cpp_reconstruct_matches_paths(B, N, kind):
+    args = _reconstruct_args(B, N, kind)
+    cpp_matches_paths(reconstruct_indices_from_tree_mask, args, (2, 3, 4, 5))
+    g, seq = torch.Generator().manual_seed(N), args[1]
+    # int32 lengths, positions [B, N] and next tokens int32, a mask that is not a tree (random bits)
+    outs = [torch.full((B, N), -7, dtype=torch.int32), torch.full((B, N), -7), torch.full((B, N), -7, dtype=torch.int32),
+            torch.full((B, N), -7)]
+    noise = torch.rand(B * N * N, generator=g) < 0.3
+    cpp_matches_paths(reconstruct_indices_from_tree_mask, [noise, seq.int(), *outs, B, N], (2, 3, 4, 5))
+
+
+@pytest.mark.gpu
+def test_gpu_cpp_past_its_limits_takes_the_other_paths():
+    # N 1100 nodes (past the walk's 1024 in shared memory): the Triton / tensor-op path, same outputs as the CPU
+    g = torch.Generator().manual_seed(22)
+    B, N, S = 2, 1100, 5
+    tokens, target, r_index, r_next, r_sib = _walk_case(g, B, N, "chain", 3, shuffled=False)
+    _cuda_matches_cpu(verify_tree_greedy, [*_walk_outs(B, N, S), tokens, r_index, r_next, r_sib, target], (0, 1, 2))
+    # 10 x 90 steps = 8010 + ... candidate slots (past the build's 8192): the Triton kernel
+    topk, depth, N = 10, 90, 12
+    args = _build_case(g, 1, topk, depth, N, TreeMaskMode.QLEN_ONLY)
+    _cuda_matches_cpu(build_tree_kernel_efficient, args, (3, 4, 5, 6, 7))
+
+
+def _bad_calls():
+    """(function, args) pairs the Python path refuses with TypeError / ValueError from shapes and dtypes alone."""
+    calls = []
+    for change, exc, _ in BAD_BUILD:
+        if exc is not Eagle3InputError:
+            args = _build_args()
+            change(args)
+            calls.append((build_tree_kernel_efficient, args + [2, 3, 6, TreeMaskMode.QLEN_ONLY]))
+    args = _build_args(TreeMaskMode.QLEN_ONLY_BITPACKING)
+    args[3] = torch.zeros(6, dtype=torch.uint16)
+    calls.append((build_tree_kernel_efficient, args + [2, 3, 6, 2]))
+    args = _build_args(TreeMaskMode.QLEN_ONLY_BITPACKING)
+    calls.append((build_tree_kernel_efficient, args[:3] + [torch.zeros(5, dtype=torch.uint8)] + args[4:] + [2, 3, 6, 2]))
+    calls.append((build_tree_kernel_efficient, _build_args() + [2, 3, 6, 3]))   # no such mode
+    calls.append((build_tree_kernel_efficient, _build_args() + [0, 3, 6, 1]))   # topk 0
+    calls.append((build_tree_kernel_efficient, _build_args() + [2, 3, 12, 1]))  # N past the candidates + 1
+    args = _build_args()
+    args[4] = torch.full((2, 3), -7)  # positions of B * N elements in another shape
+    calls.append((build_tree_kernel_efficient, args + [2, 3, 6, 1]))
+    probs = torch.softmax(peer_logits(), -1)
+    for change, exc, msg in BAD_WALK:
+        if exc is Eagle3InputError or "parent before" in msg:  # value checks: CPU only
+            continue
+        for fn, extra in ((verify_tree_greedy, [peer_logits().argmax(-1)]),
+                          (tree_speculative_sampling_target_only, [torch.rand(2, 6), torch.rand(2), probs, None])):
+            args = _walk_args()
+            change(args)
+            calls.append((fn, args + extra))
+    walk = _walk_args()
+    calls.append((verify_tree_greedy, walk + [peer_logits().argmax(-1).int()]))
+    calls.append((verify_tree_greedy, walk[:4] + [walk[4][:, :5]] + walk[5:] + [peer_logits().argmax(-1)]))
+    calls.append((tree_speculative_sampling_target_only, walk + [torch.rand(2, 6).double(), torch.rand(2), probs, None]))
+    calls.append((tree_speculative_sampling_target_only, walk + [torch.rand(2, 6), torch.rand(3), probs, None]))
+    calls.append((tree_speculative_sampling_target_only, walk + [torch.rand(2, 6), torch.rand(2),
+                                                                 probs[:, :5].contiguous(), None]))
+    calls.append((tree_speculative_sampling_target_only, walk + [torch.rand(2, 6), torch.rand(2), probs,
+                                                                 torch.zeros(2, 6, 19)]))
+    calls.append((tree_speculative_sampling_target_only, walk + [torch.rand(2, 6), torch.rand(2), probs.view(12, 20),
+                                                                 torch.zeros(2, 6, 20)]))
+    calls.append((tree_speculative_sampling_target_only, walk + [torch.rand(2, 6), torch.rand(2),
+                                                                 probs.transpose(1, 2), None]))
+    x = torch.ones(9, dtype=torch.bool)
+    i32 = lambda v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
+    calls.append((segment_packbits, [x, torch.tensor([0, 9]), i32([0, 2]), torch.zeros(2, dtype=torch.uint8), 1]))
+    calls.append((segment_packbits, [x, i32([0, 9]), i32([0, 2, 2]), torch.zeros(2, dtype=torch.uint8), 1]))
+    calls.append((segment_packbits, [x.view(3, 3), i32([0, 9]), i32([0, 2]), torch.zeros(2, dtype=torch.uint8), 1]))
+    calls.append((segment_packbits, [x, i32([0, 9]), i32([0, 2]), torch.zeros(2, dtype=torch.int8), 1]))
+    lists = [torch.zeros(2, 3, dtype=torch.int64)] * 3
+    calls.append((reconstruct_indices_from_tree_mask, [torch.ones(17, dtype=torch.bool), torch.zeros(2, dtype=torch.int64),
+                                                       torch.zeros(6, dtype=torch.int64), *lists, 2, 3]))
+    calls.append((reconstruct_indices_from_tree_mask, [torch.ones(18, dtype=torch.bool), torch.zeros(2),
+                                                       torch.zeros(6, dtype=torch.int64), *lists, 2, 3]))
+    calls.append((reconstruct_indices_from_tree_mask, [torch.ones(18, dtype=torch.bool), torch.zeros(2, dtype=torch.int32),
+                                                       torch.zeros(7, dtype=torch.int64), *lists, 2, 3]))
+    calls.append((reconstruct_indices_from_tree_mask, [torch.ones(18, dtype=torch.bool), torch.zeros(2, dtype=torch.int32),
+                                                       torch.zeros(6, dtype=torch.int64), *lists[:2],
+                                                       torch.zeros(3, 2, dtype=torch.int64), 2, 3]))
+    return calls
+
+
+def test_bad_calls_are_refused_on_cpu():
+    # the list the GPU test below replays on CUDA: each refused here with TypeError / ValueError, nothing written
+    for fn, args in _bad_calls():
+        before = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+        with pytest.raises((TypeError, ValueError)) as e:
+            fn(*args)
+        assert not isinstance(e.value, Eagle3InputError), f"{fn.__name__}: {e.value}"
+        for t, b in zip(args, before):
+            if isinstance(t, torch.Tensor):
+                assert_equal(t, b, f"{fn.__name__}: an argument after a refused call")
+
+
+@pytest.mark.gpu
+def test_gpu_cpp_refuses_bad_input_as_the_python_path():
+    # every shape / dtype / layout refusal of the Python path, on CUDA copies through the C++ op: the same
+    # exception type and message, nothing written
+    needs_cpp_ops()
+    for fn, args in _bad_calls():
+        with pytest.raises((TypeError, ValueError)) as cpu:
+            fn(*[a.clone() if isinstance(a, torch.Tensor) else a for a in args])
+        gpu = [a.cuda() if isinstance(a, torch.Tensor) else a for a in args]
+        before = [a.clone() if isinstance(a, torch.Tensor) else a for a in gpu]
+        with pytest.raises(type(cpu.value)) as cuda:
+            fn(*gpu)
+        said = str(cuda.value).splitlines()[0]  # (a C++ backtrace, where enabled, follows the message)
+        assert said == str(cpu.value), f"{fn.__name__}: C++ says {said!r}, Python {str(cpu.value)!r}"
+        for t, b in zip(gpu, before):
+            if isinstance(t, torch.Tensor):
+                assert_equal(t.cpu(), b.cpu(), f"{fn.__name__}: an argument after a refused call")
+    # one argument on another device
+    args = [a.cuda() for a in _build_args()]
+    args[5] = args[5].cpu()
+    with pytest.raises(ValueError, match=r"^retrive_index must be on the same device as the first argument "
+                                         r"\(cuda:0\), got cpu"):
+        build_tree_kernel_efficient(*args, 2, 3, 6, TreeMaskMode.QLEN_ONLY)
+
+
+@pytest.mark.gpu
+def test_gpu_cpp_ops_in_one_graph():
+    # the five C++ ops captured in one CUDA graph (the sampling's two launches and its scratch too), replayed on
+    # new inputs written in place: equal to eager calls on the same inputs
+    needs_cpp_ops()
+    g = torch.Generator().manual_seed(23)
+    dev = "cuda"
+    B, topk, depth, N, V, S = 8, 4, 3, 17, 1000, 6
+    build = [a.to(dev) if isinstance(a, torch.Tensor) else a for a in _build_case(g, B, topk, depth, N, 0, 300)]
+    tokens, target, r_index, r_next, r_sib = [t.to(dev) for t in _walk_case(g, B, N, "beam", V, shuffled=True)]
+    probs = torch.softmax(torch.randn(B, N, V, device=dev) * 4, -1)
+    draft = torch.zeros_like(probs)
+    coins, final = torch.rand(B, N, device=dev), torch.rand(B, device=dev)
+    greedy = [torch.full((B * N + 1,), -9, dtype=torch.int32, device=dev), torch.full((B, S), -9, dtype=torch.int32,
+              device=dev), torch.full((B,), -9, dtype=torch.int32, device=dev)]
+    sampling = [t.clone() for t in greedy]
+    lengths = torch.randint(0, 70, (9,), generator=g)
+    in_ptr = torch.cat([torch.zeros(1), lengths.cumsum(0)]).int().to(dev)
+    out_ptr = torch.cat([torch.zeros(1), ((lengths + 7) // 8).cumsum(0)]).int().to(dev)
+    x = (torch.rand(int(in_ptr[-1]), generator=g) < 0.3).to(dev)
+    y = torch.zeros(int(out_ptr[-1]), dtype=torch.uint8, device=dev)
+    qmask = tree.mask_to_dense(tree.tree_mask(tree.random_parents(B, N, g, "bushy")), N).reshape(-1).to(dev)
+    recon = [torch.full((B * N,), -7, device=dev)] + [torch.full((B, N), -7, device=dev) for _ in range(3)]
+    seq = torch.randint(0, 99, (B,), device=dev)
+
+    def step():
+        build[3].fill_(True)
+        for t in build[5:8]:
+            t.fill_(-1)
+        draft.zero_()
+        build_tree_kernel_efficient(*build)
+        verify_tree_greedy(*greedy, tokens, r_index, r_next, r_sib, target)
+        tree_speculative_sampling_target_only(*sampling, tokens, r_index, r_next, r_sib, coins, final, probs, draft,
+                                              0.5, 0.7)
+        segment_packbits(x, in_ptr, out_ptr, y, 9)
+        reconstruct_indices_from_tree_mask(qmask, seq, *recon, B, N)
+
+    outputs = lambda: [build[3], *build[4:8], *greedy, *sampling, draft, y, *recon]  # noqa: E731
+    graph, _ = capture_graph(step)
+    for _ in range(2):
+        parent_list, selected = eagle_selection(g, B, topk, depth, N)
+        build[0].copy_(parent_list)
+        build[1].copy_(selected)
+        coins.copy_(torch.rand(B, N, device=dev))
+        final.copy_(torch.rand(B, device=dev))
+        target.copy_(torch.where(torch.rand(B, N, device=dev) < 0.5, target, tokens))
+        x.copy_(torch.rand(x.numel(), device=dev) < 0.5)
+        qmask.copy_(tree.mask_to_dense(tree.tree_mask(tree.random_parents(B, N, g, "beam")), N).reshape(-1))
+        graph.replay()
+        got = [t.clone() for t in outputs()]
+        step()
+        for i, (a, b) in enumerate(zip(got, outputs())):
+            assert_equal(a.cpu(), b.cpu(), f"replay vs eager, output {i}")

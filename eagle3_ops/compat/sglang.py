@@ -6,12 +6,16 @@ An SGLang EAGLE worker swaps ``from sgl_kernel import ...`` for ``from eagle3_op
 (sgl-kernel's speculative.py, and its eagle_utils.cu, speculative_sampling.cuh, packbit.cu and ngram_utils.cu
 read as the specification; argument names keep sgl-kernel's ``retrive_*``).
 
-How each runs. On CUDA tensors each function is one or two Triton launches (triton_kernels/compat_sglang.py:
-the build, the walks, the packing and the reconstruction each fused, no host sync, fixed grids, CUDA-graph
-capturable). On CPU tensors it runs the tensor-op path below, which is the specification the kernels are
-tested against (tests/test_compat_sglang.py runs both on random inputs, the kernels under TRITON_INTERPRET=1);
-``kernels`` (default: $EAGLE3_COMPAT_KERNELS, else "auto") = "triton" sends CPU tensors to the kernels too,
-"torch" keeps CUDA tensors on the tensor ops:
+How each runs. On CUDA tensors each function is ONE C++ op, torch.ops.eagle3._sglang_* (csrc/compat_sglang.cu:
+the checks below in C++, one or two CUDA launches, no host sync, CUDA-graph capturable), which this module
+resolves once and calls with nothing else done in Python: an eager call costs one dispatch, as SGLang's own
+sgl-kernel calls do. Where the build lacks that file (EAGLE3_CUDA_ONLY without compat_sglang) or a shape
+passes its kernels' limits (the op then raises NotImplementedError after its checks), the same call takes the
+Triton kernels (triton_kernels/compat_sglang.py: one or two launches each, the same algorithms). On CPU tensors
+it runs the tensor-op path below, which is the specification both are tested against
+(tests/test_compat_sglang.py runs them on random inputs, the Triton kernels under TRITON_INTERPRET=1);
+``kernels`` (default: $EAGLE3_COMPAT_KERNELS, else "auto") = "triton" sends CUDA tensors to the Triton kernels
+instead of the C++ ops and CPU tensors to the Triton kernels too, "torch" keeps CUDA tensors on the tensor ops:
 
 * ``build_tree_kernel_efficient`` calls ``torch.ops.eagle3.build_tree`` on SGLang's candidate layout
   (depth d's candidates as row d of a [depth, topk * topk] block, the selected ones scored -index so that
@@ -54,7 +58,7 @@ from __future__ import annotations
 import functools
 import os
 from enum import IntEnum
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 from torch import Tensor
@@ -62,7 +66,8 @@ from torch import Tensor
 from .. import _validate, errors, tree
 from ..errors import check_range, input_error
 
-# "auto": Triton kernels on CUDA tensors; "triton": on any tensors (interpreted on CPU); "torch": never
+# "auto": the C++ ops on CUDA tensors (the Triton kernels where the build has none); "triton": the Triton kernels
+# on any tensors (interpreted on CPU); "torch": the tensor ops everywhere
 kernels = os.environ.get("EAGLE3_COMPAT_KERNELS", "auto")
 
 __all__ = ["TreeMaskMode", "build_tree_kernel_efficient", "verify_tree_greedy", "tree_speculative_sampling_target_only",
@@ -103,6 +108,28 @@ def _k():
     from ..triton_kernels import compat_sglang
 
     return compat_sglang
+
+
+class _CudaOps(NamedTuple):
+    build_tree: object
+    verify_greedy: object
+    verify_sampling: object
+    segment_packbits: object
+    reconstruct_indices: object
+
+
+@functools.cache
+def _cuda_ops() -> _CudaOps:
+    """torch.ops.eagle3._sglang_<name>.default for each function whose CUDA kernel this build compiled
+    (csrc/compat_sglang.cu), else None: resolved once, so that an eager call does no lookup."""
+    def op(name):
+        try:
+            overload = getattr(torch.ops.eagle3, f"_sglang_{name}").default
+        except (AttributeError, RuntimeError):  # a _C from before these schemas
+            return None
+        return overload if torch._C._dispatch_has_kernel_for_dispatch_key(f"eagle3::_sglang_{name}", "CUDA") else None
+
+    return _CudaOps(*(op(n) for n in _CudaOps._fields))
 
 
 def _mask_bytes(N: int) -> int:
@@ -156,6 +183,15 @@ def build_tree_kernel_efficient(parent_list: Tensor, selected_index: Tensor, ver
     build_tree's check (recorded as build_tree's draft_parents; the candidate hangs from the root), and mask
     rows past the end of a short FULL_MASK buffer are not written.
     """
+    if kernels == "auto" and isinstance(parent_list, Tensor) and parent_list.is_cuda:
+        op = _cuda_ops().build_tree
+        if op is not None:
+            try:
+                return op(parent_list, selected_index, verified_seq_len, tree_mask, positions, retrive_index,
+                          retrive_next_token, retrive_next_sibling, int(topk), int(depth), int(draft_token_num),
+                          int(tree_mask_mode))
+            except NotImplementedError:  # past the C++ kernel's limits: the Triton / tensor-op path below
+                pass
     N, topk, depth, mode = int(draft_token_num), int(topk), int(depth), TreeMaskMode(int(tree_mask_mode))
     if topk < 1 or depth < 1:
         raise ValueError(f"topk and depth must be >= 1, got topk = {topk}, depth = {depth}")
@@ -384,9 +420,10 @@ def _retrieve_names(fn):
     """Also take the lists by the ``retrieve_*`` keywords (sgl-kernel's tests and some releases spell them so)."""
     @functools.wraps(fn)
     def call(*args, **kwargs):
-        for name in ("index", "next_token", "next_sibling"):
-            if f"retrieve_{name}" in kwargs:
-                kwargs[f"retrive_{name}"] = kwargs.pop(f"retrieve_{name}")
+        if kwargs:
+            for name in ("index", "next_token", "next_sibling"):
+                if f"retrieve_{name}" in kwargs:
+                    kwargs[f"retrive_{name}"] = kwargs.pop(f"retrieve_{name}")
         return fn(*args, **kwargs)
     return call
 
@@ -423,6 +460,14 @@ def verify_tree_greedy(predicts: Tensor, accept_index: Tensor, accept_token_num:
     node from a later one raise ValueError, before anything is written; on CUDA such rows are clamped and
     such nodes never accepted. Nodes no link reaches are never accepted (as in SGLang).
     """
+    if kernels == "auto" and isinstance(candidates, Tensor) and candidates.is_cuda:
+        op = _cuda_ops().verify_greedy
+        if op is not None:
+            try:
+                return op(predicts, accept_index, accept_token_num, candidates, retrive_index, retrive_next_token,
+                          retrive_next_sibling, target_predict)
+            except NotImplementedError:  # past the C++ kernel's limits: the Triton / tensor-op path below
+                pass
     B, N, S = _check_walk_args("verify_tree_greedy", predicts, accept_index, accept_token_num, candidates,
                                retrive_index, retrive_next_token, retrive_next_sibling)
     _t(target_predict, "target_predict", I64, candidates, shape=(("B", B), ("N", N)))
@@ -484,6 +529,15 @@ def tree_speculative_sampling_target_only(predicts: Tensor, accept_index: Tensor
     """
     if isinstance(draft_probs, (int, float)):  # the newest release's positional (..., threshold_single, ...)
         draft_probs, threshold_single, threshold_acc, deterministic = None, draft_probs, threshold_single, threshold_acc
+    if kernels == "auto" and isinstance(candidates, Tensor) and candidates.is_cuda:
+        op = _cuda_ops().verify_sampling
+        if op is not None:
+            try:
+                return op(predicts, accept_index, accept_token_num, candidates, retrive_index, retrive_next_token,
+                          retrive_next_sibling, uniform_samples, uniform_samples_for_final_sampling, target_probs,
+                          draft_probs, float(threshold_single), float(threshold_acc))
+            except NotImplementedError:  # past the C++ kernels' limits: the Triton / tensor-op path below
+                pass
     B, N, S = _check_walk_args("tree_speculative_sampling_target_only", predicts, accept_index, accept_token_num,
                                candidates, retrive_index, retrive_next_token, retrive_next_sibling)
     _t(uniform_samples, "uniform_samples", (torch.float32,), candidates, shape=(("B", B), ("N", N)))
@@ -497,7 +551,8 @@ def tree_speculative_sampling_target_only(predicts: Tensor, accept_index: Tensor
     if V < 1:
         raise ValueError("target_probs must have V >= 1")
     if draft_probs is not None:
-        _t(draft_probs, "draft_probs", (torch.float32,), candidates, shape=tuple(("", s) for s in target_probs.shape))
+        _t(draft_probs, "draft_probs", (torch.float32,), candidates,
+           shape=(("B", B), ("N", N), ("V", V)) if target_probs.dim() == 3 else (("B * N", B * N), ("V", V)))
     if B == 0:
         return
     if candidates.device.type == "cpu":
@@ -580,8 +635,15 @@ def segment_packbits(x: Tensor, input_indptr: Tensor, output_indptr: Tensor, y: 
     batch_size : int
 
     Bad values: on CPU offsets outside x / y raise Eagle3InputError before anything is written; on CUDA
-    bits past x read as 0 and bytes past y are not written.
+    bits outside x read as 0 and bytes past y are not written.
     """
+    if kernels == "auto" and isinstance(x, Tensor) and x.is_cuda:
+        op = _cuda_ops().segment_packbits
+        if op is not None:
+            try:
+                return op(x, input_indptr, output_indptr, y, int(batch_size))
+            except NotImplementedError:  # past the C++ kernel's limits: the Triton / tensor-op path below
+                pass
     _t(x, "x", (torch.bool,), x, dim=1)
     n = int(batch_size)
     _t(input_indptr, "input_indptr", I32, x, shape=(("batch_size + 1", n + 1),))
@@ -627,8 +689,16 @@ def reconstruct_indices_from_tree_mask(tree_mask: Tensor, verified_seq_len: Tens
         B, N.
 
     The input is [B, N, N]; the comparisons here are too (no native op behind this conversion); on CUDA one
-    program per request (N <= 256; larger N take the tensor ops).
+    block per request (the C++ op: N <= 12288; the Triton kernel: N <= 256; larger N take the tensor ops).
     """
+    if kernels == "auto" and isinstance(tree_mask, Tensor) and tree_mask.is_cuda:
+        op = _cuda_ops().reconstruct_indices
+        if op is not None:
+            try:
+                return op(tree_mask, verified_seq_len, positions, retrive_index, retrive_next_token,
+                          retrive_next_sibling, int(batch_size), int(draft_token_num))
+            except NotImplementedError:  # past the C++ kernel's limits: the Triton / tensor-op path below
+                pass
     B, N = int(batch_size), int(draft_token_num)
     _t(tree_mask, "tree_mask", (torch.bool,), tree_mask)
     _numel(tree_mask, "tree_mask", B * N * N, "batch_size * draft_token_num**2")

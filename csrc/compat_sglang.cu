@@ -1,0 +1,965 @@
+// eagle3_ops.compat.sglang on CUDA tensors: each of its five functions as ONE op with its checks in C++, so that
+// an eager call (SGLang's EAGLE worker calls these outside its CUDA graphs) costs one dispatch and one or two
+// launches instead of Python-side validation and Triton launches.
+//
+//   _sglang_build_tree          build_tree_kernel_efficient         one block per request
+//   _sglang_verify_greedy       verify_tree_greedy                  one block per request
+//   _sglang_verify_sampling     tree_speculative_sampling_target_only  (request, 4096-column chunk) blocks, then
+//                                                                   one block per request for the bonus draw
+//   _sglang_segment_packbits    segment_packbits                    one thread per output byte
+//   _sglang_reconstruct_indices reconstruct_indices_from_tree_mask  one block per request
+//
+// The algorithms are triton_kernels/compat_sglang.py's (its docstring, and eagle3_ops/compat/sglang.py's, say
+// what SGLang semantics they keep), and the specification is compat.sglang's tensor-op path: the integer
+// outputs are the same bit for bit; the sampling bonus sums the residual in fp64 (in another association than
+// the Triton kernel's, so a draw within an fp64 rounding step of a token boundary may go the other way).
+//
+// Host checks: the Python path's (eagle3_ops/compat/sglang.py: _t, _numel, _check_walk_args), in its order, with
+// its exception types (TypeError for a dtype, ValueError otherwise) and its messages, shapes printed as Python
+// tuples. Values are never validated on the host (no sync): on device a bad value is never used as an index
+// (what each op skips is in compat.sglang's docstrings), and the build records a bad parent_list entry in the
+// device error word as build_tree's draft_parents, as the Triton kernel does. Past the kernels' size limits
+// (nodes / candidate slots held in shared memory) an op raises NotImplementedError after its checks, and the
+// Python wrapper takes its Triton or tensor-op path.
+//
+// No host sync, no allocation but the sampling's scratch (from the caching allocator), the current stream of
+// the inputs' device under a device guard: capturable in a CUDA graph.
+
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <climits>
+#include <cstdint>
+#include <initializer_list>
+#include <optional>
+#include <sstream>
+#include <string>
+
+#include "eagle3/errors.cuh"
+#include "eagle3/errors.h"
+
+namespace eagle3 {
+namespace {
+
+// ---- host checks, worded as eagle3_ops/_validate.tensor and compat.sglang's _numel ---------------------------
+
+std::string py_tuple(c10::IntArrayRef v) {
+  std::ostringstream s;
+  s << "(";
+  for (size_t i = 0; i < v.size(); ++i) s << (i ? ", " : "") << v[i];
+  s << (v.size() == 1 ? ",)" : ")");
+  return s.str();
+}
+
+std::string py_dtype(at::ScalarType t) {
+  switch (t) {
+    case at::kBool: return "bool";
+    case at::kByte: return "uint8";
+    case at::kChar: return "int8";
+    case at::kShort: return "int16";
+    case at::kInt: return "int32";
+    case at::kLong: return "int64";
+    case at::kUInt16: return "uint16";
+    case at::kUInt32: return "uint32";
+    case at::kUInt64: return "uint64";
+    case at::kHalf: return "float16";
+    case at::kBFloat16: return "bfloat16";
+    case at::kFloat: return "float32";
+    case at::kDouble: return "float64";
+    default: return c10::toString(t);
+  }
+}
+
+struct Dim {
+  const char* sym;
+  int64_t size;
+};
+
+// One tensor argument: dtype, then shape (symbols and sizes) or rank, then the device of `like` (the Python
+// path's "first argument"), then contiguity.
+void check_arg(const at::Tensor& t, const char* name, std::initializer_list<at::ScalarType> dtypes,
+               const char* dtype_names, const at::Tensor& like, std::initializer_list<Dim> shape = {}, int64_t dim = -1) {
+  bool dtype_ok = false;
+  for (at::ScalarType d : dtypes) dtype_ok = dtype_ok || t.scalar_type() == d;
+  TORCH_CHECK_TYPE(dtype_ok, name, " must have dtype ", dtype_names, ", got ", py_dtype(t.scalar_type()));
+  if (shape.size() > 0) {
+    bool ok = t.dim() == static_cast<int64_t>(shape.size());
+    int64_t i = 0;
+    std::ostringstream syms, vals;
+    for (const Dim& d : shape) {
+      ok = ok && t.size(i) == d.size;
+      syms << (i ? ", " : "") << d.sym;
+      vals << (i ? ", " : "") << d.size;
+      ++i;
+    }
+    TORCH_CHECK_VALUE(ok, name, " must have shape (", syms.str(), ") = (", vals.str(), "), got ", py_tuple(t.sizes()));
+  } else if (dim >= 0) {
+    TORCH_CHECK_VALUE(t.dim() == dim, name, " must have ", dim, " dimensions, got shape ", py_tuple(t.sizes()));
+  }
+  TORCH_CHECK_VALUE(t.device() == like.device(), name, " must be on the same device as the first argument (",
+                    like.device(), "), got ", t.device());
+  TORCH_CHECK_VALUE(t.is_contiguous(), name, " must be contiguous, got strides ", py_tuple(t.strides()), " for shape ",
+                    py_tuple(t.sizes()));
+}
+
+// compat.sglang._numel: n elements, and with `shapes` one of those shapes.
+void check_numel(const at::Tensor& t, const char* name, int64_t n, const char* what,
+                 std::initializer_list<std::initializer_list<int64_t>> shapes = {}) {
+  bool ok = t.numel() == n;
+  std::ostringstream allowed;
+  if (shapes.size() > 0) {
+    bool any = false;
+    int k = 0;
+    for (const auto& s : shapes) {
+      any = any || t.sizes().equals(c10::IntArrayRef(s));
+      allowed << (k++ ? " or " : "") << py_tuple(c10::IntArrayRef(s));
+    }
+    ok = ok && any;
+  } else {
+    allowed << n << " elements";
+  }
+  TORCH_CHECK_VALUE(ok, name, " must have ", what, " = ", n, " elements (", allowed.str(), "), got shape ",
+                    py_tuple(t.sizes()));
+}
+
+const c10::cuda::CUDAStream current_stream(const at::Tensor& t) {
+  return c10::cuda::getCurrentCUDAStream(t.get_device());
+}
+
+// ---- device helpers ------------------------------------------------------------------------------------------
+
+__device__ __forceinline__ int64_t load_index(const void* p, bool is64, int64_t i) {
+  return is64 ? static_cast<const int64_t*>(p)[i] : static_cast<const int32_t*>(p)[i];
+}
+
+__device__ __forceinline__ void store_index(void* p, bool is64, int64_t i, int64_t v) {
+  if (is64) {
+    static_cast<int64_t*>(p)[i] = v;
+  } else {
+    static_cast<int32_t*>(p)[i] = static_cast<int32_t>(v);
+  }
+}
+
+// Inclusive prefix sum over the lanes of a (full) warp.
+template <typename T>
+__device__ __forceinline__ T warp_inclusive_sum(T x) {
+  const int lane = threadIdx.x & 31;
+  for (int o = 1; o < 32; o <<= 1) {
+    const T y = __shfl_up_sync(0xffffffffu, x, o);
+    if (lane >= o) x += y;
+  }
+  return x;
+}
+
+// Exclusive prefix sum of one int per thread over the block (every thread calls it); *total = the block's sum.
+template <int kThreads>
+__device__ int block_exclusive_sum(int v, int* scratch, int* total) {
+  static_assert(kThreads % 32 == 0 && kThreads <= 1024, "whole warps");
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int x = warp_inclusive_sum(v);
+  if (lane == 31) scratch[warp] = x;
+  __syncthreads();
+  if (warp == 0) {
+    const int w = warp_inclusive_sum(lane < kThreads / 32 ? scratch[lane] : 0);
+    if (lane < kThreads / 32) scratch[lane] = w;
+  }
+  __syncthreads();
+  const int before = (warp ? scratch[warp - 1] : 0) + x - v;
+  *total = scratch[kThreads / 32 - 1];
+  __syncthreads();
+  return before;
+}
+
+template <typename T, int kThreads>
+__device__ T block_sum(T v, T* scratch) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_down_sync(0xffffffffu, v, o);
+  if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = v;
+  __syncthreads();
+  T s = 0;
+  if (threadIdx.x == 0) {
+    for (int w = 0; w < kThreads / 32; ++w) s += scratch[w];  // in warp order: one association every call
+    scratch[0] = s;
+  }
+  __syncthreads();
+  s = scratch[0];
+  __syncthreads();
+  return s;
+}
+
+// ==== build_tree_kernel_efficient =============================================================================
+
+constexpr int kBuildThreads = 256;
+constexpr int64_t kBuildMaxSlots = 8192;  // depth * M candidate slots held in shared memory
+constexpr int64_t kBuildMaxNodes = 1024;
+
+// SGLang's flat candidate g (a parent_list entry) -> its slot within draft depth d - 1 of our [depth, M] layout
+// (wrapping as the Triton kernel's int64 arithmetic does: a value that far out is out of range either way).
+__device__ __forceinline__ int64_t parent_local(int64_t g, int topk, int M, int d) {
+  const uint64_t slot = g < topk ? static_cast<uint64_t>(g) : static_cast<uint64_t>(g) + static_cast<uint64_t>(M - topk);
+  return static_cast<int64_t>(slot - static_cast<uint64_t>(d - 1) * static_cast<uint64_t>(M));
+}
+
+// parent_list [B, P] int64 (P = topk * (depth - 1) + 1, or 0 at depth 1); selected [B, N - 1] int64;
+// seq_lens [B] int32 | int64; mask: the output mask's bytes (mask_numel); positions [B * N] int64;
+// r_index / r_next / r_sib [B, N] int64; err: the device error word.
+// Slot c = d * M + m is our [depth, M] layout of SGLang's flat candidates (f < topk: row 0, then topk^2 per
+// depth; M = topk^2, or topk at depth 1). grid: B blocks of kBuildThreads; dynamic shared memory: CS slots'
+// parent slot and node (int32) and chosen / fin flags (u8), N parents (int32).
+__global__ void __launch_bounds__(kBuildThreads) sglang_build_kernel(
+    const int64_t* __restrict__ parent_list, int64_t P, const int64_t* __restrict__ selected,
+    const void* __restrict__ seq_lens, bool seq64, uint8_t* __restrict__ mask, int64_t mask_numel,
+    int64_t* __restrict__ positions, int64_t* __restrict__ r_index, int64_t* __restrict__ r_next,
+    int64_t* __restrict__ r_sib, int topk, int depth, int M, int N, int mode, int nb, int64_t* __restrict__ err) {
+  extern __shared__ int32_t smem32[];
+  __shared__ int scan_scratch[kBuildThreads / 32];
+  __shared__ int64_t sum_scratch[kBuildThreads / 32];
+  __shared__ int first_bad;
+  const int CS = depth * M;
+  int32_t* ps = smem32;                                   // [CS] parent slot; -1: hangs from the root
+  int32_t* node = ps + CS;                                // [CS] node of the slot, or -1
+  int32_t* par = node + CS;                               // [N] parent node (-1 for the root)
+  uint8_t* chosen = reinterpret_cast<uint8_t*>(par + N);  // [CS] selected
+  uint8_t* fin = chosen + CS;                             // [CS] selected, and so is every ancestor
+  const int64_t b = blockIdx.x;
+  const int tid = threadIdx.x;
+  const int64_t C = topk + static_cast<int64_t>(depth - 1) * topk * topk;  // SGLang's candidates
+
+  for (int c = tid; c < CS; c += kBuildThreads) chosen[c] = 0;
+  if (tid == 0) first_bad = INT_MAX;
+  __syncthreads();
+  // the selected slots (a selected candidate outside [0, C) is skipped; duplicates select once)
+  for (int j = tid; j < N - 1; j += kBuildThreads) {
+    const int64_t s = selected[b * (N - 1) + j];
+    if (s >= 0 && s < C) chosen[s < topk ? s : s + (M - topk)] = 1;
+  }
+  __syncthreads();
+  // parent slots: a selected candidate's parent_list entry -> its slot in depth d - 1; one outside that depth is
+  // build_tree's draft_parents error, and the candidate hangs from the root (an unselected one reads slot 0)
+  for (int c = tid; c < CS; c += kBuildThreads) {
+    const int d = c / M, m = c - d * M;
+    int p = -1;
+    if (d > 0) {
+      int64_t local = 0;
+      if (chosen[c]) local = parent_local(parent_list[b * P + 1 + (d - 1) * topk + m / topk], topk, M, d);
+      if (local < 0 || local >= M) {
+        atomicMin(&first_bad, c);
+      } else {
+        p = (d - 1) * M + static_cast<int>(local);
+      }
+    }
+    ps[c] = p;
+  }
+  __syncthreads();
+  if (tid == 0 && EAGLE3_UNLIKELY(first_bad != INT_MAX)) {  // the first bad slot, as the Triton kernel reports it
+    const int c = first_bad, d = c / M, m = c - d * M;
+    const int64_t local = parent_local(parent_list[b * P + 1 + (d - 1) * topk + m / topk], topk, M, d);
+    report_range(err, kOpBuildTree, kArgDraftParents, local, 0, M - 1, b, d, m);
+  }
+  // fin: selected with every ancestor selected (the chain ends at the root or at a bad entry: ps < 0)
+  for (int c = tid; c < CS; c += kBuildThreads) {
+    bool f = chosen[c] != 0;
+    for (int x = ps[c], steps = 0; f && x >= 0 && steps < depth; x = ps[x], ++steps) f = chosen[x] != 0;
+    fin[c] = f;
+  }
+  __syncthreads();
+  // build_tree's ranks: the fin slots in slot order (their -index scores), then the others in slot order;
+  // ranks 0 .. N - 2 become nodes 1 .. N - 1. Each thread takes a contiguous run of slots.
+  const int per = (CS + kBuildThreads - 1) / kBuildThreads;
+  const int lo = min(CS, tid * per), hi = min(CS, lo + per);
+  int count = 0;
+  for (int c = lo; c < hi; ++c) count += fin[c];
+  int total = 0;
+  int before = block_exclusive_sum<kBuildThreads>(count, scan_scratch, &total);
+  for (int c = lo; c < hi; ++c) {
+    const int rank = fin[c] ? before : total + (c - before);
+    before += fin[c];
+    node[c] = rank < N - 1 ? rank + 1 : -1;
+  }
+  __syncthreads();
+  // a node's parent is the node of its parent slot: a slot ranks after its parent slot (fin ones first, each
+  // group in slot order, a parent slot < its child's), so that is a node with a smaller index
+  if (tid == 0) par[0] = -1;
+  for (int c = tid; c < CS; c += kBuildThreads) {
+    const int n = node[c];
+    if (n < 1) continue;
+    const int pn = ps[c] < 0 ? 0 : node[ps[c]];
+    par[n] = pn >= 0 && pn < n ? pn : 0;
+  }
+  int64_t seq_before = 0;  // FULL_MASK: the earlier requests' prefix lengths
+  if (mode == 0) {
+    for (int64_t k = tid; k < b; k += kBuildThreads) seq_before += load_index(seq_lens, seq64, k);
+  }
+  seq_before = block_sum<int64_t, kBuildThreads>(seq_before, sum_scratch);  // (its barriers publish par too)
+  const int64_t seq = load_index(seq_lens, seq64, b);
+
+  // per node: depth -> positions; retrive_index; first child and next sibling, written where they exist
+  for (int i = tid; i < N; i += kBuildThreads) {
+    int dep = 0;
+    for (int x = par[i]; x >= 0 && dep < N; x = par[x]) ++dep;
+    positions[b * N + i] = seq + dep;
+    r_index[b * N + i] = b * N + i;
+    for (int j = i + 1; j < N; ++j) {  // a child has a larger index
+      if (par[j] == i) {
+        r_next[b * N + i] = j;
+        break;
+      }
+    }
+    const int pi = par[i];
+    if (pi >= 0) {
+      for (int j = i + 1; j < N; ++j) {
+        if (par[j] == pi) {
+          r_sib[b * N + i] = j;
+          break;
+        }
+      }
+    }
+    if (mode == 2) {  // QLEN_ONLY_BITPACKING: nb little-endian bytes per row; byte 0 set, the others OR-ed into
+      uint32_t bits = 0;
+      for (int x = i, steps = 0; x >= 0 && steps <= N; x = par[x], ++steps) bits |= 1u << x;
+      uint8_t* row = mask + (b * N + i) * nb;
+      row[0] = static_cast<uint8_t>(bits & 255u);
+      for (int k = 1; k < nb; ++k) row[k] |= static_cast<uint8_t>((bits >> (8 * k)) & 255u);
+    }
+  }
+  if (mode == 2) return;
+  // FULL_MASK / QLEN_ONLY: one bool per (row i, column j), j an ancestor of i or i itself; row (b, i) of the
+  // FULL_MASK block starts at N*N*b + N*sum(seq[:b]) + (seq[b] + N)*i + seq[b] (entries past the buffer skipped)
+  const int64_t start = mode == 0 ? static_cast<int64_t>(N) * N * b + N * seq_before + seq
+                                  : static_cast<int64_t>(N) * N * b;
+  const int64_t stride = mode == 0 ? seq + N : N;
+  for (int t = tid; t < N * N; t += kBuildThreads) {
+    const int i = t / N, j = t - i * N;
+    int x = i;
+    for (int steps = 0; x > j && steps < N; ++steps) x = par[x];  // parents have smaller indices
+    const int64_t at = start + stride * i + j;
+    if (at >= 0 && at < mask_numel) mask[at] = x == j;
+  }
+}
+
+void sglang_build_tree_cuda(const at::Tensor& parent_list, const at::Tensor& selected_index,
+                            const at::Tensor& verified_seq_len, const at::Tensor& tree_mask, const at::Tensor& positions,
+                            const at::Tensor& retrive_index, const at::Tensor& retrive_next_token,
+                            const at::Tensor& retrive_next_sibling, int64_t topk, int64_t depth,
+                            int64_t draft_token_num, int64_t tree_mask_mode) {
+  const int64_t N = draft_token_num, mode = tree_mask_mode;
+  TORCH_CHECK_VALUE(mode >= 0 && mode <= 2, mode, " is not a valid TreeMaskMode");
+  TORCH_CHECK_VALUE(topk >= 1 && depth >= 1, "topk and depth must be >= 1, got topk = ", topk, ", depth = ", depth);
+  const int64_t C = topk + (depth - 1) * topk * topk;
+  TORCH_CHECK_VALUE(N >= 1 && N <= C + 1, "draft_token_num must be in [1, topk + (depth - 1) * topk**2 + 1] = [1, ",
+                    C + 1, "], got ", N);
+  check_arg(parent_list, "parent_list", {at::kLong}, "int64", parent_list, {}, 2);
+  const int64_t B = parent_list.size(0), P = parent_list.size(1);
+  TORCH_CHECK_VALUE(P == topk * (depth - 1) + 1 || (depth == 1 && P == 0),
+                    "parent_list must have shape (B, topk * (depth - 1) + 1) = (", B, ", ", topk * (depth - 1) + 1,
+                    "), got ", py_tuple(parent_list.sizes()));
+  check_arg(selected_index, "selected_index", {at::kLong}, "int64", parent_list, {{"B", B}, {"N - 1", N - 1}});
+  check_arg(verified_seq_len, "verified_seq_len", {at::kLong, at::kInt}, "int64 | int32", parent_list, {{"B", B}});
+  check_arg(positions, "positions", {at::kLong}, "int64", parent_list);
+  check_numel(positions, "positions", B * N, "B * N", {{B * N}, {B, N}});
+  check_arg(retrive_index, "retrive_index", {at::kLong}, "int64", parent_list, {{"B", B}, {"N", N}});
+  check_arg(retrive_next_token, "retrive_next_token", {at::kLong}, "int64", parent_list, {{"B", B}, {"N", N}});
+  check_arg(retrive_next_sibling, "retrive_next_sibling", {at::kLong}, "int64", parent_list, {{"B", B}, {"N", N}});
+  int nb = 0;
+  if (mode == 2) {
+    TORCH_CHECK_VALUE(N <= 32, "QLEN_ONLY_BITPACKING holds at most 32 nodes (4 bytes per row), got N = ", N);
+    nb = N <= 8 ? 1 : (N <= 16 ? 2 : 4);
+    if (nb == 1) {
+      check_arg(tree_mask, "tree_mask", {at::kByte}, "uint8", parent_list);
+    } else if (nb == 2) {
+      check_arg(tree_mask, "tree_mask", {at::kByte, at::kUInt16, at::kShort}, "uint8 | uint16 | int16", parent_list);
+    } else {
+      check_arg(tree_mask, "tree_mask", {at::kByte, at::kUInt32, at::kInt}, "uint8 | uint32 | int32", parent_list);
+    }
+    const std::string what = "B * N * " + std::to_string(nb) + " bytes";
+    check_numel(tree_mask, "tree_mask", B * N * nb / static_cast<int64_t>(tree_mask.element_size()), what.c_str());
+  } else {
+    check_arg(tree_mask, "tree_mask", {at::kBool}, "bool", parent_list);
+    if (mode == 1) check_numel(tree_mask, "tree_mask", B * N * N, "B * N * N");
+  }
+  if (B == 0) return;
+  const int64_t M = depth > 1 ? topk * topk : topk;
+  TORCH_CHECK_NOT_IMPLEMENTED(depth * M <= kBuildMaxSlots && N <= kBuildMaxNodes,
+                              "compat_sglang build: more than ", kBuildMaxSlots, " candidate slots or ", kBuildMaxNodes,
+                              " nodes per request");
+  const c10::cuda::OptionalCUDAGuard guard(parent_list.device());
+  const cudaStream_t stream = current_stream(parent_list);
+  const int device = parent_list.get_device();
+  const int64_t CS = depth * M;
+  const size_t smem = static_cast<size_t>(CS) * (2 * sizeof(int32_t) + 2) + static_cast<size_t>(N) * sizeof(int32_t);
+  if (smem > 48 * 1024) {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(sglang_build_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        static_cast<int>(smem)));
+  }
+  sglang_build_kernel<<<static_cast<unsigned>(B), kBuildThreads, smem, stream>>>(
+      P ? parent_list.data_ptr<int64_t>() : nullptr, P, selected_index.data_ptr<int64_t>(),
+      verified_seq_len.data_ptr(), verified_seq_len.scalar_type() == at::kLong,
+      static_cast<uint8_t*>(tree_mask.data_ptr()), tree_mask.numel() * static_cast<int64_t>(tree_mask.element_size()),
+      positions.data_ptr<int64_t>(), retrive_index.data_ptr<int64_t>(), retrive_next_token.data_ptr<int64_t>(),
+      retrive_next_sibling.data_ptr<int64_t>(), static_cast<int>(topk), static_cast<int>(depth), static_cast<int>(M),
+      static_cast<int>(N), static_cast<int>(mode), nb, device_error_word(device));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  after_launch(device, stream);
+}
+
+// ==== the walks: verify_tree_greedy and tree_speculative_sampling_target_only =================================
+
+constexpr int kWalkThreads = 64;
+constexpr int64_t kWalkMaxNodes = 1024;  // a request's lists staged in shared memory
+
+// compat.sglang._check_walk_args: returns S.
+int64_t check_walk_args(const at::Tensor& predicts, const at::Tensor& accept_index, const at::Tensor& accept_token_num,
+                        const at::Tensor& candidates, const at::Tensor& retrive_index,
+                        const at::Tensor& retrive_next_token, const at::Tensor& retrive_next_sibling) {
+  check_arg(candidates, "candidates", {at::kLong}, "int64", candidates, {}, 2);
+  const int64_t B = candidates.size(0), N = candidates.size(1);
+  check_arg(retrive_index, "retrive_index", {at::kLong}, "int64", candidates, {{"B", B}, {"N", N}});
+  check_arg(retrive_next_token, "retrive_next_token", {at::kLong}, "int64", candidates, {{"B", B}, {"N", N}});
+  check_arg(retrive_next_sibling, "retrive_next_sibling", {at::kLong}, "int64", candidates, {{"B", B}, {"N", N}});
+  check_arg(predicts, "predicts", {at::kInt}, "int32", candidates, {}, 1);
+  TORCH_CHECK_VALUE(predicts.size(0) >= B * N, "predicts must have at least B * N = ", B * N,
+                    " entries (SGLang allocates B * N + 1), got ", py_tuple(predicts.sizes()));
+  check_arg(accept_index, "accept_index", {at::kInt}, "int32", candidates, {}, 2);
+  TORCH_CHECK_VALUE(accept_index.size(0) == B && accept_index.size(1) >= 1,
+                    "accept_index must have shape (B, S) with B = ", B, ", S >= 1, got ", py_tuple(accept_index.sizes()));
+  check_arg(accept_token_num, "accept_token_num", {at::kInt}, "int32", candidates, {{"B", B}});
+  return accept_index.size(1);
+}
+
+// A request's lists in shared memory: links outside [0, N) read as -1 (they end a list either way), flat rows
+// clamped to [0, B * N), the node's token.
+struct Lists {
+  int32_t* next;
+  int32_t* sib;
+  int64_t* tok;
+  int64_t* rows;
+};
+
+__device__ __forceinline__ Lists stage_lists(void* smem, int N, int64_t b, int64_t rmax,
+                                             const int64_t* __restrict__ candidates,
+                                             const int64_t* __restrict__ r_index, const int64_t* __restrict__ r_next,
+                                             const int64_t* __restrict__ r_sib) {
+  Lists l;
+  l.tok = static_cast<int64_t*>(smem);
+  l.rows = l.tok + N;
+  l.next = reinterpret_cast<int32_t*>(l.rows + N);
+  l.sib = l.next + N;
+  for (int i = threadIdx.x; i < N; i += blockDim.x) {
+    const int64_t nx = r_next[b * N + i], sb = r_sib[b * N + i], r = r_index[b * N + i];
+    l.next[i] = nx >= 0 && nx < N ? static_cast<int32_t>(nx) : -1;
+    l.sib[i] = sb >= 0 && sb < N ? static_cast<int32_t>(sb) : -1;
+    l.tok[i] = candidates[b * N + i];
+    l.rows[i] = r < 0 ? 0 : (r > rmax ? rmax : r);
+  }
+  return l;
+}
+
+// predicts [>= B * N] int32; accept_index [B, S], accept_token_num [B] int32; candidates, r_index, r_next,
+// r_sib, target [B, N] int64 (target read at the flat rows r_index, clamped to [0, B * N)).
+// grid: B blocks of kWalkThreads; dynamic shared memory: the staged lists and the targets at their rows.
+__global__ void __launch_bounds__(kWalkThreads) sglang_greedy_kernel(
+    int32_t* __restrict__ predicts, int32_t* __restrict__ accept_index, int32_t* __restrict__ accept_token_num,
+    const int64_t* __restrict__ candidates, const int64_t* __restrict__ r_index, const int64_t* __restrict__ r_next,
+    const int64_t* __restrict__ r_sib, const int64_t* __restrict__ target, int N, int S) {
+  extern __shared__ int64_t smem64[];
+  const int64_t b = blockIdx.x;
+  const int64_t rmax = static_cast<int64_t>(gridDim.x) * N - 1;
+  const Lists l = stage_lists(smem64, N, b, rmax, candidates, r_index, r_next, r_sib);
+  int64_t* tgt = smem64 + 3 * N;  // after tok, rows and the two int32 link arrays
+  __syncthreads();
+  for (int i = threadIdx.x; i < N; i += blockDim.x) tgt[i] = target[l.rows[i]];
+  __syncthreads();
+  if (threadIdx.x != 0) return;
+  // SGLang's walk: at the last accepted node, its children in list order; the first whose token is the
+  // target there is accepted, for at most S - 1 drafts
+  int last = 0, L = 0;
+  int64_t row = l.rows[0];
+  accept_index[b * S] = static_cast<int32_t>(row);
+  bool go = S > 1;
+  while (go) {
+    const int64_t want = tgt[last];
+    int cur = l.next[last], found = -1;
+    for (int steps = 0; cur >= 0 && steps < N; ++steps, cur = l.sib[cur]) {
+      if (cur > last && l.tok[cur] == want) {
+        found = cur;
+        break;
+      }
+    }
+    if (found >= 0) {
+      predicts[row] = static_cast<int32_t>(want);
+      last = found;
+      row = l.rows[last];
+      ++L;
+      accept_index[b * S + L] = static_cast<int32_t>(row);
+    }
+    go = found >= 0 && L < S - 1;
+  }
+  accept_token_num[b] = L;
+  predicts[row] = static_cast<int32_t>(tgt[last]);
+}
+
+void sglang_verify_greedy_cuda(const at::Tensor& predicts, const at::Tensor& accept_index,
+                               const at::Tensor& accept_token_num, const at::Tensor& candidates,
+                               const at::Tensor& retrive_index, const at::Tensor& retrive_next_token,
+                               const at::Tensor& retrive_next_sibling, const at::Tensor& target_predict) {
+  const int64_t S = check_walk_args(predicts, accept_index, accept_token_num, candidates, retrive_index,
+                                    retrive_next_token, retrive_next_sibling);
+  const int64_t B = candidates.size(0), N = candidates.size(1);
+  check_arg(target_predict, "target_predict", {at::kLong}, "int64", candidates, {{"B", B}, {"N", N}});
+  if (B == 0) return;
+  TORCH_CHECK_NOT_IMPLEMENTED(N <= kWalkMaxNodes && B * N < (int64_t{1} << 31) && S < (int64_t{1} << 31),
+                              "compat_sglang walk: more than ", kWalkMaxNodes, " nodes per request");
+  const c10::cuda::OptionalCUDAGuard guard(candidates.device());
+  const cudaStream_t stream = current_stream(candidates);
+  const size_t smem = static_cast<size_t>(N) * (3 * sizeof(int64_t) + 2 * sizeof(int32_t));
+  sglang_greedy_kernel<<<static_cast<unsigned>(B), kWalkThreads, smem, stream>>>(
+      predicts.data_ptr<int32_t>(), accept_index.data_ptr<int32_t>(), accept_token_num.data_ptr<int32_t>(),
+      candidates.data_ptr<int64_t>(), retrive_index.data_ptr<int64_t>(), retrive_next_token.data_ptr<int64_t>(),
+      retrive_next_sibling.data_ptr<int64_t>(), target_predict.data_ptr<int64_t>(), static_cast<int>(N),
+      static_cast<int>(S));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  after_launch(candidates.get_device(), stream);
+}
+
+// ---- sampling ------------------------------------------------------------------------------------------------
+
+constexpr int kSampleThreads = 256;
+constexpr int kPerThread = 16;                          // consecutive columns per thread
+constexpr int64_t kChunk = kSampleThreads * kPerThread;  // vocabulary columns per block
+
+struct SampleState {  // what the walk leaves for the bonus draw, per request
+  int64_t last;       // local index of the last accepted node
+  int64_t row;        // its flat row (predicts' index)
+  int64_t capped;     // S - 1 drafts accepted: the bonus comes from the target alone
+};
+
+// relu(target - draft) (the target alone when capped or without draft) at the last node's row, columns
+// c0 .. c0 + 15 (0 past V), and 0 at the tokens of its children (all tried and rejected unless capped: SGLang
+// set draft = target there). zero: those tokens (nzero of them; none when capped).
+__device__ __forceinline__ void residual(const float* __restrict__ probs, const float* __restrict__ draft,
+                                         int64_t rowoff, int64_t c0, int64_t V, bool vec, bool sub,
+                                         const int64_t* zero, int nzero, float (&w)[kPerThread]) {
+  float p[kPerThread], q[kPerThread];
+  if (vec && c0 + kPerThread <= V) {
+#pragma unroll
+    for (int k = 0; k < kPerThread; k += 4) {
+      const float4 a = __ldg(reinterpret_cast<const float4*>(probs + rowoff + c0 + k));
+      p[k] = a.x, p[k + 1] = a.y, p[k + 2] = a.z, p[k + 3] = a.w;
+      if (sub) {
+        const float4 d = *reinterpret_cast<const float4*>(draft + rowoff + c0 + k);
+        q[k] = d.x, q[k + 1] = d.y, q[k + 2] = d.z, q[k + 3] = d.w;
+      }
+    }
+  } else {
+#pragma unroll
+    for (int k = 0; k < kPerThread; ++k) {
+      const bool in = c0 + k < V;
+      p[k] = in ? probs[rowoff + c0 + k] : 0.0f;
+      if (sub) q[k] = in ? draft[rowoff + c0 + k] : 0.0f;
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < kPerThread; ++k) w[k] = c0 + k < V ? fmaxf(sub ? p[k] - q[k] : p[k], 0.0f) : 0.0f;
+  for (int z = 0; z < nzero; ++z) {
+    const int64_t off = zero[z] - c0;
+#pragma unroll
+    for (int k = 0; k < kPerThread; ++k) w[k] = off == k ? 0.0f : w[k];
+  }
+}
+
+// predicts, accept_index, accept_token_num, candidates, r_* as sglang_greedy_kernel's; uniform [B, N] fp32;
+// probs [B * N, V] fp32 (row b * N + node); draft like probs or null; part [B, split] fp64; state [B].
+// grid (B, split) blocks of kSampleThreads. Every block walks the request (block 0 writes the outputs, the
+// rejected draft probabilities and the state), then sums its chunk of the residual at the last node.
+// Dynamic shared memory: the staged lists, the coins, the targets of one row at every node's token.
+__global__ void __launch_bounds__(kSampleThreads) sglang_sample_sum_kernel(
+    int32_t* __restrict__ predicts, int32_t* __restrict__ accept_index, int32_t* __restrict__ accept_token_num,
+    const int64_t* __restrict__ candidates, const int64_t* __restrict__ r_index, const int64_t* __restrict__ r_next,
+    const int64_t* __restrict__ r_sib, const float* __restrict__ uniform, const float* __restrict__ probs,
+    float* draft, double* __restrict__ part, SampleState* __restrict__ state, int N, int S, int64_t V, int split,
+    float thr_single, float thr_acc, bool vec) {
+  extern __shared__ int64_t smem64[];
+  __shared__ double sum_scratch[kSampleThreads / 32];
+  __shared__ int s_last, s_nzero;
+  __shared__ bool s_capped;
+  const int64_t b = blockIdx.x;
+  const int s = blockIdx.y;
+  const bool write = s == 0;
+  const int64_t rmax = static_cast<int64_t>(gridDim.x) * N - 1;
+  const Lists l = stage_lists(smem64, N, b, rmax, candidates, r_index, r_next, r_sib);
+  int64_t* zero = smem64 + 3 * N;                       // [N] the last node's children's tokens
+  float* coins = reinterpret_cast<float*>(zero + N);    // [N]
+  float* p_all = coins + N;                             // [N] target at the current row, every node's token
+  for (int i = threadIdx.x; i < N; i += blockDim.x) coins[i] = uniform[b * N + i];
+  __syncthreads();
+  if (threadIdx.x < 32) {  // the walk, in warp 0 (lane 0 follows the lists, the lanes load)
+    const int lane = threadIdx.x;
+    int last = 0, L = 0;
+    int64_t row = l.rows[0];
+    if (write && lane == 0) accept_index[b * S] = static_cast<int32_t>(row);
+    bool go = S > 1;
+    while (go) {
+      const int64_t prow = (b * N + last) * V;
+      for (int i = lane; i < N; i += 32) {
+        const int64_t x = l.tok[i];
+        p_all[i] = x >= 0 && x < V ? probs[prow + x] : 0.0f;
+      }
+      __syncwarp();
+      int found = -1;
+      if (lane == 0) {
+        const float coin = coins[last];
+        double acc = 0.0;  // summed in fp64 and rounded to fp32, as the tensor path's scan
+        int cur = l.next[last];
+        for (int steps = 0; cur >= 0 && steps < N; ++steps, cur = l.sib[cur]) {
+          const float p = p_all[cur];
+          acc += static_cast<double>(p);
+          const bool ok = cur > last;
+          if (ok && (coin <= static_cast<float>(acc) / thr_acc || p >= thr_single)) {
+            found = cur;
+            break;
+          }
+          const int64_t x = l.tok[cur];
+          if (draft != nullptr && write && ok && x >= 0 && x < V) draft[prow + x] = p;  // tried and rejected
+        }
+      }
+      found = __shfl_sync(0xffffffffu, found, 0);
+      if (found >= 0) {
+        if (write && lane == 0) predicts[row] = static_cast<int32_t>(l.tok[found]);
+        last = found;
+        row = l.rows[last];
+        ++L;
+        if (write && lane == 0) accept_index[b * S + L] = static_cast<int32_t>(row);
+      }
+      go = found >= 0 && L < S - 1;
+      __syncwarp();  // p_all is reloaded next round
+    }
+    if (lane == 0) {
+      const bool capped = L == S - 1;
+      int nzero = 0;
+      if (!capped) {
+        int cur = l.next[last];
+        for (int steps = 0; cur >= 0 && steps < N; ++steps, cur = l.sib[cur]) {
+          if (cur > last) zero[nzero++] = l.tok[cur];
+        }
+      }
+      s_last = last;
+      s_capped = capped;
+      s_nzero = nzero;
+      if (write) {
+        accept_token_num[b] = L;
+        state[b] = SampleState{last, row, capped ? 1 : 0};
+      }
+    }
+  }
+  __syncthreads();
+  float w[kPerThread];
+  const int64_t c0 = s * kChunk + static_cast<int64_t>(threadIdx.x) * kPerThread;
+  residual(probs, draft, (b * N + s_last) * V, c0, V, vec, draft != nullptr && !s_capped, zero, s_nzero, w);
+  double sum = 0.0;
+#pragma unroll
+  for (int k = 0; k < kPerThread; ++k) sum += static_cast<double>(w[k]);
+  sum = block_sum<double, kSampleThreads>(sum, sum_scratch);
+  if (threadIdx.x == 0) part[b * split + s] = sum;
+}
+
+// The bonus draw: u = final[b] * total mass; the chunk where the running mass (fp64, each prefix rounded to
+// fp32) first exceeds u, and in it the first column whose running mass does (a draw past the mass: V - 1;
+// one the chunk's own sum does not reach, by rounding: its last column with mass). grid: B blocks.
+__global__ void __launch_bounds__(kSampleThreads) sglang_sample_pick_kernel(
+    int32_t* __restrict__ predicts, const int64_t* __restrict__ candidates, const int64_t* __restrict__ r_next,
+    const int64_t* __restrict__ r_sib, const float* __restrict__ probs, const float* __restrict__ draft,
+    const double* __restrict__ part, const SampleState* __restrict__ state, const float* __restrict__ final_u,
+    int N, int64_t V, int split, bool vec) {
+  extern __shared__ int64_t zero[];  // [N] the last node's children's tokens
+  __shared__ int s_hit, s_nzero, s_first, s_lastpos;
+  __shared__ double s_before;
+  __shared__ float s_u;
+  __shared__ double scan_scratch[kSampleThreads / 32];
+  const int64_t b = blockIdx.x;
+  const SampleState st = state[b];
+  if (threadIdx.x == 0) {
+    double total = 0.0;
+    for (int k = 0; k < split; ++k) total += part[b * split + k];
+    const float u = final_u[b] * static_cast<float>(total);
+    double upto = 0.0, before = 0.0;
+    int hit = split;
+    for (int k = 0; k < split; ++k) {
+      before = upto;
+      upto += part[b * split + k];
+      if (static_cast<float>(upto) > u) {
+        hit = k;
+        break;
+      }
+    }
+    int nzero = 0;
+    if (!st.capped) {
+      int64_t cur = r_next[b * N + st.last];
+      for (int steps = 0; cur >= 0 && cur < N && steps < N; ++steps, cur = r_sib[b * N + cur]) {
+        if (cur > st.last) zero[nzero++] = candidates[b * N + cur];
+      }
+    }
+    s_hit = hit, s_u = u, s_before = before, s_nzero = nzero;
+    s_first = INT_MAX, s_lastpos = -1;
+  }
+  __syncthreads();
+  const int hit = s_hit;
+  if (hit == split) {
+    if (threadIdx.x == 0) predicts[st.row] = static_cast<int32_t>(V - 1);
+    return;
+  }
+  float w[kPerThread];
+  const int64_t c0 = hit * kChunk + static_cast<int64_t>(threadIdx.x) * kPerThread;
+  residual(probs, draft, (b * N + st.last) * V, c0, V, vec, draft != nullptr && !st.capped, zero, s_nzero, w);
+  // this thread's exclusive running mass: the block's threads before it, in order
+  double mine = 0.0;
+#pragma unroll
+  for (int k = 0; k < kPerThread; ++k) mine += static_cast<double>(w[k]);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const double x = warp_inclusive_sum(mine);
+  if (lane == 31) scan_scratch[warp] = x;
+  __syncthreads();
+  double warp_before = 0.0;
+  for (int k = 0; k < warp; ++k) warp_before += scan_scratch[k];
+  double run = s_before + (warp_before + (x - mine));
+  const float u = s_u;
+  int first = INT_MAX, lastpos = -1;
+#pragma unroll
+  for (int k = 0; k < kPerThread; ++k) {
+    run += static_cast<double>(w[k]);
+    const int64_t col = c0 + k;
+    if (first == INT_MAX && col < V && static_cast<float>(run) > u) first = static_cast<int>(col);
+    if (w[k] > 0.0f) lastpos = static_cast<int>(col);
+  }
+  if (first != INT_MAX) atomicMin(&s_first, first);
+  if (lastpos >= 0) atomicMax(&s_lastpos, lastpos);
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const int token = s_first != INT_MAX ? s_first : (s_lastpos >= 0 ? s_lastpos : 0);
+    predicts[st.row] = token;
+  }
+}
+
+void sglang_verify_sampling_cuda(const at::Tensor& predicts, const at::Tensor& accept_index,
+                                 const at::Tensor& accept_token_num, const at::Tensor& candidates,
+                                 const at::Tensor& retrive_index, const at::Tensor& retrive_next_token,
+                                 const at::Tensor& retrive_next_sibling, const at::Tensor& uniform_samples,
+                                 const at::Tensor& uniform_samples_for_final_sampling, const at::Tensor& target_probs,
+                                 const std::optional<at::Tensor>& draft_probs, double threshold_single,
+                                 double threshold_acc) {
+  const int64_t S = check_walk_args(predicts, accept_index, accept_token_num, candidates, retrive_index,
+                                    retrive_next_token, retrive_next_sibling);
+  const int64_t B = candidates.size(0), N = candidates.size(1);
+  check_arg(uniform_samples, "uniform_samples", {at::kFloat}, "float32", candidates, {{"B", B}, {"N", N}});
+  check_arg(uniform_samples_for_final_sampling, "uniform_samples_for_final_sampling", {at::kFloat}, "float32",
+            candidates, {{"B", B}});
+  check_arg(target_probs, "target_probs", {at::kFloat}, "float32", candidates);
+  const auto lead = target_probs.sizes().slice(0, std::max<int64_t>(target_probs.dim() - 1, 0));
+  const bool three = target_probs.dim() == 3 && lead.equals({B, N});
+  TORCH_CHECK_VALUE(three || (target_probs.dim() == 2 && lead.equals({B * N})),
+                    "target_probs must have shape (B, N, V) or (B * N, V) with B = ", B, ", N = ", N, ", got ",
+                    py_tuple(target_probs.sizes()));
+  const int64_t V = target_probs.size(-1);
+  TORCH_CHECK_VALUE(V >= 1, "target_probs must have V >= 1");
+  if (draft_probs) {
+    if (three) {
+      check_arg(*draft_probs, "draft_probs", {at::kFloat}, "float32", candidates, {{"B", B}, {"N", N}, {"V", V}});
+    } else {
+      check_arg(*draft_probs, "draft_probs", {at::kFloat}, "float32", candidates, {{"B * N", B * N}, {"V", V}});
+    }
+  }
+  if (B == 0) return;
+  const int64_t split = (V + kChunk - 1) / kChunk;
+  TORCH_CHECK_NOT_IMPLEMENTED(N <= kWalkMaxNodes && B * N < (int64_t{1} << 31) && S < (int64_t{1} << 31) &&
+                                  split < 65536 && V < (int64_t{1} << 31),
+                              "compat_sglang sampling: more than ", kWalkMaxNodes, " nodes per request, or V >= 2**31");
+  const c10::cuda::OptionalCUDAGuard guard(candidates.device());
+  const cudaStream_t stream = current_stream(candidates);
+  // scratch: the chunks' masses (fp64) and each request's state
+  static_assert(sizeof(SampleState) % sizeof(double) == 0, "state after the masses, 8-byte aligned");
+  const int64_t words = B * split + B * static_cast<int64_t>(sizeof(SampleState) / sizeof(double));
+  at::Tensor scratch = at::empty({words}, target_probs.options().dtype(at::kDouble));
+  double* part = scratch.data_ptr<double>();
+  auto* state = reinterpret_cast<SampleState*>(part + B * split);
+  float* draft = draft_probs ? draft_probs->data_ptr<float>() : nullptr;
+  const float* probs = target_probs.data_ptr<float>();
+  const bool vec = V % 4 == 0 && reinterpret_cast<uintptr_t>(probs) % 16 == 0 &&
+                   (draft == nullptr || reinterpret_cast<uintptr_t>(draft) % 16 == 0);
+  const float thr_single = static_cast<float>(threshold_single);
+  const float thr_acc = static_cast<float>(std::max(threshold_acc, 1e-9));
+  // staged lists (3 int64 words a node), the children's tokens (int64), coins and one row's targets (fp32)
+  const size_t smem = static_cast<size_t>(N) * (4 * sizeof(int64_t) + 2 * sizeof(float));
+  sglang_sample_sum_kernel<<<dim3(static_cast<unsigned>(B), static_cast<unsigned>(split)), kSampleThreads, smem,
+                             stream>>>(
+      predicts.data_ptr<int32_t>(), accept_index.data_ptr<int32_t>(), accept_token_num.data_ptr<int32_t>(),
+      candidates.data_ptr<int64_t>(), retrive_index.data_ptr<int64_t>(), retrive_next_token.data_ptr<int64_t>(),
+      retrive_next_sibling.data_ptr<int64_t>(), uniform_samples.data_ptr<float>(), probs, draft, part, state,
+      static_cast<int>(N), static_cast<int>(S), V, static_cast<int>(split), thr_single, thr_acc, vec);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  sglang_sample_pick_kernel<<<static_cast<unsigned>(B), kSampleThreads, static_cast<size_t>(N) * sizeof(int64_t),
+                              stream>>>(
+      predicts.data_ptr<int32_t>(), candidates.data_ptr<int64_t>(), retrive_next_token.data_ptr<int64_t>(),
+      retrive_next_sibling.data_ptr<int64_t>(), probs, draft, part, state,
+      uniform_samples_for_final_sampling.data_ptr<float>(), static_cast<int>(N), V, static_cast<int>(split), vec);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  after_launch(candidates.get_device(), stream);
+}
+
+// ==== segment_packbits ========================================================================================
+
+constexpr int kPackThreads = 256;
+
+// x [x_numel] bool (bytes); in_ptr / out_ptr [n + 1] int32; y [y_numel] uint8. Thread t: output byte t, its
+// segment found by binary search (the largest s with out_ptr[s] <= t); bits outside x read as 0.
+__global__ void __launch_bounds__(kPackThreads) sglang_packbits_kernel(
+    const uint8_t* __restrict__ x, int64_t x_numel, const int32_t* __restrict__ in_ptr,
+    const int32_t* __restrict__ out_ptr, uint8_t* __restrict__ y, int64_t y_numel, int n, int steps, bool x_aligned) {
+  const int64_t t = static_cast<int64_t>(blockIdx.x) * kPackThreads + threadIdx.x;
+  if (t >= y_numel) return;
+  int lo = 0, hi = n;
+  for (int k = 0; k < steps; ++k) {
+    const int mid = (lo + hi + 1) / 2;
+    const bool le = out_ptr[mid] <= t;
+    lo = le ? mid : lo;
+    hi = le ? hi : mid - 1;
+  }
+  const int s = min(lo, n - 1);
+  const int64_t o0 = out_ptr[s];
+  if (t < o0 || t >= out_ptr[s + 1]) return;  // outside every segment: left as it is
+  const int64_t end = min(static_cast<int64_t>(in_ptr[s + 1]), x_numel);
+  const int64_t bit = in_ptr[s] + 8 * (t - o0);
+  uint32_t byte = 0;
+  if (x_aligned && bit >= 0 && (bit & 7) == 0 && bit + 8 <= end) {
+    const uint64_t v = *reinterpret_cast<const uint64_t*>(x + bit);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) byte |= static_cast<uint32_t>(((v >> (8 * k)) & 255u) != 0) << k;
+  } else {
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      const int64_t i = bit + k;
+      if (i >= 0 && i < end) byte |= static_cast<uint32_t>(x[i] != 0) << k;
+    }
+  }
+  y[t] = static_cast<uint8_t>(byte);
+}
+
+void sglang_segment_packbits_cuda(const at::Tensor& x, const at::Tensor& input_indptr,
+                                  const at::Tensor& output_indptr, const at::Tensor& y, int64_t batch_size) {
+  const int64_t n = batch_size;
+  check_arg(x, "x", {at::kBool}, "bool", x, {}, 1);
+  check_arg(input_indptr, "input_indptr", {at::kInt}, "int32", x, {{"batch_size + 1", n + 1}});
+  check_arg(output_indptr, "output_indptr", {at::kInt}, "int32", x, {{"batch_size + 1", n + 1}});
+  check_arg(y, "y", {at::kByte}, "uint8", x, {}, 1);
+  if (n <= 0 || y.numel() == 0) return;
+  TORCH_CHECK_NOT_IMPLEMENTED(n < (int64_t{1} << 30) && (y.numel() + kPackThreads - 1) / kPackThreads < (int64_t{1} << 31),
+                              "compat_sglang segment_packbits: batch_size or y too large");
+  const c10::cuda::OptionalCUDAGuard guard(x.device());
+  const cudaStream_t stream = current_stream(x);
+  int steps = 0;
+  for (int64_t v = n; v > 0; v >>= 1) ++steps;  // n.bit_length()
+  const auto* xp = static_cast<const uint8_t*>(x.data_ptr());
+  const int64_t blocks = (y.numel() + kPackThreads - 1) / kPackThreads;
+  sglang_packbits_kernel<<<static_cast<unsigned>(blocks), kPackThreads, 0, stream>>>(
+      xp, x.numel(), input_indptr.data_ptr<int32_t>(), output_indptr.data_ptr<int32_t>(), y.data_ptr<uint8_t>(),
+      y.numel(), static_cast<int>(n), steps, reinterpret_cast<uintptr_t>(xp) % 8 == 0);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  after_launch(x.get_device(), stream);
+}
+
+// ==== reconstruct_indices_from_tree_mask ======================================================================
+
+constexpr int kReconstructThreads = 256;
+constexpr int64_t kReconstructMaxNodes = 12288;  // N parents in shared memory
+
+// mask [B * N * N] bool: row i of request b = node i's ancestors (and itself). seq_lens [B]; positions [B * N],
+// r_index / r_next / r_sib [B, N]; each int32 or int64 (the *64 flags). grid: B blocks; dynamic shared memory:
+// N parents (int32).
+__global__ void __launch_bounds__(kReconstructThreads) sglang_reconstruct_kernel(
+    const uint8_t* __restrict__ mask, const void* __restrict__ seq_lens, bool seq64, void* __restrict__ positions,
+    bool pos64, void* __restrict__ r_index, bool index64, void* __restrict__ r_next, bool next64,
+    void* __restrict__ r_sib, bool sib64, int N) {
+  extern __shared__ int32_t parent[];
+  const int64_t b = blockIdx.x;
+  const uint8_t* m = mask + b * N * static_cast<int64_t>(N);
+  const int64_t seq = load_index(seq_lens, seq64, b);
+  // depth = set bits before the diagonal; parent = the last of them
+  for (int i = threadIdx.x; i < N; i += blockDim.x) {
+    int depth = 0, p = -1;
+    for (int j = 0; j < i; ++j) {
+      if (m[static_cast<int64_t>(i) * N + j] != 0) {
+        ++depth;
+        p = j;
+      }
+    }
+    parent[i] = p;
+    store_index(positions, pos64, b * N + i, seq + depth);
+    store_index(r_index, index64, b * N + i, b * N + i);
+  }
+  __syncthreads();
+  // first child: the first later row with bit i; next sibling: the first later node with the same parent
+  for (int i = threadIdx.x; i < N; i += blockDim.x) {
+    int64_t first = -1, sib = -1;
+    for (int k = i + 1; k < N; ++k) {
+      if (m[static_cast<int64_t>(k) * N + i] != 0) {
+        first = k;
+        break;
+      }
+    }
+    const int p = parent[i];
+    if (p >= 0) {
+      for (int k = i + 1; k < N; ++k) {
+        if (parent[k] == p) {
+          sib = k;
+          break;
+        }
+      }
+    }
+    store_index(r_next, next64, b * N + i, first);
+    store_index(r_sib, sib64, b * N + i, sib);
+  }
+}
+
+void sglang_reconstruct_indices_cuda(const at::Tensor& tree_mask, const at::Tensor& verified_seq_len,
+                                     const at::Tensor& positions, const at::Tensor& retrive_index,
+                                     const at::Tensor& retrive_next_token, const at::Tensor& retrive_next_sibling,
+                                     int64_t batch_size, int64_t draft_token_num) {
+  const int64_t B = batch_size, N = draft_token_num;
+  check_arg(tree_mask, "tree_mask", {at::kBool}, "bool", tree_mask);
+  check_numel(tree_mask, "tree_mask", B * N * N, "batch_size * draft_token_num**2");
+  check_arg(verified_seq_len, "verified_seq_len", {at::kLong, at::kInt}, "int64 | int32", tree_mask, {{"B", B}});
+  check_arg(positions, "positions", {at::kLong, at::kInt}, "int64 | int32", tree_mask);
+  check_numel(positions, "positions", B * N, "B * N", {{B * N}, {B, N}});
+  check_arg(retrive_index, "retrive_index", {at::kLong, at::kInt}, "int64 | int32", tree_mask, {{"B", B}, {"N", N}});
+  check_arg(retrive_next_token, "retrive_next_token", {at::kLong, at::kInt}, "int64 | int32", tree_mask,
+            {{"B", B}, {"N", N}});
+  check_arg(retrive_next_sibling, "retrive_next_sibling", {at::kLong, at::kInt}, "int64 | int32", tree_mask,
+            {{"B", B}, {"N", N}});
+  if (B <= 0 || N <= 0) return;
+  TORCH_CHECK_NOT_IMPLEMENTED(N <= kReconstructMaxNodes && B < (int64_t{1} << 31),
+                              "compat_sglang reconstruct: more than ", kReconstructMaxNodes, " nodes per request");
+  const c10::cuda::OptionalCUDAGuard guard(tree_mask.device());
+  const cudaStream_t stream = current_stream(tree_mask);
+  auto is64 = [](const at::Tensor& t) { return t.scalar_type() == at::kLong; };
+  sglang_reconstruct_kernel<<<static_cast<unsigned>(B), kReconstructThreads, static_cast<size_t>(N) * sizeof(int32_t),
+                              stream>>>(
+      static_cast<const uint8_t*>(tree_mask.data_ptr()), verified_seq_len.data_ptr(), is64(verified_seq_len),
+      positions.data_ptr(), is64(positions), retrive_index.data_ptr(), is64(retrive_index),
+      retrive_next_token.data_ptr(), is64(retrive_next_token), retrive_next_sibling.data_ptr(),
+      is64(retrive_next_sibling), static_cast<int>(N));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  after_launch(tree_mask.get_device(), stream);
+}
+
+}  // namespace
+}  // namespace eagle3
+
+TORCH_LIBRARY_IMPL(eagle3, CUDA, m) {
+  m.impl("_sglang_build_tree", &eagle3::sglang_build_tree_cuda);
+  m.impl("_sglang_verify_greedy", &eagle3::sglang_verify_greedy_cuda);
+  m.impl("_sglang_verify_sampling", &eagle3::sglang_verify_sampling_cuda);
+  m.impl("_sglang_segment_packbits", &eagle3::sglang_segment_packbits_cuda);
+  m.impl("_sglang_reconstruct_indices", &eagle3::sglang_reconstruct_indices_cuda);
+}
