@@ -13,13 +13,19 @@ the plain-PyTorch path, in one run (and sgl-kernel's own kernel where its wheel 
                 eagle3   torch.ops.eagle3.verify_sampling on the logits (softmax inside, no draft probs)
     packbits    compat   segment_packbits over B segments of N * (seq + N) mask bits
                 torch    one pad + weighted sum per segment (a host loop), what a caller without the kernel writes
-    every one   compat-torch  the same compat call on compat.sglang's tensor-op path (kernels = "torch"): the
-                         PyTorch path the fused Triton kernels replace
+    every one   compat   on CUDA tensors compat.sglang calls its C++ op (torch.ops.eagle3._sglang_*,
+                         csrc/compat_sglang.cu); the case fails if this build lacks it (EAGLE3_CUDA_ONLY
+                         without compat_sglang), rather than timing the Triton fallback under its name
+                compat-triton  the same compat call on the Triton kernels (kernels = "triton"), what the C++
+                         ops replace on the eager path
+                compat-torch  the same compat call on compat.sglang's tensor-op path (kernels = "torch"): the
+                         PyTorch path the kernels replace
     sgl_kernel  the same call into sgl_kernel, when `import sgl_kernel` works here (else one row says why not)
 
 The last case prints the done-when table (issue 22), per function, shape and timing (graph / eager): compat,
 the native op, the PyTorch path it replaces (compat-torch), compat / native (target <= 1.2) and compat /
-compat-torch (target < 1); written to $EAGLE3_BENCH_OUT/compat_ratios.txt too.
+compat-torch (target < 1), and the Triton kernels' time (compat-triton) beside them; written to
+$EAGLE3_BENCH_OUT/compat_ratios.txt too.
 
 Two figures per case: device time of CUDA-graph replays of back-to-back calls over rotated input sets
 (graph_time_us) and wall time per eager call with the host launch cost (eager_time_us, bench "<name>/eager").
@@ -56,8 +62,18 @@ except Exception as e:  # noqa: BLE001 - any failure to load is the reason recor
 
 @contextmanager
 def _path(provider):
-    """compat-torch: compat.sglang's tensor ops on the CUDA tensors (what its kernels replace)."""
-    compat.kernels = "torch" if provider.endswith("torch") and provider.startswith("compat") else "auto"
+    """compat-...-torch: compat.sglang's tensor ops on the CUDA tensors (what its kernels replace);
+    compat-...-triton: its Triton kernels; any other compat provider: its C++ ops, which must be built."""
+    compat.kernels = "auto"
+    if provider.startswith("compat"):
+        if provider.endswith("-torch"):
+            compat.kernels = "torch"
+        elif provider.endswith("-triton"):
+            compat.kernels = "triton"
+        else:
+            ops = compat._cuda_ops()
+            missing = [name for name, op in zip(ops._fields, ops) if op is None]
+            assert not missing, f"this build has no C++ op for {missing}: build with compat_sglang in EAGLE3_CUDA_ONLY"
     try:
         yield
     finally:
@@ -118,8 +134,8 @@ def native_outs(B, N):
             torch.empty(B, N, (N + 31) // 32, dtype=torch.int32, device="cuda"))
 
 
-@pytest.mark.parametrize("provider", ["compat-bitpacked", "compat-full", "compat-bitpacked-torch", "compat-full-torch",
-                                      "eagle3", "torch", "sgl_kernel"])
+@pytest.mark.parametrize("provider", ["compat-bitpacked", "compat-full", "compat-bitpacked-triton", "compat-full-triton",
+                                      "compat-bitpacked-torch", "compat-full-torch", "eagle3", "torch", "sgl_kernel"])
 @pytest.mark.parametrize("B,topk,depth,N", BUILD_SHAPES, ids=[f"B{b}-topk{k}-depth{d}-N{n}" for b, k, d, n in BUILD_SHAPES])
 def test_build(recorder, provider, B, topk, depth, N):
     if N > 32 and provider.startswith("compat-bitpacked"):
@@ -177,8 +193,8 @@ def greedy_call(provider, s):
     return lambda: fn(*s["out"], s["tokens"], *s["lists"], s["logits"].argmax(-1).view(B, N))
 
 
-@pytest.mark.parametrize("provider", ["compat", "compat-torch", "compat-walk", "compat-walk-torch", "eagle3", "torch",
-                                      "sgl_kernel"])
+@pytest.mark.parametrize("provider", ["compat", "compat-triton", "compat-torch", "compat-walk", "compat-walk-triton",
+                                      "compat-walk-torch", "eagle3", "torch", "sgl_kernel"])
 @pytest.mark.parametrize("B,N,kind", VERIFY_SHAPES, ids=[f"B{b}-N{n}-{k}" for b, n, k in VERIFY_SHAPES])
 def test_verify(recorder, provider, B, N, kind):
     nbytes = B * N * V * 2 + B * N * (8 * 4 + 4) + B * 8
@@ -196,7 +212,7 @@ def test_verify(recorder, provider, B, N, kind):
     _time(recorder, "verify", shape, provider, [greedy_call(provider, s) for s in sets], nbytes)
 
 
-@pytest.mark.parametrize("provider", ["compat", "compat-torch", "eagle3", "sgl_kernel"])
+@pytest.mark.parametrize("provider", ["compat", "compat-triton", "compat-torch", "eagle3", "sgl_kernel"])
 @pytest.mark.parametrize("B,N,kind", VERIFY_SHAPES, ids=[f"B{b}-N{n}-{k}" for b, n, k in VERIFY_SHAPES])
 def test_sampling(recorder, provider, B, N, kind):
     shape = f"B={B} N={N} {kind} V={V}"
@@ -235,7 +251,7 @@ def packbits_torch(x, input_indptr, output_indptr, y, batch_size):
         y[op[s]:op[s + 1]] = (seg * weights).sum(-1, dtype=torch.uint8)
 
 
-@pytest.mark.parametrize("provider", ["compat", "compat-torch", "torch", "sgl_kernel"])
+@pytest.mark.parametrize("provider", ["compat", "compat-triton", "compat-torch", "torch", "sgl_kernel"])
 @pytest.mark.parametrize("B,N,seq", [(64, 64, 4096), (1, 64, 32768), (64, 8, 1024)])
 def test_packbits(recorder, provider, B, N, seq):
     lengths = torch.full((B,), N * (seq + N), dtype=torch.int32)
@@ -248,8 +264,8 @@ def test_packbits(recorder, provider, B, N, seq):
     if provider == "sgl_kernel" and SGL is None:
         recorder.add("packbits", shape, "sgl_kernel", float("nan"), nbytes, why_not=SGL_WHY)
         pytest.skip(f"sgl_kernel does not load here: {SGL_WHY}")
-    fn = {"compat": compat.segment_packbits, "compat-torch": compat.segment_packbits,
-          "torch": packbits_torch}.get(provider) or SGL.segment_packbits
+    fn = compat.segment_packbits if provider.startswith("compat") else (
+        packbits_torch if provider == "torch" else SGL.segment_packbits)
     if provider == "torch":  # host reads: eager only
         recorder.add("packbits/eager", shape, provider, eager_time_us([lambda: fn(x, in_ptr, out_ptr, y, B)], 10),
                      nbytes)
@@ -265,24 +281,27 @@ NATIVE = {"build": "eagle3", "verify": "eagle3", "sampling": "eagle3", "packbits
 def ratio_table(rows, native: dict, torch_of=lambda p: f"{p}-torch",
                 targets: str = "compat / native <= 1.2, compat / torch path < 1") -> str:
     """Per (bench, shape) and compat provider: its time, the native op's, the PyTorch path's (provider
-    torch_of(compat provider)), and the two ratios; graph rows first, then the eager ones."""
+    torch_of(compat provider)), and the two ratios; graph rows first, then the eager ones. The Triton path's
+    time (provider "<compat provider>-triton"), where it was timed, stands in the last column."""
     us = {(r.bench, r.shape, r.provider): r.us for r in rows}
     out = [f"done-when ({targets}); us per call",
            f"{'bench':<16} {'shape':<34} {'compat':<18} {'us':>8} {'native':>8} {'torch':>8} {'/native':>8} "
-           f"{'/torch':>8}  ok"]
+           f"{'/torch':>8}  ok  {'triton':>8}"]
     for timing in ("graph", "eager"):
         for (bench, shape, provider), t in us.items():
             base = bench.split("/")[0]
             if (timing == "eager") != bench.endswith("/eager") or not provider.startswith("compat") or \
-                    provider.endswith("-torch") or base not in native:
+                    provider.endswith(("-torch", "-triton")) or base not in native:
                 continue
             nat = us.get((bench, shape, native[base])) if native[base] else None
             tor = us.get((bench, shape, torch_of(provider)))
+            tri = us.get((bench, shape, f"{provider}-triton"), float("nan"))
             r_nat = t / nat if nat else float("nan")
             r_tor = t / tor if tor else float("nan")
             ok = (r_nat <= 1.2 or nat is None) and (r_tor < 1 or tor is None)
             out.append(f"{bench:<16} {shape:<34} {provider:<18} {t:>8.2f} {nat or float('nan'):>8.2f} "
-                       f"{tor or float('nan'):>8.2f} {r_nat:>8.2f} {r_tor:>8.2f}  {'yes' if ok else 'NO'}")
+                       f"{tor or float('nan'):>8.2f} {r_nat:>8.2f} {r_tor:>8.2f}  {'yes' if ok else 'NO ':<3} "
+                       f"{tri:>8.2f}")
     return "\n".join(out)
 
 
