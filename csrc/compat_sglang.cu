@@ -90,14 +90,17 @@ void check_arg(const at::Tensor& t, const char* name, std::initializer_list<at::
   if (shape.size() > 0) {
     bool ok = t.dim() == static_cast<int64_t>(shape.size());
     int64_t i = 0;
-    std::ostringstream syms, vals;
-    for (const Dim& d : shape) {
-      ok = ok && t.size(i) == d.size;
-      syms << (i ? ", " : "") << d.sym;
-      vals << (i ? ", " : "") << d.size;
-      ++i;
+    for (const Dim& d : shape) ok = ok && t.size(i++) == d.size;
+    if (EAGLE3_UNLIKELY(!ok)) {  // the message is formatted only here: an eager call's checks cost compares
+      std::ostringstream syms, vals;
+      i = 0;
+      for (const Dim& d : shape) {
+        syms << (i ? ", " : "") << d.sym;
+        vals << (i++ ? ", " : "") << d.size;
+      }
+      TORCH_CHECK_VALUE(false, name, " must have shape (", syms.str(), ") = (", vals.str(), "), got ",
+                        py_tuple(t.sizes()));
     }
-    TORCH_CHECK_VALUE(ok, name, " must have shape (", syms.str(), ") = (", vals.str(), "), got ", py_tuple(t.sizes()));
   } else if (dim >= 0) {
     TORCH_CHECK_VALUE(t.dim() == dim, name, " must have ", dim, " dimensions, got shape ", py_tuple(t.sizes()));
   }
@@ -111,21 +114,152 @@ void check_arg(const at::Tensor& t, const char* name, std::initializer_list<at::
 void check_numel(const at::Tensor& t, const char* name, int64_t n, const char* what,
                  std::initializer_list<std::initializer_list<int64_t>> shapes = {}) {
   bool ok = t.numel() == n;
-  std::ostringstream allowed;
   if (shapes.size() > 0) {
     bool any = false;
-    int k = 0;
-    for (const auto& s : shapes) {
-      any = any || t.sizes().equals(c10::IntArrayRef(s));
-      allowed << (k++ ? " or " : "") << py_tuple(c10::IntArrayRef(s));
-    }
+    for (const auto& s : shapes) any = any || t.sizes().equals(c10::IntArrayRef(s));
     ok = ok && any;
-  } else {
-    allowed << n << " elements";
   }
-  TORCH_CHECK_VALUE(ok, name, " must have ", what, " = ", n, " elements (", allowed.str(), "), got shape ",
-                    py_tuple(t.sizes()));
+  if (EAGLE3_UNLIKELY(!ok)) {
+    std::ostringstream allowed;
+    int k = 0;
+    for (const auto& s : shapes) allowed << (k++ ? " or " : "") << py_tuple(c10::IntArrayRef(s));
+    if (shapes.size() == 0) allowed << n << " elements";
+    TORCH_CHECK_VALUE(false, name, " must have ", what, " = ", n, " elements (", allowed.str(), "), got shape ",
+                      py_tuple(t.sizes()));
+  }
 }
+
+// build_tree_kernel_efficient's checks. Returns the packed mask's bytes per row (0 for the bool modes).
+int check_build(const at::Tensor& parent_list, const at::Tensor& selected_index, const at::Tensor& verified_seq_len,
+                const at::Tensor& tree_mask, const at::Tensor& positions, const at::Tensor& retrive_index,
+                const at::Tensor& retrive_next_token, const at::Tensor& retrive_next_sibling, int64_t topk,
+                int64_t depth, int64_t draft_token_num, int64_t tree_mask_mode) {
+  const int64_t N = draft_token_num, mode = tree_mask_mode;
+  TORCH_CHECK_VALUE(mode >= 0 && mode <= 2, mode, " is not a valid TreeMaskMode");
+  TORCH_CHECK_VALUE(topk >= 1 && depth >= 1, "topk and depth must be >= 1, got topk = ", topk, ", depth = ", depth);
+  const int64_t C = topk + (depth - 1) * topk * topk;
+  TORCH_CHECK_VALUE(N >= 1 && N <= C + 1, "draft_token_num must be in [1, topk + (depth - 1) * topk**2 + 1] = [1, ",
+                    C + 1, "], got ", N);
+  check_arg(parent_list, "parent_list", {at::kLong}, "int64", parent_list, {}, 2);
+  const int64_t B = parent_list.size(0), P = parent_list.size(1);
+  TORCH_CHECK_VALUE(P == topk * (depth - 1) + 1 || (depth == 1 && P == 0),
+                    "parent_list must have shape (B, topk * (depth - 1) + 1) = (", B, ", ", topk * (depth - 1) + 1,
+                    "), got ", py_tuple(parent_list.sizes()));
+  check_arg(selected_index, "selected_index", {at::kLong}, "int64", parent_list, {{"B", B}, {"N - 1", N - 1}});
+  check_arg(verified_seq_len, "verified_seq_len", {at::kLong, at::kInt}, "int64 | int32", parent_list, {{"B", B}});
+  check_arg(positions, "positions", {at::kLong}, "int64", parent_list);
+  check_numel(positions, "positions", B * N, "B * N", {{B * N}, {B, N}});
+  check_arg(retrive_index, "retrive_index", {at::kLong}, "int64", parent_list, {{"B", B}, {"N", N}});
+  check_arg(retrive_next_token, "retrive_next_token", {at::kLong}, "int64", parent_list, {{"B", B}, {"N", N}});
+  check_arg(retrive_next_sibling, "retrive_next_sibling", {at::kLong}, "int64", parent_list, {{"B", B}, {"N", N}});
+  int nb = 0;
+  if (mode == 2) {
+    TORCH_CHECK_VALUE(N <= 32, "QLEN_ONLY_BITPACKING holds at most 32 nodes (4 bytes per row), got N = ", N);
+    nb = N <= 8 ? 1 : (N <= 16 ? 2 : 4);
+    if (nb == 1) {
+      check_arg(tree_mask, "tree_mask", {at::kByte}, "uint8", parent_list);
+    } else if (nb == 2) {
+      check_arg(tree_mask, "tree_mask", {at::kByte, at::kUInt16, at::kShort}, "uint8 | uint16 | int16", parent_list);
+    } else {
+      check_arg(tree_mask, "tree_mask", {at::kByte, at::kUInt32, at::kInt}, "uint8 | uint32 | int32", parent_list);
+    }
+    check_numel(tree_mask, "tree_mask", B * N * nb / static_cast<int64_t>(tree_mask.element_size()),
+                nb == 1 ? "B * N * 1 bytes" : (nb == 2 ? "B * N * 2 bytes" : "B * N * 4 bytes"));
+  } else {
+    check_arg(tree_mask, "tree_mask", {at::kBool}, "bool", parent_list);
+    if (mode == 1) check_numel(tree_mask, "tree_mask", B * N * N, "B * N * N");
+  }
+  return nb;
+}
+
+// compat.sglang._check_walk_args: returns S.
+int64_t check_walk_args(const at::Tensor& predicts, const at::Tensor& accept_index, const at::Tensor& accept_token_num,
+                        const at::Tensor& candidates, const at::Tensor& retrive_index,
+                        const at::Tensor& retrive_next_token, const at::Tensor& retrive_next_sibling) {
+  check_arg(candidates, "candidates", {at::kLong}, "int64", candidates, {}, 2);
+  const int64_t B = candidates.size(0), N = candidates.size(1);
+  check_arg(retrive_index, "retrive_index", {at::kLong}, "int64", candidates, {{"B", B}, {"N", N}});
+  check_arg(retrive_next_token, "retrive_next_token", {at::kLong}, "int64", candidates, {{"B", B}, {"N", N}});
+  check_arg(retrive_next_sibling, "retrive_next_sibling", {at::kLong}, "int64", candidates, {{"B", B}, {"N", N}});
+  check_arg(predicts, "predicts", {at::kInt}, "int32", candidates, {}, 1);
+  TORCH_CHECK_VALUE(predicts.size(0) >= B * N, "predicts must have at least B * N = ", B * N,
+                    " entries (SGLang allocates B * N + 1), got ", py_tuple(predicts.sizes()));
+  check_arg(accept_index, "accept_index", {at::kInt}, "int32", candidates, {}, 2);
+  TORCH_CHECK_VALUE(accept_index.size(0) == B && accept_index.size(1) >= 1,
+                    "accept_index must have shape (B, S) with B = ", B, ", S >= 1, got ", py_tuple(accept_index.sizes()));
+  check_arg(accept_token_num, "accept_token_num", {at::kInt}, "int32", candidates, {{"B", B}});
+  return accept_index.size(1);
+}
+
+// verify_tree_greedy's checks. Returns S.
+int64_t check_greedy(const at::Tensor& predicts, const at::Tensor& accept_index, const at::Tensor& accept_token_num,
+                     const at::Tensor& candidates, const at::Tensor& retrive_index, const at::Tensor& retrive_next_token,
+                     const at::Tensor& retrive_next_sibling, const at::Tensor& target_predict) {
+  const int64_t S = check_walk_args(predicts, accept_index, accept_token_num, candidates, retrive_index,
+                                    retrive_next_token, retrive_next_sibling);
+  const int64_t B = candidates.size(0), N = candidates.size(1);
+  check_arg(target_predict, "target_predict", {at::kLong}, "int64", candidates, {{"B", B}, {"N", N}});
+  return S;
+}
+
+// tree_speculative_sampling_target_only's checks. Returns S.
+int64_t check_sampling(const at::Tensor& predicts, const at::Tensor& accept_index, const at::Tensor& accept_token_num,
+                       const at::Tensor& candidates, const at::Tensor& retrive_index,
+                       const at::Tensor& retrive_next_token, const at::Tensor& retrive_next_sibling,
+                       const at::Tensor& uniform_samples, const at::Tensor& uniform_samples_for_final_sampling,
+                       const at::Tensor& target_probs, const std::optional<at::Tensor>& draft_probs) {
+  const int64_t S = check_walk_args(predicts, accept_index, accept_token_num, candidates, retrive_index,
+                                    retrive_next_token, retrive_next_sibling);
+  const int64_t B = candidates.size(0), N = candidates.size(1);
+  check_arg(uniform_samples, "uniform_samples", {at::kFloat}, "float32", candidates, {{"B", B}, {"N", N}});
+  check_arg(uniform_samples_for_final_sampling, "uniform_samples_for_final_sampling", {at::kFloat}, "float32",
+            candidates, {{"B", B}});
+  check_arg(target_probs, "target_probs", {at::kFloat}, "float32", candidates);
+  const auto lead = target_probs.sizes().slice(0, std::max<int64_t>(target_probs.dim() - 1, 0));
+  const bool three = target_probs.dim() == 3 && lead.equals({B, N});
+  TORCH_CHECK_VALUE(three || (target_probs.dim() == 2 && lead.equals({B * N})),
+                    "target_probs must have shape (B, N, V) or (B * N, V) with B = ", B, ", N = ", N, ", got ",
+                    py_tuple(target_probs.sizes()));
+  const int64_t V = target_probs.size(-1);
+  TORCH_CHECK_VALUE(V >= 1, "target_probs must have V >= 1");
+  if (draft_probs) {
+    if (three) {
+      check_arg(*draft_probs, "draft_probs", {at::kFloat}, "float32", candidates, {{"B", B}, {"N", N}, {"V", V}});
+    } else {
+      check_arg(*draft_probs, "draft_probs", {at::kFloat}, "float32", candidates, {{"B * N", B * N}, {"V", V}});
+    }
+  }
+  return S;
+}
+
+// segment_packbits' checks.
+void check_packbits(const at::Tensor& x, const at::Tensor& input_indptr, const at::Tensor& output_indptr,
+                    const at::Tensor& y, int64_t batch_size) {
+  const int64_t n = batch_size;
+  check_arg(x, "x", {at::kBool}, "bool", x, {}, 1);
+  check_arg(input_indptr, "input_indptr", {at::kInt}, "int32", x, {{"batch_size + 1", n + 1}});
+  check_arg(output_indptr, "output_indptr", {at::kInt}, "int32", x, {{"batch_size + 1", n + 1}});
+  check_arg(y, "y", {at::kByte}, "uint8", x, {}, 1);
+}
+
+// reconstruct_indices_from_tree_mask's checks.
+void check_reconstruct(const at::Tensor& tree_mask, const at::Tensor& verified_seq_len, const at::Tensor& positions,
+                       const at::Tensor& retrive_index, const at::Tensor& retrive_next_token,
+                       const at::Tensor& retrive_next_sibling, int64_t batch_size, int64_t draft_token_num) {
+  const int64_t B = batch_size, N = draft_token_num;
+  check_arg(tree_mask, "tree_mask", {at::kBool}, "bool", tree_mask);
+  check_numel(tree_mask, "tree_mask", B * N * N, "batch_size * draft_token_num**2");
+  check_arg(verified_seq_len, "verified_seq_len", {at::kLong, at::kInt}, "int64 | int32", tree_mask, {{"B", B}});
+  check_arg(positions, "positions", {at::kLong, at::kInt}, "int64 | int32", tree_mask);
+  check_numel(positions, "positions", B * N, "B * N", {{B * N}, {B, N}});
+  check_arg(retrive_index, "retrive_index", {at::kLong, at::kInt}, "int64 | int32", tree_mask, {{"B", B}, {"N", N}});
+  check_arg(retrive_next_token, "retrive_next_token", {at::kLong, at::kInt}, "int64 | int32", tree_mask,
+            {{"B", B}, {"N", N}});
+  check_arg(retrive_next_sibling, "retrive_next_sibling", {at::kLong, at::kInt}, "int64 | int32", tree_mask,
+            {{"B", B}, {"N", N}});
+}
+
+// ---- host-checks end (scripts for testing the checks on CPU cut the file here) ----
 
 const c10::cuda::CUDAStream current_stream(const at::Tensor& t) {
   return c10::cuda::getCurrentCUDAStream(t.get_device());
@@ -346,41 +480,9 @@ void sglang_build_tree_cuda(const at::Tensor& parent_list, const at::Tensor& sel
                             const at::Tensor& retrive_index, const at::Tensor& retrive_next_token,
                             const at::Tensor& retrive_next_sibling, int64_t topk, int64_t depth,
                             int64_t draft_token_num, int64_t tree_mask_mode) {
-  const int64_t N = draft_token_num, mode = tree_mask_mode;
-  TORCH_CHECK_VALUE(mode >= 0 && mode <= 2, mode, " is not a valid TreeMaskMode");
-  TORCH_CHECK_VALUE(topk >= 1 && depth >= 1, "topk and depth must be >= 1, got topk = ", topk, ", depth = ", depth);
-  const int64_t C = topk + (depth - 1) * topk * topk;
-  TORCH_CHECK_VALUE(N >= 1 && N <= C + 1, "draft_token_num must be in [1, topk + (depth - 1) * topk**2 + 1] = [1, ",
-                    C + 1, "], got ", N);
-  check_arg(parent_list, "parent_list", {at::kLong}, "int64", parent_list, {}, 2);
-  const int64_t B = parent_list.size(0), P = parent_list.size(1);
-  TORCH_CHECK_VALUE(P == topk * (depth - 1) + 1 || (depth == 1 && P == 0),
-                    "parent_list must have shape (B, topk * (depth - 1) + 1) = (", B, ", ", topk * (depth - 1) + 1,
-                    "), got ", py_tuple(parent_list.sizes()));
-  check_arg(selected_index, "selected_index", {at::kLong}, "int64", parent_list, {{"B", B}, {"N - 1", N - 1}});
-  check_arg(verified_seq_len, "verified_seq_len", {at::kLong, at::kInt}, "int64 | int32", parent_list, {{"B", B}});
-  check_arg(positions, "positions", {at::kLong}, "int64", parent_list);
-  check_numel(positions, "positions", B * N, "B * N", {{B * N}, {B, N}});
-  check_arg(retrive_index, "retrive_index", {at::kLong}, "int64", parent_list, {{"B", B}, {"N", N}});
-  check_arg(retrive_next_token, "retrive_next_token", {at::kLong}, "int64", parent_list, {{"B", B}, {"N", N}});
-  check_arg(retrive_next_sibling, "retrive_next_sibling", {at::kLong}, "int64", parent_list, {{"B", B}, {"N", N}});
-  int nb = 0;
-  if (mode == 2) {
-    TORCH_CHECK_VALUE(N <= 32, "QLEN_ONLY_BITPACKING holds at most 32 nodes (4 bytes per row), got N = ", N);
-    nb = N <= 8 ? 1 : (N <= 16 ? 2 : 4);
-    if (nb == 1) {
-      check_arg(tree_mask, "tree_mask", {at::kByte}, "uint8", parent_list);
-    } else if (nb == 2) {
-      check_arg(tree_mask, "tree_mask", {at::kByte, at::kUInt16, at::kShort}, "uint8 | uint16 | int16", parent_list);
-    } else {
-      check_arg(tree_mask, "tree_mask", {at::kByte, at::kUInt32, at::kInt}, "uint8 | uint32 | int32", parent_list);
-    }
-    const std::string what = "B * N * " + std::to_string(nb) + " bytes";
-    check_numel(tree_mask, "tree_mask", B * N * nb / static_cast<int64_t>(tree_mask.element_size()), what.c_str());
-  } else {
-    check_arg(tree_mask, "tree_mask", {at::kBool}, "bool", parent_list);
-    if (mode == 1) check_numel(tree_mask, "tree_mask", B * N * N, "B * N * N");
-  }
+  const int nb = check_build(parent_list, selected_index, verified_seq_len, tree_mask, positions, retrive_index,
+                             retrive_next_token, retrive_next_sibling, topk, depth, draft_token_num, tree_mask_mode);
+  const int64_t B = parent_list.size(0), P = parent_list.size(1), N = draft_token_num, mode = tree_mask_mode;
   if (B == 0) return;
   const int64_t M = depth > 1 ? topk * topk : topk;
   TORCH_CHECK_NOT_IMPLEMENTED(depth * M <= kBuildMaxSlots && N <= kBuildMaxNodes,
@@ -410,25 +512,6 @@ void sglang_build_tree_cuda(const at::Tensor& parent_list, const at::Tensor& sel
 
 constexpr int kWalkThreads = 64;
 constexpr int64_t kWalkMaxNodes = 1024;  // a request's lists staged in shared memory
-
-// compat.sglang._check_walk_args: returns S.
-int64_t check_walk_args(const at::Tensor& predicts, const at::Tensor& accept_index, const at::Tensor& accept_token_num,
-                        const at::Tensor& candidates, const at::Tensor& retrive_index,
-                        const at::Tensor& retrive_next_token, const at::Tensor& retrive_next_sibling) {
-  check_arg(candidates, "candidates", {at::kLong}, "int64", candidates, {}, 2);
-  const int64_t B = candidates.size(0), N = candidates.size(1);
-  check_arg(retrive_index, "retrive_index", {at::kLong}, "int64", candidates, {{"B", B}, {"N", N}});
-  check_arg(retrive_next_token, "retrive_next_token", {at::kLong}, "int64", candidates, {{"B", B}, {"N", N}});
-  check_arg(retrive_next_sibling, "retrive_next_sibling", {at::kLong}, "int64", candidates, {{"B", B}, {"N", N}});
-  check_arg(predicts, "predicts", {at::kInt}, "int32", candidates, {}, 1);
-  TORCH_CHECK_VALUE(predicts.size(0) >= B * N, "predicts must have at least B * N = ", B * N,
-                    " entries (SGLang allocates B * N + 1), got ", py_tuple(predicts.sizes()));
-  check_arg(accept_index, "accept_index", {at::kInt}, "int32", candidates, {}, 2);
-  TORCH_CHECK_VALUE(accept_index.size(0) == B && accept_index.size(1) >= 1,
-                    "accept_index must have shape (B, S) with B = ", B, ", S >= 1, got ", py_tuple(accept_index.sizes()));
-  check_arg(accept_token_num, "accept_token_num", {at::kInt}, "int32", candidates, {{"B", B}});
-  return accept_index.size(1);
-}
 
 // A request's lists in shared memory: links outside [0, N) read as -1 (they end a list either way), flat rows
 // clamped to [0, B * N), the node's token.
@@ -506,10 +589,9 @@ void sglang_verify_greedy_cuda(const at::Tensor& predicts, const at::Tensor& acc
                                const at::Tensor& accept_token_num, const at::Tensor& candidates,
                                const at::Tensor& retrive_index, const at::Tensor& retrive_next_token,
                                const at::Tensor& retrive_next_sibling, const at::Tensor& target_predict) {
-  const int64_t S = check_walk_args(predicts, accept_index, accept_token_num, candidates, retrive_index,
-                                    retrive_next_token, retrive_next_sibling);
+  const int64_t S = check_greedy(predicts, accept_index, accept_token_num, candidates, retrive_index,
+                                 retrive_next_token, retrive_next_sibling, target_predict);
   const int64_t B = candidates.size(0), N = candidates.size(1);
-  check_arg(target_predict, "target_predict", {at::kLong}, "int64", candidates, {{"B", B}, {"N", N}});
   if (B == 0) return;
   TORCH_CHECK_NOT_IMPLEMENTED(N <= kWalkMaxNodes && B * N < (int64_t{1} << 31) && S < (int64_t{1} << 31),
                               "compat_sglang walk: more than ", kWalkMaxNodes, " nodes per request");
@@ -750,27 +832,10 @@ void sglang_verify_sampling_cuda(const at::Tensor& predicts, const at::Tensor& a
                                  const at::Tensor& uniform_samples_for_final_sampling, const at::Tensor& target_probs,
                                  const std::optional<at::Tensor>& draft_probs, double threshold_single,
                                  double threshold_acc) {
-  const int64_t S = check_walk_args(predicts, accept_index, accept_token_num, candidates, retrive_index,
-                                    retrive_next_token, retrive_next_sibling);
-  const int64_t B = candidates.size(0), N = candidates.size(1);
-  check_arg(uniform_samples, "uniform_samples", {at::kFloat}, "float32", candidates, {{"B", B}, {"N", N}});
-  check_arg(uniform_samples_for_final_sampling, "uniform_samples_for_final_sampling", {at::kFloat}, "float32",
-            candidates, {{"B", B}});
-  check_arg(target_probs, "target_probs", {at::kFloat}, "float32", candidates);
-  const auto lead = target_probs.sizes().slice(0, std::max<int64_t>(target_probs.dim() - 1, 0));
-  const bool three = target_probs.dim() == 3 && lead.equals({B, N});
-  TORCH_CHECK_VALUE(three || (target_probs.dim() == 2 && lead.equals({B * N})),
-                    "target_probs must have shape (B, N, V) or (B * N, V) with B = ", B, ", N = ", N, ", got ",
-                    py_tuple(target_probs.sizes()));
-  const int64_t V = target_probs.size(-1);
-  TORCH_CHECK_VALUE(V >= 1, "target_probs must have V >= 1");
-  if (draft_probs) {
-    if (three) {
-      check_arg(*draft_probs, "draft_probs", {at::kFloat}, "float32", candidates, {{"B", B}, {"N", N}, {"V", V}});
-    } else {
-      check_arg(*draft_probs, "draft_probs", {at::kFloat}, "float32", candidates, {{"B * N", B * N}, {"V", V}});
-    }
-  }
+  const int64_t S = check_sampling(predicts, accept_index, accept_token_num, candidates, retrive_index,
+                                   retrive_next_token, retrive_next_sibling, uniform_samples,
+                                   uniform_samples_for_final_sampling, target_probs, draft_probs);
+  const int64_t B = candidates.size(0), N = candidates.size(1), V = target_probs.size(-1);
   if (B == 0) return;
   const int64_t split = (V + kChunk - 1) / kChunk;
   TORCH_CHECK_NOT_IMPLEMENTED(N <= kWalkMaxNodes && B * N < (int64_t{1} << 31) && S < (int64_t{1} << 31) &&
@@ -849,10 +914,7 @@ __global__ void __launch_bounds__(kPackThreads) sglang_packbits_kernel(
 void sglang_segment_packbits_cuda(const at::Tensor& x, const at::Tensor& input_indptr,
                                   const at::Tensor& output_indptr, const at::Tensor& y, int64_t batch_size) {
   const int64_t n = batch_size;
-  check_arg(x, "x", {at::kBool}, "bool", x, {}, 1);
-  check_arg(input_indptr, "input_indptr", {at::kInt}, "int32", x, {{"batch_size + 1", n + 1}});
-  check_arg(output_indptr, "output_indptr", {at::kInt}, "int32", x, {{"batch_size + 1", n + 1}});
-  check_arg(y, "y", {at::kByte}, "uint8", x, {}, 1);
+  check_packbits(x, input_indptr, output_indptr, y, batch_size);
   if (n <= 0 || y.numel() == 0) return;
   TORCH_CHECK_NOT_IMPLEMENTED(n < (int64_t{1} << 30) && (y.numel() + kPackThreads - 1) / kPackThreads < (int64_t{1} << 31),
                               "compat_sglang segment_packbits: batch_size or y too large");
@@ -927,16 +989,8 @@ void sglang_reconstruct_indices_cuda(const at::Tensor& tree_mask, const at::Tens
                                      const at::Tensor& retrive_next_token, const at::Tensor& retrive_next_sibling,
                                      int64_t batch_size, int64_t draft_token_num) {
   const int64_t B = batch_size, N = draft_token_num;
-  check_arg(tree_mask, "tree_mask", {at::kBool}, "bool", tree_mask);
-  check_numel(tree_mask, "tree_mask", B * N * N, "batch_size * draft_token_num**2");
-  check_arg(verified_seq_len, "verified_seq_len", {at::kLong, at::kInt}, "int64 | int32", tree_mask, {{"B", B}});
-  check_arg(positions, "positions", {at::kLong, at::kInt}, "int64 | int32", tree_mask);
-  check_numel(positions, "positions", B * N, "B * N", {{B * N}, {B, N}});
-  check_arg(retrive_index, "retrive_index", {at::kLong, at::kInt}, "int64 | int32", tree_mask, {{"B", B}, {"N", N}});
-  check_arg(retrive_next_token, "retrive_next_token", {at::kLong, at::kInt}, "int64 | int32", tree_mask,
-            {{"B", B}, {"N", N}});
-  check_arg(retrive_next_sibling, "retrive_next_sibling", {at::kLong, at::kInt}, "int64 | int32", tree_mask,
-            {{"B", B}, {"N", N}});
+  check_reconstruct(tree_mask, verified_seq_len, positions, retrive_index, retrive_next_token, retrive_next_sibling,
+                    batch_size, draft_token_num);
   if (B <= 0 || N <= 0) return;
   TORCH_CHECK_NOT_IMPLEMENTED(N <= kReconstructMaxNodes && B < (int64_t{1} << 31),
                               "compat_sglang reconstruct: more than ", kReconstructMaxNodes, " nodes per request");
