@@ -1070,6 +1070,16 @@ def test_gpu_kernels_at_bench_shapes_and_in_one_graph():
 # of a token boundary could go either way).
 
 
+def test_cpp_ops_resolve_where_built():
+    # the wrappers find every C++ op exactly where this build compiled csrc/compat_sglang.cu (CI compiles it
+    # without a GPU: a schema / registration name mismatch fails here), and none elsewhere
+    import eagle3_ops
+
+    ops = compat._cuda_ops()
+    built = "compat_sglang" in eagle3_ops.build_info()["cuda_kernels"]
+    assert [op is not None for op in ops] == [built] * len(ops), (ops, eagle3_ops.build_info()["cuda_kernels"])
+
+
 def needs_cpp_ops():
     ops = compat._cuda_ops()
     missing = [name for name, op in zip(ops._fields, ops) if op is None]
@@ -1236,14 +1246,14 @@ def test_gpu_cpp_reconstruct_matches_paths(B, N, kind):
 
 @pytest.mark.gpu
 def test_gpu_cpp_past_its_limits_takes_the_other_paths():
-    # N 1100 nodes (past the walk's 1024 in shared memory): the Triton / tensor-op path, same outputs as the CPU
+    # past the C++ kernels' 1024 nodes a request (NotImplementedError inside): the other paths, as on the CPU.
+    # A walk of 1100 nodes: the tensor ops
     g = torch.Generator().manual_seed(22)
     B, N, S = 2, 1100, 5
     tokens, target, r_index, r_next, r_sib = _walk_case(g, B, N, "chain", 3, shuffled=False)
     _cuda_matches_cpu(verify_tree_greedy, [*_walk_outs(B, N, S), tokens, r_index, r_next, r_sib, target], (0, 1, 2))
-    # 10 x 90 steps = 8010 + ... candidate slots (past the build's 8192): the Triton kernel
-    topk, depth, N = 10, 90, 12
-    args = _build_case(g, 1, topk, depth, N, TreeMaskMode.QLEN_ONLY)
+    # a build of 1100 nodes (topk 4, 70 steps: 1120 candidate slots): the tensor-op path (build_tree's kernel)
+    args = _build_case(g, 1, 4, 70, 1100, TreeMaskMode.QLEN_ONLY)
     _cuda_matches_cpu(build_tree_kernel_efficient, args, (3, 4, 5, 6, 7))
 
 
