@@ -195,27 +195,27 @@ def _check_values(metadata, logits, sm, B, K, T, canonical) -> None:
         check_float(temp, _OP, "sampling_metadata.temperature", nonnegative=True)
 
 
-def _layout(metadata, logits, draft_probs, s: _Batch):
-    """vLLM's ragged rows -> our padded [B, N] chain. Returns (tokens, op_logits, op_draft_probs, n)."""
+def _layout(metadata, logits, draft_probs, s: _Batch, root: Tensor):
+    """vLLM's ragged rows -> our padded [B, N] chain (root: the [B, 1] int64 column of -1 that heads it).
+    Returns (tokens, op_logits, op_draft_probs, n)."""
     B, K, T = s.B, s.K, s.T
     N = K + 1
     dev = logits.device
-    col = torch.arange(K, device=dev)
-    if s.uniform:
+    if s.uniform:  # the eager path's launches counted: one (the tokens), plus the draft rows' when given
         n = None  # every request at K drafts
-        drafts = metadata.draft_token_ids.view(B, K)  # cast to int64 by the copy into tokens
-        src = torch.arange(B * K, device=dev).view(B, K)
+        drafts = metadata.draft_token_ids.view(B, K)
+        # the drafts' rows, read only by a gather (draft rows given, or logits not in the canonical layout)
+        src = torch.arange(B * K, device=dev).view(B, K) if draft_probs is not None or not s.canonical else None
         valid = None
     else:
+        col = torch.arange(K, device=dev)
         cu = metadata.cu_num_draft_tokens.long()
         n = torch.diff(cu, prepend=cu.new_zeros(1))  # drafts per request
         start = cu - n
         valid = col[None, :] < n[:, None]  # [B, K]
         src = (start[:, None] + col[None, :]).clamp(max=max(T - 1, 0))
         drafts = metadata.draft_token_ids[src].masked_fill(~valid, -1)  # K >= 1 here, so T >= 1
-    tokens = torch.empty(B, N, dtype=torch.int64, device=dev)  # two launches: the root column, the drafts
-    tokens[:, 0] = -1
-    tokens[:, 1:] = drafts
+    tokens = torch.cat([root, drafts], dim=1)  # int64 (the drafts int32 or int64), one launch
     if s.canonical:
         op_logits = logits
     else:
@@ -291,16 +291,18 @@ class RejectionSampler(torch.nn.Module):
     def __init__(self, sampler: Optional[Any] = None):
         super().__init__()
         self.sampler = sampler
-        self._constant: dict[tuple, tuple[Tensor, Tensor]] = {}
+        self._constant: dict[tuple, tuple[Tensor, Tensor, Tensor]] = {}
 
-    def _constants(self, B: int, N: int, device) -> tuple[Tensor, Tensor]:
-        """The chain's parents [B, N] (-1, 0, 1, ...) and a zero Philox offset [B], made once per shape (not
-        kept when made during a CUDA-graph capture: those would live in the graph's private pool)."""
+    def _constants(self, B: int, N: int, device) -> tuple[Tensor, Tensor, Tensor]:
+        """The chain's parents [B, N] (-1, 0, 1, ...), a zero Philox offset [B] and the root column of tokens
+        [B, 1] int64 (-1), made once per shape (not kept when made during a CUDA-graph capture: those would
+        live in the graph's private pool)."""
         key = (B, N, str(device))
         if key in self._constant:
             return self._constant[key]
         parents = (torch.arange(N, dtype=torch.int32, device=device) - 1).expand(B, N).contiguous()
-        made = parents, torch.zeros(B, dtype=torch.int64, device=device)
+        made = (parents, torch.zeros(B, dtype=torch.int64, device=device),
+                torch.full((B, 1), -1, dtype=torch.int64, device=device))
         if not (torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing()):
             self._constant[key] = made
         return made
@@ -325,8 +327,8 @@ class RejectionSampler(torch.nn.Module):
                                  f"{tuple(bonus.shape)}")
             if K == 0:  # no drafts at all: the bonus is the whole output
                 return SamplerOutput(bonus.reshape(B, 1).to(torch.int32))
-        parents, offset = self._constants(B, K + 1, logits.device)
-        tokens, z, q, n = _layout(metadata, logits, draft_probs, s)
+        parents, offset, root = self._constants(B, K + 1, logits.device)
+        tokens, z, q, n = _layout(metadata, logits, draft_probs, s, root)
         z = _mask_logits(z, sm, s)
         if sm.all_greedy:
             _, accept_len, emitted = torch.ops.eagle3.verify_greedy(z, tokens, parents)
