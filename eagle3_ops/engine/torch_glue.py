@@ -104,6 +104,8 @@ def kv_accept(caches: Sequence[Tensor], page_table: Tensor, prefix_lens: Tensor,
     src = (page_table.gather(1, src // page).long() * page + src % page).view(B * N)
     dst = (page_table.gather(1, dst // page).long() * page + dst % page).view(B * N)
     for c in caches:
+        if c.element_size() == 1 and c.is_floating_point():  # fp8 rows moved as bytes (index_copy_ has no float8
+            c = c.view(torch.uint8)                           # kernel on CPU, nor in some CUDA builds of torch)
         flat = c.view(-1, *c.shape[2:])
         flat.index_copy_(0, dst, flat.index_select(0, src))
     prefix_lens += accept_len + 1
