@@ -286,6 +286,18 @@ def _good():
     return meta, logits, sampling_metadata(torch.tensor([1.0, 0.0])), torch.softmax(torch.randn(3, 32), -1)
 
 
+class MinTokensLogitsProcessor:
+    """vLLM's processor as its forward sees it: min_toks maps a request to its (min_tokens, ...) while below it."""
+
+    def __init__(self, min_toks):
+        self.min_toks = min_toks
+
+
+def _procs(min_toks):
+    """SamplingMetadata.logitsprocs as vLLM builds it (min_tokens is non-argmax-invariant)."""
+    return SimpleNamespace(argmax_invariant=[], non_argmax_invariant=[MinTokensLogitsProcessor(min_toks)])
+
+
 def _set(obj, **kw):
     new = SimpleNamespace(**vars(obj))
     for k, v in kw.items():
@@ -331,6 +343,11 @@ BAD = [
      "sampling_metadata.bad_words_token_ids"),
     ("logprobs", lambda m, z, s, p: (m, z, _set(s, max_num_logprobs=0), p), NotImplementedError,
      "sampling_metadata.max_num_logprobs"),
+    ("min_tokens", lambda m, z, s, p: (m, z, _set(s, logitsprocs=_procs(min_toks={1: (4, [], set(), False)})), p),
+     NotImplementedError, "MinTokensLogitsProcessor with requests below their min_tokens"),
+    ("thinking budget", lambda m, z, s, p: (
+        m, z, _set(s, thinking_budget_state_holder=SimpleNamespace(has_tracked_requests=lambda: True)), p),
+     NotImplementedError, "sampling_metadata.thinking_budget_state_holder tracks requests"),
     ("no bonus rows without a sampler", lambda m, z, s, p: (
         _set(m, bonus_logits_indices=torch.zeros(0, dtype=torch.int32)), z, s, p),
      ValueError, "metadata.bonus_logits_indices must have shape (batch_size) = (2) with sampler=None"),
@@ -348,6 +365,27 @@ def test_bad_input_is_refused_and_nothing_is_written(what, change, err, text):
     for b, a in zip(before, (logits, probs, meta.draft_token_ids, meta.cu_num_draft_tokens)):
         assert_equal(a, b, "input after a refused call")
     assert torch.equal(torch.get_rng_state(), state), "a refused call drew random numbers"
+
+
+def test_constructed_as_vllms_model_runner_constructs_it():
+    # GPUModelRunner builds RejectionSampler(self.sampler, self.speculative_config, self.device); standard and
+    # block (standard in vLLM's v1 sampler) run as standard, a config without the field (older vLLM) too
+    drafts, rows, expected = GREEDY_CASES[5]
+    for config in (SimpleNamespace(rejection_sample_method="standard"),
+                   SimpleNamespace(rejection_sample_method="block"), SimpleNamespace(), None):
+        meta, logits = case(drafts, rows)
+        sampler = FixedSampler(torch.tensor([[r[-1]] for r in rows]))
+        sm = sampling_metadata()
+        sm.logitsprocs = _procs(min_toks={})  # min_tokens processor present, no request below its minimum
+        out = out_of(RejectionSampler(sampler, config, torch.device("cpu")), meta, logits, sm)
+        assert_equal(out, torch.tensor(expected, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("method,what", [("fly", "FLy verification"), ("synthetic", "synthetic acceptance")])
+def test_other_rejection_methods_are_refused_at_construction(method, what):
+    config = SimpleNamespace(rejection_sample_method=method, fly_window_size=2, synthetic_acceptance_rates=[1.0])
+    with pytest.raises(NotImplementedError, match=f"spec_config.rejection_sample_method = '{method}': {what}"):
+        RejectionSampler(FixedSampler(torch.zeros(1, 1, dtype=torch.int64)), config, torch.device("cpu"))
 
 
 def test_max_spec_len_bound_and_shuffled_rows_taken_as_vllm_order_are_refused():

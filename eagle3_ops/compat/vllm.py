@@ -55,12 +55,16 @@ Randomness: what is equal and what is bit-identical.
 * Draft ids outside [0, vocab_size) are never accepted (vLLM would read past the row).
 
 Not supported (refused with NotImplementedError naming the field, before anything runs): penalties
-(``no_penalties`` False), ``bad_words_token_ids``, logprobs (``max_num_logprobs`` not None) and the
-non-argmax-invariant logits processors that vLLM's forward applies through them; use vLLM's own sampler
-for those requests. Shapes, dtypes and devices are checked first (ValueError / TypeError naming vLLM's field);
-on CPU tensors the values that only the data shows (cu_num_draft_tokens against num_draft_tokens, the logits
-indices, negative temperatures) are checked too, raising eagle3_ops.Eagle3InputError; on CUDA they are
-trusted (reading them is a host sync). Nothing the caller passed is written.
+(``no_penalties`` False), ``bad_words_token_ids``, logprobs (``max_num_logprobs`` not None), min_tokens (a
+``MinTokensLogitsProcessor`` in ``logitsprocs`` with requests below their minimum: the one non-argmax-invariant
+processor vLLM's forward applies to draft rows), a thinking-token budget (``thinking_budget_state_holder``
+tracking requests), and ``spec_config.rejection_sample_method`` "fly" or "synthetic" (at construction); use
+vLLM's own sampler for those requests. vLLM's module-level helpers (``sample_recovered_tokens``,
+``generate_uniform_probs``: its torch-generator draws) are not offered. Shapes, dtypes and devices are checked
+first (ValueError / TypeError naming vLLM's field); on CPU tensors the values that only the data shows
+(cu_num_draft_tokens against num_draft_tokens, the logits indices, negative temperatures) are checked too,
+raising eagle3_ops.Eagle3InputError; on CUDA they are trusted (reading them is a host sync). Nothing the
+caller passed is written.
 """
 
 from __future__ import annotations
@@ -82,6 +86,7 @@ _OLD_GREEDY_TEMPERATURE = -1.0  # the same placeholder in vLLM releases before i
 MAX_SPEC_LEN = 128  # vLLM's bound on drafts per request per step
 _OP = "RejectionSampler"
 _INDEX = (torch.int32, torch.int64)
+_REFUSED_METHODS = {"fly": "FLy verification", "synthetic": "synthetic acceptance"}  # their accept rules are not ours
 
 
 @dataclass
@@ -103,6 +108,7 @@ class _Batch:
 
 
 def _unsupported(sm) -> None:
+    """What vLLM's forward applies to the target logits and we do not (NotImplementedError naming the field)."""
     if getattr(sm, "no_penalties", True) is False:
         raise NotImplementedError("sampling_metadata.no_penalties is False: penalties are not supported by "
                                   "eagle3_ops.compat.vllm (use vLLM's RejectionSampler for such batches)")
@@ -112,6 +118,15 @@ def _unsupported(sm) -> None:
     if getattr(sm, "max_num_logprobs", None) is not None:
         raise NotImplementedError("sampling_metadata.max_num_logprobs is set: logprobs are not supported by "
                                   "eagle3_ops.compat.vllm (pass max_num_logprobs=None)")
+    procs = getattr(getattr(sm, "logitsprocs", None), "non_argmax_invariant", ())
+    # vLLM applies only MinTokensLogitsProcessor of these to the draft rows, and it acts only with min_toks entries
+    if any(type(p).__name__ == "MinTokensLogitsProcessor" and getattr(p, "min_toks", None) for p in procs):
+        raise NotImplementedError("sampling_metadata.logitsprocs has a MinTokensLogitsProcessor with requests below "
+                                  "their min_tokens: min_tokens is not supported by eagle3_ops.compat.vllm")
+    holder = getattr(sm, "thinking_budget_state_holder", None)
+    if holder is not None and holder.has_tracked_requests():
+        raise NotImplementedError("sampling_metadata.thinking_budget_state_holder tracks requests: the thinking-token "
+                                  "budget is not supported by eagle3_ops.compat.vllm")
 
 
 def _check(metadata, draft_probs, logits, sm) -> _Batch:
@@ -281,15 +296,29 @@ def _seeds(sm, counts: Sequence[int], B: int, dev, bonus_here: bool) -> Tensor:
 class RejectionSampler(torch.nn.Module):
     """vLLM v1's RejectionSampler on eagle3_ops.verify_greedy / verify_sampling (module docstring: the contract).
 
+    Constructed as vLLM's model runner constructs its own: ``RejectionSampler(sampler, speculative_config,
+    device)``.
+
     Parameters
     ----------
     sampler : vLLM Sampler, optional
         Called on the bonus rows as vLLM's RejectionSampler calls it (``sampler(logits=..., sampling_metadata=...,
         predict_bonus_token=True)``); its ``sampled_token_ids`` fill the bonus slot. None: our op samples it.
+    spec_config : vLLM SpeculativeConfig, optional
+        Only ``rejection_sample_method`` is read: "standard" (vLLM's default) and any other value vLLM's v1
+        RejectionSampler runs as standard ("block", which only vLLM's v2 model runner implements) are accepted;
+        "fly" and "synthetic", which change the accept rule, raise NotImplementedError naming the field.
+    device : torch.device, optional
+        Accepted for vLLM's signature; every tensor follows ``logits``' device.
     """
 
-    def __init__(self, sampler: Optional[Any] = None):
+    def __init__(self, sampler: Optional[Any] = None, spec_config: Optional[Any] = None, device: Any = None):
         super().__init__()
+        method = getattr(spec_config, "rejection_sample_method", "standard")
+        if method in _REFUSED_METHODS:
+            raise NotImplementedError(f"spec_config.rejection_sample_method = {method!r}: "
+                                      f"{_REFUSED_METHODS[method]} is not supported by eagle3_ops.compat.vllm "
+                                      "(standard rejection sampling only)")
         self.sampler = sampler
         self._constant: dict[tuple, tuple[Tensor, Tensor, Tensor]] = {}
 
