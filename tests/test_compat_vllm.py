@@ -272,10 +272,33 @@ def test_allowed_token_ids_mask():
     assert_equal(out, torch.tensor([[9, P, P], [3, 4, 7]], dtype=torch.int32))
 
 
+class RowLogprobs:
+    """vLLM's LogprobsTensors as parse_output uses it: one logprob per output slot, filter(mask) then tolists(cu)."""
+
+    def __init__(self, logprobs, cu=None):
+        self.logprobs, self.cu = logprobs, cu
+
+    def filter(self, mask):
+        return RowLogprobs(self.logprobs[mask])
+
+    def tolists(self, cu):
+        return [self.logprobs[a:b].tolist() for a, b in zip(cu[:-1], cu[1:])]
+
+
 def test_parse_output():
     out = torch.tensor([[1, 2, P], [5, P, P], [7, 8, 9]], dtype=torch.int32)
     assert RejectionSampler.parse_output(out, 9) == ([[1, 2], [5], [7, 8]], None)
-    assert RejectionSampler.parse_output(out, 100, [1], True) == ([[1, 2], [], [7, 8, 9]], [0, 2, 3, 6])
+    # older vLLM: the cumulative counts (before discarding), asked for by keyword
+    assert RejectionSampler.parse_output(out, 100, [1], return_cu_num_tokens=True) == ([[1, 2], [], [7, 8, 9]],
+                                                                                       [0, 2, 3, 6])
+    # vLLM 0.33.0 (GPUModelRunner): logprobs_tensors=..., filtered to the valid slots, split per request; the
+    # discarded request keeps its logprobs rows, as vLLM's
+    slot_logprobs = -torch.arange(9, dtype=torch.float32).view(3, 3).flatten()
+    tokens, logprobs = RejectionSampler.parse_output(out, 9, [1], logprobs_tensors=RowLogprobs(slot_logprobs))
+    assert tokens == [[1, 2], [], [7, 8]]
+    assert logprobs == [[-0.0, -1.0], [-3.0], [-6.0, -7.0]]
+    with pytest.raises(TypeError, match="return_cu_num_tokens is keyword-only"):
+        RejectionSampler.parse_output(out, 9, (), True)
 
 
 # ---- bad input: refused before anything runs, naming vLLM's field ------------------------------------

@@ -374,11 +374,25 @@ class RejectionSampler(torch.nn.Module):
 
     @staticmethod
     def parse_output(output_token_ids: Tensor, vocab_size: int, discard_req_indices: Sequence[int] = (),
-                     return_cu_num_tokens: bool = False) -> tuple[list[list[int]], Optional[list[int]]]:
+                     logprobs_tensors: Optional[Any] = None, *,
+                     return_cu_num_tokens: bool = False) -> tuple[list[list[int]], Optional[Any]]:
         """vLLM's parse_output (host side, one copy): per request the tokens that are not PLACEHOLDER_TOKEN_ID
-        and are < vocab_size; rows in discard_req_indices empty; optionally the cumulative counts [0, ...]."""
+        and are < vocab_size; rows in discard_req_indices empty.
+
+        The second value is vLLM 0.33.0's: with ``logprobs_tensors`` (a vLLM LogprobsTensors, as GPUModelRunner
+        passes it) its rows of the valid tokens, ``logprobs_tensors.filter(valid.flatten()).tolists(cu)`` with
+        cu the cumulative valid counts [0, ...] before discarding; else None. Older vLLM releases asked for cu
+        itself with ``return_cu_num_tokens=True`` (keyword-only here: their fourth argument is now
+        logprobs_tensors)."""
+        if isinstance(logprobs_tensors, bool):
+            raise TypeError("logprobs_tensors must be a vLLM LogprobsTensors or None, got a bool (older vLLM's "
+                            "return_cu_num_tokens is keyword-only here)")
         rows = output_token_ids.cpu()
         valid = (rows != PLACEHOLDER_TOKEN_ID) & (rows < vocab_size)
-        cu = [0] + valid.sum(dim=1).cumsum(0).tolist() if return_cu_num_tokens else None
+        second = None
+        if logprobs_tensors is not None or return_cu_num_tokens:
+            second = [0] + valid.sum(dim=1).cumsum(0).tolist()  # cu, counted before discarding (as vLLM)
+        if logprobs_tensors is not None:
+            second = logprobs_tensors.filter(valid.flatten()).tolists(second)
         valid[list(discard_req_indices)] = False
-        return [row[keep].tolist() for row, keep in zip(rows, valid)], cu
+        return [row[keep].tolist() for row, keep in zip(rows, valid)], second
