@@ -86,7 +86,7 @@ def _greedy(target, prompts, kv, n):
 
 def _kept_rows(kv, n):
     """Every layer's rows at positions 0..n-1, as stored ([L, B, n, D]; fp8 as its bytes)."""
-    page, slot = kv.index(torch.arange(n).expand(kv.batch, n))
+    page, slot = kv.index(torch.arange(n, device=kv.page_table.device).expand(kv.batch, n))
     rows = [kv.read(i, page, slot) for i in range(len(kv.caches))]
     return torch.stack([r.view(torch.uint8) if r.dtype == FP8 else r for r in rows])
 
