@@ -133,7 +133,12 @@ def results_doc() -> str:
            "matmul rate) with both ceilings measured in that run (docs/method.md). Each kernel's note in",
            "docs/kernels/ says what the rows mean and what was tried.", ""]
     for name in names:
-        out += section(name, load(name))
+        d = load(name)
+        if not all("bench" in r for r in d.get("rows", [])) or "commit" not in d:
+            # another tool's rows (e.g. bench_wiring_check.py's): listed, its own .log says what they mean
+            out += [f"## {name}", "", f"`{RESULTS}/{name}.json`: not a benchmark table (its `.log` beside it reads it).", ""]
+            continue
+        out += section(name, d)
     return "\n".join(out).rstrip() + "\n"
 
 
