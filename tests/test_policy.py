@@ -15,7 +15,8 @@ from eagle3_ops.engine import SpecConfig, generate_plain, generate_speculative
 from eagle3_ops.engine.graphs import RoundGraph
 from eagle3_ops.engine.oracle import OracleDrafter, acceptance_length, p_for_acceptance_length
 from eagle3_ops.engine.adaptive import simulate
-from eagle3_ops.engine.policy import PLAIN, AdaptivePolicy, FixedPolicy, label
+from eagle3_ops.engine.policy import (HORIZON, PLAIN, AdaptivePolicy, ChainDP, FixedPolicy, expected_max_normal,
+                                      label)
 from eagle3_ops.models.config import DrafterConfig, TargetConfig
 from eagle3_ops.models.drafter import Drafter
 from eagle3_ops.models.target import Target
@@ -135,37 +136,114 @@ def test_policy_refuses_what_it_cannot_run(pair):
 
 
 def test_model_by_hand():
-    """Two requests, chain costs 2.0 (plain), 3.0 (1 draft), 3.5 (2 drafts): the evidence, E_b(S), the rate."""
-    pol = AdaptivePolicy(steps=(1, 2), prior=1.0, prior_weight=1.0, forget=1.0)
+    """Two requests, chain costs 2.0 (plain), 3.0 (1 draft), 3.5 (2 drafts): the evidence, the per-depth estimates,
+    E_b(S), and the static batch's expected rounds and rate."""
+    pol = AdaptivePolicy(steps=(1, 2), prior=1.0, prior_weight=1.0, forget=1.0, request_weight=4.0)
     costs = {PLAIN: 2.0, "resume/8": 0.5, "resume/64": 0.7, "1/1/2": 3.0, "2/1/3": 3.5}
     specs = pol.shapes(SpecConfig())
     pol.start(2, costs, specs)
-    assert pol.rate(None, [True, True], 0) == 1.0 and pol.choose([True, True], 0) == specs[1]  # 6 / 3.5 > 1
     # the first round is the probe, valued under the uniform prior: 2 x H_2 / 3.0 = 1.0 < 2 x H_3 / 3.5 = 1.048
+    assert pol.choose([True, True], 0) == specs[1]
     assert pol.uninformed_tokens(0, 2) == pytest.approx(1 + 1 / 2 + 1 / 3)
     # request 0 accepts 1 of 2 drafts (depth 0 accepted, depth 1 rejected); request 1 none (depth 1 untested)
     lp = math.log(0.5)
+    pol.launched(specs[1], None)
     pol.observe(specs[1], [True, True], [1, 0], [[0.0, lp], [0.0, lp]], None)
-    # request 0, depth 0: the other's evidence over the prior, (1 * 1 + 0) / (1 + 1) = 0.5, then its own,
-    # (1 * 0.5 + 1) / (1 + 1) = 0.75; depth 1: the other's (none) over 0.75, then its own (1 * 0.75 + 0) / (1 + 1)
-    assert pol.alpha(0, 0) == 0.75 and pol.alpha(0, 1) == 0.375
-    # request 1, depth 0: (1 * 1 + 1) / (1 + 1) = 1, then (1 * 1 + 0) / (1 + 1) = 0.5; depth 1: request 0's
-    # rejection over 0.5, (1 * 0.5 + 0) / (1 + 1) = 0.25, its own none
-    assert pol.alpha(1, 0) == 0.5 and pol.alpha(1, 1) == 0.25
+    # request 0, depth 0: the other's evidence over the prior (weight 1), Beta(1 + 0, 0 + 1), holds 2 drafts, so
+    # it weighs min(v = 4, 2) = 2 against request 0's own 1 of 1: Beta(1 + 1, 1 + 0), 2/3. Depth 1: the other's
+    # (none) over 2/3 at depth_weight 4, then its own rejection: (4 x 2/3 + 0) / (4 + 1) = 8/15
+    a, c, al = pol.posterior(0)
+    assert (a, c) == pytest.approx((2, 1)) and al[:2] == pytest.approx([2 / 3, 8 / 15])
+    # request 1, depth 0: Beta(1 + 1, 0) over 2 drafts, at weight 2: Beta(2, 0), then its own rejection: Beta(2, 1);
+    # depth 1: request 0's rejection over 2/3 at 4, (4 x 2/3 + 0) / 5 = 8/15, its own none
+    a, c, al = pol.posterior(1)
+    assert (a, c) == pytest.approx((2, 1)) and al[:2] == pytest.approx([2 / 3, 8 / 15])
     # confidence 0.5 at depth 1 against a mean 1 + 0.2 (0.5 - 1) = 0.9: factor 0.5 / 0.9
-    assert pol.expected_tokens(0, 2) == pytest.approx(1 + 0.75 + 0.75 * min(1.0, 0.375 * 0.5 / 0.9))
-    assert pol.expected_tokens(1, 2) == pytest.approx(1 + 0.5 + 0.5 * min(1.0, 0.25 * 0.5 / 0.9))
-    e1 = pol.expected_tokens(0, 1) + pol.expected_tokens(1, 1)
-    assert pol.rate(specs[0], [True, True], 0) == pytest.approx(e1 / 3.0)
-    # after plain rounds the resume too, spread over the rounds the chain can run (at most R = 64: no max_new here)
-    assert pol.rate(specs[0], [True, True], 2) == pytest.approx(e1 / (3.0 + 0.5 / 64))
-    assert pol.rate(specs[0], [True, True], 9) == pytest.approx(e1 / (3.0 + 0.7 / 64))  # 9 pending: the 64-row one
-    assert pol.rate(specs[0], [True, False], 0) == pytest.approx(pol.expected_tokens(0, 1) / 3.0)
+    q1 = 8 / 15 * 0.5 / 0.9
+    mean = 1 + 2 / 3 + 2 / 3 * q1
+    assert pol.expected_tokens(0, 2) == pytest.approx(mean) and pol.expected_tokens(1, 2) == pytest.approx(mean)
+    var = 1 + 3 * 2 / 3 + 5 * 2 / 3 * q1 - mean ** 2  # E[X^2] - E[X]^2: P(X >= m) weighs m^2 - (m - 1)^2
+    assert pol.emission(0, 2)[1] == pytest.approx(var)
+    # no max_new: HORIZON tokens left each; the batch's rounds are the slowest request's, z_2 = E[max of 2 normals]
+    # = 1 / sqrt(pi) standard deviations of the count over the mean
+    n = HORIZON / mean + (1 / math.sqrt(math.pi)) * math.sqrt(HORIZON * var / mean ** 3)
+    assert expected_max_normal(2) == pytest.approx(1 / math.sqrt(math.pi), abs=1e-6)
+    assert pol.rounds_left(specs[1], [True, True]) == pytest.approx(n, rel=1e-6)
+    assert pol.rate(specs[1], [True, True], 0) == pytest.approx(2 * HORIZON / (3.5 * n), rel=1e-6)
+    assert pol.rate(None, [True, True], 0) == pytest.approx(2 * HORIZON / (2.0 * HORIZON))  # plain: 1 / T(plain)
+    # after plain rounds the resume once on top; at one request decoding, no spread (z_1 = 0)
+    assert pol.rate(specs[1], [True, True], 2) == pytest.approx(2 * HORIZON / (3.5 * n + 0.5), rel=1e-6)
+    assert pol.rate(specs[1], [True, False], 0) == pytest.approx(mean / 3.5, rel=1e-6)
+
+
+def test_chain_dp():
+    """ChainDP by hand, 2 tokens left, plain 1.0 a round, Beta(1, 1): plain twice costs 2.0; a 1-draft chain at
+    1.4 emits both with probability 1/2, else one and a plain round follows: 1.4 + 1/2 = 1.9, so it runs; after
+    plain rounds (the resume, 0.2, on top) 2.1: plain. At 1.5 the chain ties plain (2.0) and plain is kept."""
+    spec = [SpecConfig(steps=1, topk=1, num_tokens=2)]
+    for cost, lag, want in [(1.4, False, "1/1/2"), (1.4, True, PLAIN), (1.5, False, PLAIN)]:
+        dp = ChainDP({PLAIN: 1.0, "1/1/2": cost}, spec, 1.0, 1.0, 2, 0.2)
+        assert label(dp.decide(2, lag, 0, 0)) == want, (cost, lag)
+        assert dp.V[2, int(lag), 0, 0] == pytest.approx(min(2.0, cost + 0.2 * lag + 0.5))
+        assert label(dp.decide(1, lag, 0, 0)) == PLAIN  # one token left: no draft can count
+    # at B 1 a run within EXACT_HORIZON is ChainDP's: the policy decides as the table it solved at start
+    costs = h200_costs((1, 4096))
+    pol = AdaptivePolicy(costs=costs)
+    pol.start(1, costs, pol.shapes(SpecConfig()), 61)
+    assert pol.dp is not None and pol.choose([True], 0) == pol.dp.decide(60, False, 0, 0)
+
+
+def test_request_weight_from_the_spread():
+    """request_weight None: v from the requests' spread at depth 0 (empirical Bayes). Rates as alike as binomial
+    draws allow: the pooled posterior weighs all it holds (v infinite); 3 of 10 against 7 of 10: p 0.5, the spread
+    10 (0.2^2 + 0.2^2) - 0.25 = 0.55 over 20 - 200 / 20 = 10, tau^2 0.055, v = 0.25 / 0.055 - 1; 1 of 10 against
+    9 of 10: v below 1, held at 1."""
+    pol = AdaptivePolicy(steps=(1,), forget=1.0)
+    costs = {PLAIN: 1.0, "resume/8": 0.1, "resume/64": 0.1, "1/1/2": 1.5}
+    pol.start(2, costs, pol.shapes(SpecConfig()), 61)
+    pol.num, pol.den = [[5.0], [5.0]], [[10.0], [10.0]]
+    assert pol.spread_weight() == math.inf
+    pol.observed += 1  # (the weight is cached per observation)
+    pol.num = [[3.0], [7.0]]
+    assert pol.spread_weight() == pytest.approx(0.25 / 0.055 - 1)
+    pol.observed += 1
+    pol.num = [[1.0], [9.0]]
+    assert pol.spread_weight() == 1.0
+
+
+def test_static_batch_counts_its_slowest_request():
+    """Equal mean rates, plain against a chain whose per-round emission varies: at B 1 the chain's rate is its
+    mean, at B 8 the batch waits for its slowest request (z_8 = 1.42 standard deviations), so plain wins there."""
+    costs = {PLAIN: 1.0, "resume/8": 0.1, "resume/64": 0.1, "1/1/2": 1.45}
+    for B, winner in [(1, "1/1/2"), (8, PLAIN)]:
+        pol = AdaptivePolicy(steps=(1,), costs=costs, forget=1.0)
+        specs = pol.shapes(SpecConfig())
+        pol.start(B, costs, specs, 61)
+        for b in range(B):  # half the first drafts accepted, known well: alpha ~ 0.5, E(1) = 1.5 > 1.45
+            pol.num[b][0], pol.den[b][0] = 40.0, 80.0
+        assert label(pol._best([True] * B, 0)) == winner, B
+
+
+def test_a_probe_is_worth_what_it_teaches_while_tokens_remain():
+    """The look-ahead past ChainDP's reach (exact=False: as at B > 1 or past EXACT_HORIZON), B 1 on the H200's
+    slice table, the optimistic prior: the first probe (1/1/2) rejected, the posterior alone says plain; with 59
+    tokens left a second probe pays for what its outcome teaches (explore), with 20 left it does not."""
+    costs = h200_costs((1, 4096))
+    for counted, probes in [(2, True), (41, False)]:
+        pol = AdaptivePolicy(costs=costs, prior=1.0, exact=False)  # after the rejection: Beta(1, 1)
+        specs = pol.shapes(SpecConfig())
+        pol.start(1, costs, specs, 61)
+        first = pol.choose([True], 0)
+        pol.launched(first, None)
+        pol.observe(first, [True], [0], [[0.0]], None, counts=[counted])
+        assert pol._best([True], 0) is None
+        assert (pol.choose([True], 0) is not None) == probes, counted
 
 
 def test_forgetting_brings_a_failed_request_back():
     """At p = 0 the policy falls back to plain decoding, and the decaying evidence makes it probe again later."""
-    pol = AdaptivePolicy(steps=(1,), forget=0.9, budget=1.0)  # (a budget that does not bind: the evidence decides)
+    # (a budget that does not bind and no lookahead: the evidence decides)
+    pol = AdaptivePolicy(steps=(1,), prior=1.0, forget=0.9, budget=1.0, lookahead=False, exact=False)
     specs = pol.shapes(SpecConfig())
     pol.start(1, {PLAIN: 1.0, "resume/8": 0.1, "resume/64": 0.1, "1/1/2": 1.5}, specs)
     assert pol.choose([True], 0) == specs[0]
@@ -295,10 +373,10 @@ def expected_rate(costs, B, p, steps) -> float:
 
 @pytest.mark.parametrize("key,full", TABLES, ids=TABLE_IDS)
 def test_first_probe_prices_its_cost(key, full):
-    """The first round is the chain of the best rate under the uniform prior (H_{S+1} tokens over its cost), never
-    the longest chain for being the longest: on the H200's slice tables the cheapest (1/1/2)."""
+    """Past ChainDP's reach, the first round is the chain of the best rate under the uniform prior (H_{S+1} tokens
+    over its cost), never the longest chain for being the longest: on the H200's slice tables the cheapest (1/1/2)."""
     costs, B = h200_costs(key, full), key[0]
-    pol = AdaptivePolicy(costs=costs)
+    pol = AdaptivePolicy(costs=costs, exact=False)  # (at B 1 ChainDP decides a 61-token run: test_chain_dp)
     specs = pol.shapes(SpecConfig())
     pol.start(B, costs, specs, 61)
     first = pol.choose([True] * B, 0)
@@ -312,7 +390,7 @@ def test_first_probe_prices_its_cost(key, full):
 def test_overhead_at_p0_is_bounded(key, full):
     """At p = 0, in the cost table's terms, the run's time over plain decoding's is within the policy docstring's
     bound, A + eps n T(plain) + F_n, at 61 tokens and at 1201; at 61 tokens (the done-when's runs) it is within 3%
-    (the probe's excess and what the rejections leave the posterior to try) on every H200 table."""
+    (the probes' excess: 1.1% to 2.4%) on every H200 table."""
     costs, B = h200_costs(key, full), key[0]
     for max_new in (61, 1201):
         pol = AdaptivePolicy(costs=costs)

@@ -1,33 +1,44 @@
 """Speculation policies: each round, the draft shape for the batch (or none: a plain decode step), chosen to
-maximise the expected tokens per second (docs/e2e.md, "The speculation policy").
+maximise the batch's expected tokens per second to its end (docs/e2e.md, "The speculation policy").
 
 One shape per round for the whole batch: the round's kernels (build_tree, tree attention, verify, kv_accept,
 the drafter's block) take [B, N] with one N, and each shape is one CUDA graph captured once; a request's own
-acceptance enters through its expected tokens, summed over the batch.
+acceptance enters through the rounds it is expected to need, the batch's slowest setting its time.
 
 AdaptivePolicy's model, per request b and draft depth j (a chain drafts one token a depth):
 
     q_bj = min(1, alpha_bj * c_bj / m_bj)     the chance the j-th draft is accepted once the j - 1 before it were
-    E_b(S) = 1 + sum_{s=1..min(S, r_b - 1)} prod_{j<=s} q_bj
-                                              expected tokens a round of S drafts emits for b (the bonus token: the
-                                              1), r_b the tokens b has left (tokens past its max_new are cut)
-    rate(S) = sum_b E_b(S) / T(S)              over the requests still decoding (E_b(0) = 1: rate(0) is plain's);
-                                              after plain rounds T(S) has the resume on top, spread over the rounds
-                                              the chain can run before the longest request is done (at most R)
+    X_b(S)                                    the tokens a round of S drafts emits for b: P(X_b >= s + 1) = prod_{j<s}
+                                              q_bj for s <= min(S, r_b - 1), r_b the tokens b has left (past its
+                                              max_new nothing counts); mean mu_b(S), variance var_b(S)
+    n(S) = r / mu + z_k sqrt(r var / mu^3)    the rounds until the batch's last request is done with S every round:
+                                              r = max_b r_b, mu and var the means over the requests decoding of mu_b
+                                              and var_b (renewal counts, z_k = E[max of k standard normals], k the
+                                              requests decoding)
+    rate(S) = sum_b r_b / (T(S) n(S) + T(resume))
+                                              the batch's tokens per second from here to its end (the resume after
+                                              plain rounds once); rate(0) is plain's, sum_b r_b / (T(plain) max_b r_b)
 
+  The loop decodes a static batch to its end (finished requests frozen, not replaced), so its time is its last
+  request's: at B 1 rate(S) is mu(S) / T(S), at B > 1 a shape whose emission varies is charged for the wait
+  (plain's does not vary). The requests enter at the batch's mean emission, not each at its own with the slowest
+  counted: each request's own estimate is noisy and a real drafter's acceptance moves along the text, so the
+  slowest estimate mostly picks noise (with it, the shipped pair at B 4 on the CPU ran 0.96-0.98x fixed 3/1/4 on
+  the first 8 held-out prompts, against 1.05x with the mean, single runs; the ORACLE's requests are alike, where
+  the two agree). An engine that refills finished slots would maximise sum_b mu_b / T instead.
 - alpha_bj, the request's running acceptance at depth j, in two steps: pi_bj = (w * prior_bj + the other
-  requests' drafts accepted at depth j) / (w + theirs tested there), then alpha_bj = (v * pi_bj + b's own
-  accepted) / (v + b's own tested) (w = `prior_weight`, v = `request_weight`; at B 1 pi_bj = prior_bj), prior_b0
-  = `prior`, prior_bj = alpha_b(j-1) (a depth never tested is expected to do as the one above it, not better):
-  at B 8 one round informs every request, and a request's own record still counts; a draft is tested when
-  every draft before it was accepted (the
-  maximum-likelihood rate of a chain whose drafts are accepted independently; per depth, since a drafter
-  trained for a few steps does worse past them; the ORACLE's is p at every depth). The prior is optimistic
-  (1): one accepted probe is enough to draft the longest chain the costs pay for. The evidence decays by
-  `forget` each round (plain rounds too), so a request that fell back to plain decoding drifts back to the
-  prior and is probed again, at intervals that grow while the probes keep failing; the re-probe is the shape
-  whose rate first passes plain's as the estimate rises, the one that needs the least acceptance to pay for
-  itself (the cheapest chain where costs grow with N).
+  requests' drafts accepted at depth j) / (w + theirs tested there), then alpha_bj = (v' * pi_bj + b's own
+  accepted) / (v' + b's own tested), v' = min(v, w + theirs tested: the pooled estimate weighs no more than the
+  evidence it holds). Depth 0: prior_b0 = `prior`, w = `prior_weight` (default 1/2 at weight 1: the mean of
+  Jeffreys' Beta(1/2, 1/2)), v = `request_weight` or, by default, the requests' spread (spread_weight: empirical
+  Bayes, v infinite where their rates differ no more than binomial draws do: one request's unlucky draws are
+  not taken for a harder request); depth j >= 1: prior_bj = alpha_b(j-1), w = v = `depth_weight` (a
+  depth tested little is expected to do as the one above it: one rejection at depth 2 does not make a 3-draft
+  chain look worse than a 1-draft one). At B 1 pi_bj = prior_bj; at B 8 one round informs every request, and a
+  request's own record still counts; a draft is tested when every draft before it was accepted (the
+  maximum-likelihood rate of a chain whose drafts are accepted independently; per depth, since a drafter trained
+  for a few steps does worse past them; the ORACLE's is p at every depth). The evidence decays by `forget` each
+  round (plain rounds too), so a request that fell back to plain decoding drifts back to the prior.
 - c_bj / m_bj, the drafter's confidence (EAGLE-2's) against its usual: c_bj its top-1 probability at depth j
   given the draft before it (exp of the step in the chain's cumulative log-probability) as the last round that
   drafted depth j read it, m_bj the running mean of those readings. A draft the drafter is surer of than usual
@@ -40,15 +51,34 @@ AdaptivePolicy's model, per request b and draft depth j (a chain drafts one toke
   own CUDA graph (on the CPU, and eager runs, timed eagerly); a shape chosen after plain rounds pays the
   smallest resume that holds them on top.
 
-The chosen shape is the argmax of rate over the candidates the budget below allows: a further draft step is
-taken exactly when the tokens it is expected to add are worth more than its cost at the rate without it (for
-a request b: E_b(S + 1) - E_b(S) > E_b(S) (T(S + 1) - T(S)) / T(S)); otherwise drafting stops there, at 0
-steps a plain decode step. A tree candidate (topk > 1) is valued as its top-1 chain, a lower bound on its gain;
-the default candidates are chains.
+The chosen shape is the argmax of rate over the candidates the budget below allows (at B 1: a further draft
+step is taken exactly when the tokens it is expected to add are worth more than its cost at the rate without it,
+mu(S + 1) - mu(S) > mu(S) (T(S + 1) - T(S)) / T(S)); otherwise drafting stops there, at 0 steps a plain decode step.
+A tree candidate (topk > 1) is valued as its top-1 chain, a lower bound on its gain; the default candidates are
+chains.
 
-The first probe. Before any evidence the optimistic prior would value every chain at S + 1 tokens and start
-with the longest, the most expensive round to lose (at p = 0 on the H200 at B 1, 5/1/6: 8.7 ms against a
-2.26 ms plain step). The first round is valued instead under an uninformative prior that prices its cost: the
+B 1: exact (ChainDP, `exact`). One request's run of at most EXACT_HORIZON tokens is decided by dynamic
+programming, solved once at start (numpy, 0.05 s for 60 tokens, 0.3 s for 127 on this VM's CPU; start-up, as the
+cost table is): the depths share the request's acceptance alpha ~ Beta(w prior + accepted drafts, w (1 - prior)
++ rejections) (Jeffreys' by default), every round one of plain and the chains, the value the expected time to the
+last token over every outcome the posterior predicts. So a probe is worth what it teaches over the tokens left,
+a chain is lengthened as the evidence for it grows, and the end of the run is planned (one token left: plain).
+It is Bayes-optimal for that model and prior; the per-depth estimates and the confidence factors above do not
+enter it (the ORACLE has neither; a real drafter's deeper drafts do worse than the model says). Every decision
+waits for the newest round's snapshot (need_outcome), as each depends on the last outcome.
+
+What a probe teaches elsewhere (explore, `lookahead`: B > 1, or runs past EXACT_HORIZON). The argmax above values
+the present evidence only: after a rejected probe it picks plain, and plain rounds teach nothing, so one unlucky
+draw could end speculation for the run. Where it says plain, each affordable chain S is also valued as a probe:
+its cost, then the expected time to finish with the best single shape (plain included) after its outcome, over
+the m of the k requests decoding whose first draft is accepted (m binomial at the pooled estimate; deeper depths
+their expected share), the batch valued as k requests alike with the pooled estimates; the probe runs if that is
+less than a plain round and then the best shape now. A one-step look-ahead over the tokens left: early in a run a
+second probe can pay for itself, near its end it cannot.
+
+The first probe (B > 1, or runs past EXACT_HORIZON). An optimistic prior would value every chain at S + 1 tokens
+and start with the longest, the most expensive round to lose (at p = 0 on the H200 at B 1, 5/1/6: 8.7 ms against
+a 2.26 ms plain step). The first round is valued instead under an uninformative prior that prices its cost: the
 acceptance alpha ~ Uniform(0, 1), shared by the depths, so the first s drafts are all accepted with
 probability E[alpha^s] = 1 / (s + 1) and a chain of S drafts is expected to emit H_{S+1} = 1 + 1/2 + ... +
 1/(S + 1) tokens; the probe is the chain maximising sum_b H_{S+1} / T(S) (on the H200's B 1 table 1/1/2, 1.5
@@ -69,22 +99,29 @@ credit), so the budget binds only where speculation loses. Hence, at any accepta
 
 and at p = 0 (every draft rejected: each round emits one token a request, the batch in lockstep) a run of n
 rounds takes, in the cost table's terms, at most plain's n * T(plain) plus A + eps * n * T(plain) + F_n: at least
-1 / (1 + eps + (A + F_n) / (n T(plain))) of plain decoding's speed. That is the guarantee; the model does
-better: at p = 0 the probe's rejection alone sets alpha_b0 to w / (w + 1) = 1/2 (at B 1), after which a chain
-pays only where E(S) T(plain) > T(S): on the H200's B 1 slice table 1/1/2 needs alpha_b0 > 0.66, so nothing
-speculates again until the evidence has decayed (~100 rounds, forget 0.995), and the overhead of a 61-token run
-is the probe's excess, T(1/1/2) - T(plain) = 1.4 ms; with the full model's costs, where a chain costs little
-more than a plain step, the rejections take a few more rounds (0.7% to 2.9% over the H200's tables at 61
-tokens). tests/test_policy.py::test_overhead_at_p0_is_bounded checks both on the H200's cost tables.
+1 / (1 + eps + (A + F_n) / (n T(plain))) of plain decoding's speed (ChainDP's decisions too: one it makes that
+the budget does not allow is a plain round). That is the guarantee; the model does better: the overhead of a
+61-token run at p = 0 is 1.1% to 2.4% over the H200's tables (the most, B 1 prefix 4096 with the full model's
+costs, where a chain costs little more than a plain step: one 3/1/4 and three 1/1/2 rounds; at p = 0 every seed
+draws alike); tests/test_policy.py::test_overhead_at_p0_is_bounded checks both on the H200's cost tables.
+
+A speculative round whose total rejection would make the next decision plain, or whose worst case would leave
+no budget for the same shape again, is chosen with need_outcome set: the next decision waits for its snapshot
+instead of deciding one round stale (adaptive.schedule), so an accepted probe is followed by the long chain it
+argues for, not by a cheap one the in-flight worst case left room for.
 
 The decisions are made at the loop's sync point between rounds, from a snapshot each round writes on the
 device (counts, accepted drafts, the chain's cumulative log-probabilities) and the host reads through pinned
-memory: on CUDA one round stale (the host decides round r + 1 while round r runs, from round r - 1's
-snapshot), so the device never waits for a decision; nothing inside a round graph syncs.
+memory: on CUDA one round stale where need_outcome is not set (the host decides round r + 1 while round r runs,
+from round r - 1's snapshot), so the device does not wait for those decisions; where it is set (plain rounds,
+probes, ChainDP's every round) the device idles for the host's read, decision and launch between two rounds
+(not measured yet: the H200 run's tokens/s include it; the simulations do not); nothing inside a round graph
+syncs.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import deque
 from dataclasses import replace
@@ -95,6 +132,21 @@ from .decode import SpecConfig
 
 MEAN_WEIGHT = 0.2  # of a new confidence reading in its running mean
 RELAX = 0.5  # a round without a reading keeps this part of the last reading's distance from the mean
+HORIZON = 1024  # tokens left a request is taken to have where no max_new is given
+EXACT_HORIZON = 128  # B 1: ChainDP decides every round of a run of at most this many tokens
+
+
+@functools.lru_cache(maxsize=None)
+def expected_max_normal(k: int) -> float:
+    """E[max of k independent standard normals] (0 for k <= 1), by quadrature of k x phi(x) Phi(x)^(k-1)."""
+    if k <= 1:
+        return 0.0
+    h, total = 0.01, 0.0
+    for i in range(-1000, 1001):
+        x = i * h
+        cdf = 0.5 * (1 + math.erf(x / math.sqrt(2)))
+        total += x * k * math.exp(-x * x / 2) / math.sqrt(2 * math.pi) * cdf ** (k - 1)
+    return total * h
 
 
 class Policy:
@@ -132,8 +184,9 @@ class Policy:
 
 
 class AdaptivePolicy(Policy):
-    """Expected tokens per second from measured costs, the drafter's confidence and each request's running
-    acceptance, a cost-priced first probe and a regret budget (the module docstring has the model and the bound).
+    """Expected time to the batch's end from measured costs, the drafter's confidence and each request's posterior
+    acceptance (the static batch waits for its slowest request), a cost-priced first probe, the value of what a
+    probe teaches and a regret budget (the module docstring has the model and the bound).
 
     Parameters
     ----------
@@ -142,9 +195,13 @@ class AdaptivePolicy(Policy):
     prior : float
         alpha before any evidence (1: optimistic, so one accepted probe lets the next round draft deep).
     prior_weight : float
-        The prior's weight, in tested drafts, against the other requests' pooled evidence (w).
-    request_weight : float
-        The pooled estimate's weight, in tested drafts, against the request's own evidence (v).
+        The prior's weight, in tested drafts, against the other requests' pooled evidence (w); as a posterior,
+        Beta(w prior, w (1 - prior)) (explore's predictive).
+    request_weight : float, optional
+        The weight, in tested drafts, of the other requests' pooled posterior against a request's own evidence
+        (at most the evidence the pooled posterior holds); None: from the requests' spread (spread_weight).
+    depth_weight : float
+        The weight, in tested drafts, of depth j - 1's estimate against depth j's evidence.
     forget : float
         Per round, the factor on the evidence (1: never forget; the default's half-life is ~140 rounds).
     resume_rows : int
@@ -155,19 +212,25 @@ class AdaptivePolicy(Policy):
     budget : float
         eps of the regret bound: the regret the policy may run up against plain decoding, a fraction of the
         plain rounds' time, on top of one dearest round's excess.
+    lookahead : bool
+        Value a probe by what its outcome teaches (explore) where the posterior alone says plain.
     """
 
-    def __init__(self, steps: Sequence[int] = (1, 2, 3, 4, 5), prior: float = 1.0, prior_weight: float = 1.0,
+    def __init__(self, steps: Sequence[int] = (1, 2, 3, 4, 5), prior: float = 0.5, prior_weight: float = 1.0,
                  forget: float = 0.995, resume_rows: int = 64, costs: Optional[dict] = None, budget: float = 0.01,
-                 request_weight: float = 1.0):
+                 request_weight: Optional[float] = None, depth_weight: float = 4.0, lookahead: bool = True,
+                 exact: bool = True):
         if not steps or min(steps) < 1:
             raise ValueError(f"steps must be chain lengths >= 1, got {list(steps)}")
-        if not (0 < prior <= 1 and prior_weight > 0 and 0 < forget <= 1 and resume_rows >= 1 and budget >= 0):
-            raise ValueError(f"need 0 < prior <= 1, prior_weight > 0, 0 < forget <= 1, resume_rows >= 1, budget >= 0; "
-                             f"got {prior}, {prior_weight}, {forget}, {resume_rows}, {budget}")
+        if not (0 < prior <= 1 and prior_weight > 0 and 0 < forget <= 1 and resume_rows >= 1 and budget >= 0
+                and (request_weight is None or request_weight > 0) and depth_weight > 0):
+            raise ValueError(f"need 0 < prior <= 1, prior_weight > 0, 0 < forget <= 1, resume_rows >= 1, budget >= 0, "
+                             f"request_weight > 0, depth_weight > 0; got {prior}, {prior_weight}, {forget}, "
+                             f"{resume_rows}, {budget}, {request_weight}, {depth_weight}")
         self.steps, self.fixed_costs = sorted(set(int(s) for s in steps)), costs
         self.prior, self.prior_weight, self.forget, self.resume_rows = prior, prior_weight, forget, resume_rows
-        self.budget, self.request_weight = budget, request_weight
+        self.budget, self.request_weight, self.depth_weight = budget, request_weight, depth_weight
+        self.lookahead, self.exact = lookahead, exact
         self.observed = 0
 
     def shapes(self, spec: SpecConfig) -> list[SpecConfig]:
@@ -189,73 +252,161 @@ class AdaptivePolicy(Policy):
         self.need_outcome = False  # whether the next decision should wait for the round just chosen
         self.regret, self.rounds, self.flight = 0.0, 0, deque()  # R (settled rounds), n, the rounds in flight
         self.tested = 0  # drafts verification tested (every draft before them accepted), over the run
+        self._spread = (-1, math.inf)  # (observed, spread_weight) cached per evidence
+        self._alphas = {}  # alphas(b) of the evidence as it is (cleared where it changes)
+        # ChainDP (B 1), and the drafts accepted / rejected over the run, cut at the tokens left as ChainDP cuts
+        self.dp, self.seen = None, [0, 0]
+        if self.exact and B == 1 and max_new is not None and 0 < max_new - 1 <= EXACT_HORIZON:
+            w = self.prior_weight
+            self.dp = ChainDP(self.costs, self._specs, w * self.prior, w * (1 - self.prior), max_new - 1,
+                              self.costs[resume_label(1, self.resume_rows)])
+
+    # -- the model: each request's survival probabilities P(the first s drafts accepted) ------------------------
 
     def totals(self) -> tuple[list[float], list[float]]:
         """Per depth, the batch's accepted and tested drafts (decayed), every request's summed."""
         return [sum(n[d] for n in self.num) for d in range(self.depth)], \
             [sum(n[d] for n in self.den) for d in range(self.depth)]
 
-    def alphas(self, b: int, totals=None) -> list[float]:
-        """alpha_b0 .. alpha_b(depth-1): at each depth the other requests' pooled evidence over the prior (depth
-        0: `prior`; depth j: alpha_b(j-1)), then request b's own over that (module docstring)."""
+    def posterior(self, b: int, totals=None) -> tuple[float, float, list[float]]:
+        """Request b's Beta(a, c) posterior of its first draft's acceptance and its per-depth point estimates
+        alpha_b0 .. alpha_b(depth-1) (alpha_b0 = a / (a + c)). Depth 0: the other requests' evidence over the
+        prior, then b's own over that pooled posterior at weight min(v, the evidence it holds); depth j: the same
+        two steps over alpha_b(j-1) at depth_weight. b < 0: the batch's pooled posterior (every request's
+        evidence, no own step)."""
         N, D = totals or self.totals()
-        w, v, a, out = self.prior_weight, self.request_weight, self.prior, []
-        for d in range(self.depth):
-            pi = (w * a + N[d] - self.num[b][d]) / (w + D[d] - self.den[b][d])
-            a = (v * pi + self.num[b][d]) / (v + self.den[b][d])
-            out.append(a)
-        return out
+        own_n = self.num[b] if b >= 0 else [0.0] * self.depth
+        own_d = self.den[b] if b >= 0 else [0.0] * self.depth
+        w, m = self.prior_weight, self.prior
+        held = w + D[0] - own_d[0]
+        pa = w * m + N[0] - own_n[0]
+        pc = held - pa
+        v = min(self.spread_weight(), held)
+        a, c = v * pa / held + own_n[0], v * pc / held + own_d[0] - own_n[0]
+        out, prev = [a / (a + c)], a / (a + c)
+        W = self.depth_weight
+        for d in range(1, self.depth):
+            held = W + D[d] - own_d[d]
+            pi = (W * prev + N[d] - own_n[d]) / held
+            vv = min(W, held)
+            prev = (vv * pi + own_n[d]) / (vv + own_d[d])
+            out.append(prev)
+        return a, c, out
+
+    def spread_weight(self) -> float:
+        """v, the pooled posterior's weight against a request's own evidence: `request_weight`, or (None) from the
+        requests' spread at depth 0 (empirical Bayes: the between-request variance tau^2 by the method of moments,
+        the observed spread of their rates less the binomial part, and v = p (1 - p) / tau^2 - 1, the concentration
+        of a Beta with that variance; no spread beyond the binomial: the pooled posterior weighs all it holds)."""
+        if self.request_weight is not None:
+            return self.request_weight
+        if self._spread[0] == self.observed:
+            return self._spread[1]
+        rows = [(self.num[b][0], self.den[b][0]) for b in range(self.B) if self.den[b][0] > 1e-9]
+        total = sum(d for _, d in rows)
+        v = math.inf
+        if len(rows) > 1:
+            p = sum(n for n, _ in rows) / total
+            pq = p * (1 - p)
+            spread = sum(d * (n / d - p) ** 2 for n, d in rows) - (len(rows) - 1) * pq
+            tau2 = spread / (total - sum(d * d for _, d in rows) / total)
+            if pq > 0 and tau2 > 0:
+                v = max(1.0, pq / tau2 - 1)
+        self._spread = (self.observed, v)
+        return v
+
+    def alphas(self, b: int, totals=None) -> list[float]:
+        """alpha_b0 .. alpha_b(depth-1), the point estimates (posterior; for the evidence as it is, cached until it
+        changes: a decision reads them once a request, not once a shape)."""
+        if totals is not None:
+            return self.posterior(b, totals)[2]
+        if b not in self._alphas:
+            self._alphas[b] = self.posterior(b)[2]
+        return self._alphas[b]
 
     def alpha(self, b: int, j: int) -> float:
         """alpha_bj (alphas)."""
         return self.alphas(b)[j]
 
+    def factors(self, b: int) -> list[float]:
+        """The confidence factor c_bj / m_bj per depth (1 for the ORACLE)."""
+        return [self.conf[b][j] / max(self.mean[b][j], 1e-6) for j in range(self.depth)]
+
+    @staticmethod
+    def survival(alphas, factors, n: int) -> list[float]:
+        """P(the first s drafts are accepted), s = 1..n: the product of q_bj = min(1, alpha_bj c_bj / m_bj), j < s."""
+        out, run = [], 1.0
+        for s in range(n):
+            run *= min(1.0, alphas[s] * factors[s])
+            out.append(run)
+        return out
+
     def _left(self, b: int) -> float:
         """Tokens request b has left, less what the rounds still in flight are expected to emit for it."""
         return self.remaining[b] - sum(e[b] for *_, e in self.flight)
 
+    @staticmethod
+    def _moments(surv) -> tuple[float, float]:
+        mean = m2 = 1.0
+        for j, p in enumerate(surv):  # P(X >= j + 2) weighs (j + 2)^2 - (j + 1)^2 in E[X^2]
+            mean += p
+            m2 += (2 * j + 3) * p
+        return mean, max(0.0, m2 - mean * mean)
+
+    def emission(self, b: int, steps: int, totals=None) -> tuple[float, float]:
+        """Mean and variance of the tokens a round of a `steps` chain emits for request b (1, 0 for plain), cut
+        at the tokens b has left."""
+        n = int(min(steps, self._left(b) - 1))
+        if n <= 0:
+            return 1.0, 0.0
+        return self._moments(self.survival(self.alphas(b, totals), self.factors(b), n))
+
     def expected_tokens(self, b: int, steps: int, totals=None) -> float:
         """E_b(steps): expected tokens a round of a `steps` chain emits for request b (1 for plain)."""
-        e, run, n = 1.0, 1.0, int(min(steps, self._left(b) - 1))
-        if n <= 0:
-            return e
-        for j, a in enumerate(self.alphas(b, totals)[:n]):
-            run *= min(1.0, a * self.conf[b][j] / max(self.mean[b][j], 1e-6))
-            e += run
-        return e
+        return self.emission(b, steps, totals)[0]
 
-    def uninformed_tokens(self, b: int, steps: int) -> float:
-        """E_b(steps) under the uninformative prior (alpha ~ Uniform(0, 1) at every depth): H_{steps+1}, cut at
-        the tokens b has left."""
-        return sum(1.0 / (k + 1) for k in range(int(min(steps, self._left(b) - 1)) + 1))
+    # -- the objective: the batch's expected time to its end -------------------------------------------------
 
     def round_cost(self, spec: Optional[SpecConfig], lag: int) -> float:
         """T(round) of this decision after `lag` plain rounds: a speculative one pays the resume first."""
         resume = self.costs[resume_label(lag, self.resume_rows)] if lag and spec is not None else 0.0
         return self.costs[label(spec)] + resume
 
-    def affordable(self, spec: SpecConfig, lag: int) -> bool:
-        """The regret budget (module docstring): R, the rounds in flight at their worst and this one's worst within
-        A + eps T(plain) n."""
-        worst = sum(w for _, w, _ in self.flight) + self.round_cost(spec, lag) - self.t0
+    def affordable(self, spec: SpecConfig, lag: int, extra: float = 0.0) -> bool:
+        """The regret budget (module docstring): R, the rounds in flight at their worst and this one's worst (and
+        `extra` more) within A + eps T(plain) n."""
+        worst = sum(w for _, w, _ in self.flight) + self.round_cost(spec, lag) - self.t0 + extra
         return self.regret + worst <= self.allowance + self.budget * self.t0 * (self.rounds + 1) + 1e-12
 
-    def rate(self, spec: Optional[SpecConfig], active: Sequence[bool], lag: int) -> float:
-        """Expected tokens per second of the next round with this shape (None: plain), over the requests still
-        decoding."""
-        steps, totals = (0 if spec is None else spec.steps), self.totals()
-        decoding = [b for b in range(self.B) if active[b]]
-        tokens = sum(self.expected_tokens(b, steps, totals) for b in decoding)
-        cost = self.costs[label(spec)]
-        if lag and spec is not None and decoding:  # the resume, spread over the rounds it lets this chain run
-            ahead = max(self._left(b) for b in decoding) / (tokens / len(decoding))
-            cost += self.costs[resume_label(lag, self.resume_rows)] / min(self.resume_rows, max(1.0, ahead))
-        return tokens / cost
+    @staticmethod
+    def _rounds(left: float, mean: float, var: float, z: float) -> float:
+        """Expected rounds for `left` tokens at `mean` (variance `var`) a round, z standard deviations of the
+        count on top (renewal: sd = sqrt(left var / mean^3))."""
+        return left / mean + z * math.sqrt(left * var / mean ** 3) if left > 0 else 0.0
 
-    def probe(self, active: Sequence[bool], lag: int) -> SpecConfig:
-        """The first probe: the candidate of the best expected rate under the uninformative prior."""
-        return max(self._specs, key=lambda s: sum(self.uninformed_tokens(b, s.steps) for b in range(self.B)
-                                                  if active[b]) / self.round_cost(s, lag))
+    def rounds_left(self, spec: Optional[SpecConfig], active: Sequence[bool], totals=None) -> float:  # n(S)
+        """Expected rounds until every request still decoding has its tokens, this shape every round: the static
+        batch runs until its last request is done. The request with the most tokens left, r, at the batch's mean
+        emission mu and variance var: r / mu rounds plus z_k standard deviations of that count (renewal: sd =
+        sqrt(r var / mu^3); z_k the expected maximum of k standard normals, k the requests decoding)."""
+        steps = 0 if spec is None else spec.steps
+        decoding = [b for b in range(self.B) if active[b]]
+        left = max([min(self._left(b), HORIZON) for b in decoding] + [0.0])
+        if left <= 0:
+            return 0.0
+        moments = [self.emission(b, steps, totals) for b in decoding]
+        mean = sum(m for m, _ in moments) / len(moments)
+        var = sum(v for _, v in moments) / len(moments)
+        return self._rounds(left, mean, var, expected_max_normal(len(decoding)))
+
+    def rate(self, spec: Optional[SpecConfig], active: Sequence[bool], lag: int) -> float:
+        """Expected tokens per second of the batch from here to its end with this shape every round (None: plain):
+        the tokens the requests still decoding have left over rounds_left rounds of this shape, the resume once."""
+        tokens = sum(max(0.0, min(self._left(b), HORIZON)) for b in range(self.B) if active[b])
+        n = self.rounds_left(spec, active)
+        if n <= 0 or tokens <= 0:
+            return 1.0 / self.round_cost(spec, lag)
+        return tokens / (self.costs[label(spec)] * n + self.round_cost(spec, lag) - self.costs[label(spec)])
 
     def _best(self, active, lag) -> Optional[SpecConfig]:
         best, best_rate = None, self.rate(None, active, lag)
@@ -265,18 +416,102 @@ class AdaptivePolicy(Policy):
                 best, best_rate = spec, r
         return best
 
+    # -- the value of a probe -------------------------------------------------------------------------------
+
+    def finish_time(self, alphas, factors, left: float, k: int) -> float:
+        """The least expected time for k requests alike (the batch's pooled alphas and confidence factors), `left`
+        tokens each, to finish under one shape every round, plain included (rounds_left's count)."""
+        if left <= 0:
+            return 0.0
+        z, best = expected_max_normal(k), self.t0 * left
+        for spec in self._specs:
+            n = int(min(spec.steps, left - 1))
+            if n > 0:
+                mean, var = self._moments(self.survival(alphas, factors, n))
+                best = min(best, self.costs[label(spec)] * self._rounds(left, mean, var, z))
+        return best
+
+    def probe_value(self, spec, totals, factors, left: float, k: int, lag: int) -> float:
+        """Expected time to finish if `spec` runs now and the best single shape after it, from what its outcome
+        teaches: m of the k requests decoding have their first draft accepted, m binomial at the pooled estimate
+        alpha_0 (at k = 1 the posterior's own predictive; at k > 1 it leaves out the estimate's uncertainty, whose
+        Beta-binomial spread over-valued probes in the H200 tables' simulations); deeper depths take their
+        expected share of tests and acceptances."""
+        N, D = totals
+        al = self.posterior(-1, totals)[2]
+        q0 = al[0]
+        surv = self.survival(al, factors, int(min(spec.steps, left - 1)))
+        mean = 1.0 + sum(surv)
+        total = 0.0
+        for m in range(k + 1):
+            logp = (math.lgamma(k + 1) - math.lgamma(m + 1) - math.lgamma(k - m + 1) + m * math.log(max(q0, 1e-300))
+                    + (k - m) * math.log(max(1.0 - q0, 1e-300)))
+            n2, d2, tested = list(N), list(D), float(m)
+            n2[0], d2[0] = N[0] + m, D[0] + k
+            for j in range(1, spec.steps):
+                d2[j] += tested
+                tested *= al[j]
+                n2[j] += tested
+            total += math.exp(logp) * self.finish_time(self.posterior(-1, (n2, d2))[2], factors, left - mean, k)
+        return self.round_cost(spec, lag) + total
+
+    def explore(self, active, lag) -> Optional[SpecConfig]:
+        """Where the posterior says plain: the probe whose outcome is worth its cost over the tokens left
+        (probe_value against a plain round and then the best shape the present evidence picks), or None."""
+        decoding = [b for b in range(self.B) if active[b]]
+        if not decoding:
+            return None
+        totals = self.totals()
+        factors = [sum(min(4.0, f) for f in col) / len(decoding)
+                   for col in zip(*(self.factors(b) for b in decoding))]
+        a, c, al = self.posterior(-1, totals)
+        if c <= 1e-9:  # nothing rejected and an optimistic prior (1): certain, no outcome can teach it anything
+            return None
+        k, left = len(decoding), max(min(self._left(b), HORIZON) for b in decoding)
+        best, best_time = None, self.t0 + self.finish_time(al, factors, left - 1, k)
+        for spec in self._specs:
+            if self.affordable(spec, lag):
+                t = self.probe_value(spec, totals, factors, left, k, lag)
+                if t < best_time:
+                    best, best_time = spec, t
+        return best
+
+    def uninformed_tokens(self, b: int, steps: int) -> float:
+        """E_b(steps) under the uninformative prior (alpha ~ Uniform(0, 1) shared by the depths): H_{steps+1}, cut
+        at the tokens b has left."""
+        return sum(1.0 / (k + 1) for k in range(int(min(steps, self._left(b) - 1)) + 1))
+
+    def probe(self, active: Sequence[bool], lag: int) -> SpecConfig:
+        """The first probe: the candidate of the best expected rate under the uninformative prior."""
+        return max(self._specs, key=lambda s: sum(self.uninformed_tokens(b, s.steps) for b in range(self.B)
+                                                  if active[b]) / self.round_cost(s, lag))
+
+    def choose_exact(self, lag):
+        """B 1 with the whole run within EXACT_HORIZON tokens: ChainDP's decision (solved at start), within the
+        budget."""
+        spec = self.dp.decide(int(self.remaining[0]), lag > 0, *self.seen)
+        return spec if spec is None or self.affordable(spec, lag) else None
+
     def choose(self, active, lag):
         self.need_outcome = True
+        if self.dp is not None and self.remaining[0] > 0:
+            return self.choose_exact(lag)
         if self.observed == 0 and not self.flight:  # no evidence yet: the probe (always within the budget: A >= its excess)
             return self.probe(active, lag)
         best = self._best(active, lag)
-        if best is not None:  # would this round's failure (every draft rejected) make the next one plain?
-            saved = [self.den[b][0] for b in range(self.B)]
-            for b in range(self.B):
-                self.den[b][0] += bool(active[b])
-            self.need_outcome = self._best(active, 0) is None
-            for b in range(self.B):
-                self.den[b][0] = saved[b]
+        if best is None:
+            return self.explore(active, lag) if self.lookahead else None
+        # would this round's failure (every draft rejected) make the next one plain, or its worst case leave no
+        # budget for the next? then the next decision waits for this round's outcome
+        saved = [self.den[b][0] for b in range(self.B)]
+        for b in range(self.B):
+            self.den[b][0] += bool(active[b])
+        self._alphas, self._spread = {}, (-1, math.inf)
+        self.need_outcome = self._best(active, 0) is None
+        for b in range(self.B):
+            self.den[b][0] = saved[b]
+        self._alphas, self._spread = {}, (-1, math.inf)
+        self.need_outcome |= not self.affordable(best, lag, self.round_cost(best, 0) - self.t0)
         return best
 
     def launched(self, spec, resume) -> None:
@@ -289,11 +524,16 @@ class AdaptivePolicy(Policy):
 
     def observe(self, spec, active, accept_len, scores, d1_logprob, counts=None) -> None:
         self.observed += 1
+        self._alphas = {}
         cost = self.flight.popleft()[0] if self.flight else self.costs[label(spec)]
         decoding = [b for b in range(self.B) if active[b]]
         if decoding:  # the regret: this round's cost less plain's for the tokens it emitted (a share per request)
             tokens = sum(min(int(accept_len[b]) + 1 if spec is not None else 1, self.remaining[b]) for b in decoding)
             self.regret += cost - self.t0 * tokens / len(decoding)
+        if spec is not None and self.B == 1 and active[0]:  # ChainDP's evidence: its outcomes, cut where it cuts
+            n, a = int(min(spec.steps, self.remaining[0] - 1)), int(accept_len[0])
+            self.seen[0] += min(a, n)
+            self.seen[1] += a < n
         if counts is not None and self.max_new is not None:
             self.remaining = [self.max_new - c for c in counts]
         for b in range(self.B):
@@ -321,6 +561,57 @@ class AdaptivePolicy(Policy):
             for j in range(min(a + 1, spec.steps)):  # draft j was tested: the j before it were accepted
                 self.num[b][j] += j < a
                 self.den[b][j] += 1.0
+
+
+class ChainDP:
+    """The Bayes-optimal decisions of one request over its last `horizon` tokens (B 1), by dynamic programming:
+    the depths share the request's acceptance alpha ~ Beta(a, c) (the prior updated by every draft tested: accepted
+    drafts to a, rejections to c), each round one of plain and the chains, its cost from the table (a chain after
+    plain rounds pays the resume too); the value is the expected time to the request's last token. V[l, g][s, f]:
+    l tokens left, g = 1 after a plain round, s / f accepted / rejected drafts since the solve; an outcome of a
+    chain of S drafts cut at n = min(S, l - 1): its first k accepted and the next rejected (k < n) with probability
+    E[alpha^k] - E[alpha^(k+1)], all n with E[alpha^n]."""
+
+    def __init__(self, costs: dict, specs, a: float, c: float, horizon: int, resume: float):
+        import numpy as np
+
+        G, P = horizon + 1, max(s.steps for s in specs) + 2
+        self.specs, self.a, self.c = list(specs), a, c
+        s = np.arange(G + P, dtype=np.float64)[:, None]
+        f = np.arange(G + P, dtype=np.float64)[None, :]
+        M = [np.ones((G + P, G + P))]
+        for i in range(P):
+            M.append(M[-1] * (a + s + i) / (a + c + s + f + i))
+        V = np.zeros((G, 2, G + P, G + P))
+        self.choice = np.zeros((G, 2, G + P, G + P), dtype=np.int8)  # 0: plain, i: specs[i - 1]
+        t0 = costs[PLAIN]
+        for l in range(1, G):
+            for g in (0, 1):
+                best = t0 + V[l - 1, 1]
+                pick = np.zeros(best.shape, dtype=np.int8)
+                for i, spec in enumerate(self.specs, 1):
+                    n = min(spec.steps, l - 1)
+                    if n <= 0:
+                        continue
+                    q = np.full(best.shape, costs[label(spec)] + g * resume)
+                    for k in range(n):  # k accepted, the next rejected
+                        nxt = np.zeros_like(best)
+                        nxt[:G + P - k, :G + P - 1] = V[l - k - 1, 0][k:, 1:]
+                        q += (M[k] - M[k + 1]) * nxt
+                    nxt = np.zeros_like(best)
+                    nxt[:G + P - n, :] = V[l - n - 1, 0][n:, :]
+                    q += M[n] * nxt
+                    better = q < best
+                    best = np.where(better, q, best)
+                    pick = np.where(better, np.int8(i), pick)
+                V[l, g], self.choice[l, g] = best, pick
+        self.V, self.horizon = V, horizon
+
+    def decide(self, left: int, lag: bool, s: int, f: int):
+        """The decision (a spec or None) at `left` tokens, after plain rounds or not, s / f drafts accepted /
+        rejected since the solve."""
+        i = int(self.choice[left, int(lag), s, f])
+        return None if i == 0 else self.specs[i - 1]
 
 
 class FixedPolicy(Policy):
