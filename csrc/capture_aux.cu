@@ -16,6 +16,7 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include <cstring>
 #include <limits>
 #include <type_traits>
 
@@ -31,7 +32,7 @@ constexpr int kSmallGridBlocks = 4 * 132;  // below this many blocks at unroll 4
 
 // The error path, out of line: inlined at the kernel's end, the recording took the unrolled vector kernel from
 // 72 to 82 registers (sm_90a); at its start, before the loads, T 1 and 7 ran 1.04-1.05x the build without checks
-// (device_checks_h200.log at f803251).
+// (device_checks_h200.log at f803251). Now called from the bad row's own branch (below).
 __device__ __noinline__ void report_row(int64_t* err, int64_t src, int64_t T, int64_t r) {
   report_range(err, kOpCaptureAux, kArgRows, src, 0, T - 1, r);
 }
@@ -50,44 +51,67 @@ __global__ void __launch_bounds__(kThreads) capture_aux_kernel(
     const index_t* __restrict__ rows, int64_t T, int64_t H, int64_t* __restrict__ err) {
   using vec_t = Vec<scalar_t, VEC>;
   using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
+  // Loaded vectors are held as 32-bit words until they are added: held as vectors of bf16 / fp16 elements,
+  // the compiler split each load into 16-bit registers as it arrived (the bf16 unroll-4 kernel at 72-80
+  // registers, 51 with the words: 9 blocks per SM instead of 6-7, so T 512's 1024 blocks fit one wave).
+  using raw_t = std::conditional_t<sizeof(scalar_t) == 2 && VEC % 2 == 0, Vec<uint32_t, VEC / 2>, vec_t>;
+  static_assert(sizeof(raw_t) == sizeof(vec_t));
   const int64_t r = blockIdx.x;
   const int64_t src = rows != nullptr ? static_cast<int64_t>(rows[r]) : r;
-  const bool valid = static_cast<uint64_t>(src) < static_cast<uint64_t>(T);  // 0 <= src < T
   const int64_t nvec = H / VEC;
   const int64_t base = static_cast<int64_t>(blockIdx.y) * kThreads * kUnroll + threadIdx.x;
-  const vec_t* h = reinterpret_cast<const vec_t*>(hidden + (valid ? src : 0) * hidden_stride);
-  const vec_t* res = residual != nullptr ? reinterpret_cast<const vec_t*>(residual + (valid ? src : 0) * residual_stride)
-                                          : nullptr;
-  vec_t* out = reinterpret_cast<vec_t*>(aux + r * aux_stride);
+  raw_t* out = reinterpret_cast<raw_t*>(aux + r * aux_stride);
+  // A row outside [0, T) (the same for the whole block) takes its own branch and returns, so that the valid path
+  // below compiles to the same instructions with and without the report (sm_90a SASS, bf16 unroll 4). With one
+  // `valid` predicate over the loads and stores instead, the report at the end kept every thread to the
+  // kernel's end and the compiler rebuilt the residual's address in each store iteration: T 512 ran 1.04x the
+  // build without checks (device_checks_d4d8c6d_h200.log).
+  if (EAGLE3_UNLIKELY(static_cast<uint64_t>(src) >= static_cast<uint64_t>(T))) {
+    vec_t nan;
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) nan.v[i] = static_cast<scalar_t>(std::numeric_limits<float>::quiet_NaN());
+    raw_t nan_raw;
+    memcpy(&nan_raw, &nan, sizeof(raw_t));  // between locals (registers): a memcpy into global memory goes by bytes
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t v = base + u * kThreads;
+      if (v < nvec) out[v] = nan_raw;
+    }
+    if (kDeviceChecks && blockIdx.y == 0 && threadIdx.x == 0) report_row(err, src, T, r);
+    return;
+  }
+  const bool has_res = residual != nullptr;
+  const raw_t* h = reinterpret_cast<const raw_t*>(hidden + src * hidden_stride);
+  const raw_t* res = reinterpret_cast<const raw_t*>(residual + (has_res ? src * residual_stride : 0));
 
-  vec_t a[kUnroll], b[kUnroll];
+  raw_t a[kUnroll], b[kUnroll];
 #pragma unroll
   for (int u = 0; u < kUnroll; ++u) {
     const int64_t v = base + u * kThreads;
-    if (valid && v < nvec) {
+    if (v < nvec) {
       a[u] = h[v];
-      if (res != nullptr) b[u] = res[v];
+      if (has_res) b[u] = res[v];
     }
   }
 #pragma unroll
   for (int u = 0; u < kUnroll; ++u) {
     const int64_t v = base + u * kThreads;
     if (v >= nvec) continue;
-    vec_t o;
+    if (!has_res) {
+      out[v] = a[u];
+      continue;
+    }
+    vec_t x, y, o;
+    memcpy(&x, &a[u], sizeof(vec_t));
+    memcpy(&y, &b[u], sizeof(vec_t));
 #pragma unroll
     for (int i = 0; i < VEC; ++i) {
-      if (!valid) {
-        o.v[i] = static_cast<scalar_t>(std::numeric_limits<float>::quiet_NaN());
-      } else if (res != nullptr) {
-        o.v[i] = static_cast<scalar_t>(static_cast<acc_t>(a[u].v[i]) + static_cast<acc_t>(b[u].v[i]));
-      } else {
-        o.v[i] = a[u].v[i];
-      }
+      o.v[i] = static_cast<scalar_t>(static_cast<acc_t>(x.v[i]) + static_cast<acc_t>(y.v[i]));
     }
-    out[v] = o;
+    raw_t o_raw;
+    memcpy(&o_raw, &o, sizeof(raw_t));
+    out[v] = o_raw;
   }
-  // the report last, off the path from the row's index to its loads and stores
-  if (kDeviceChecks && EAGLE3_UNLIKELY(!valid) && blockIdx.y == 0 && threadIdx.x == 0) report_row(err, src, T, r);
 }
 
 template <typename scalar_t, int VEC, int kUnroll, typename index_t>
