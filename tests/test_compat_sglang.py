@@ -994,6 +994,113 @@ def _sampling_cases(B, N, kind, S, V, thresholds, with_draft):
                (0, 1, 2) + ((10,) if with_draft else ()))
 
 
+def _fp64_inverse_cdf(w, final):
+    """numpy, row by row: the first token whose running mass (summed in fp64, each prefix rounded to fp32)
+    exceeds final * total in fp32; V - 1 past the mass. Returns (tokens, the prefixes)."""
+    import numpy as np
+
+    cdf = np.cumsum(w.numpy().astype(np.float64), -1).astype(np.float32)
+    u = final.numpy().astype(np.float32) * cdf[:, -1]
+    tokens = [min(int(np.searchsorted(cdf[r], u[r], side="right")), w.shape[1] - 1) for r in range(len(u))]
+    return torch.tensor(tokens), cdf
+
+
+def _zero_mass_case(B, V, with_draft):
+    """tree_speculative_sampling_target_only's arguments for B one-child chains (N 2, S 2, the child tried and
+    rejected: the bonus is drawn at the root) whose residual is zero on most of the V tokens (target zero off
+    a random 30%, as top-k / top-p leave it; with draft, the draft at 1.5x the target on half of the rest),
+    and the bonus each row must draw (_fp64_inverse_cdf, independent of the op). Row 0's final coin is 1.0
+    (past the mass: V - 1); every odd row's lands exactly on the running mass after a token that zero-mass
+    tokens follow (the draw takes the first later token whose rounded prefix is larger)."""
+    import numpy as np
+
+    g = torch.Generator().manual_seed(V + B)
+    N, S = 2, 2
+    keep = torch.rand(B, N, V, generator=g) < 0.3
+    probs = torch.softmax(torch.where(keep, torch.randn(B, N, V, generator=g) * 4, float("-inf")), -1)
+    draft = None
+    if with_draft:
+        draft = torch.where(torch.rand(B, N, V, generator=g) < 0.5, probs * 1.5, probs * 0.5)
+    child = torch.multinomial(keep[:, 0].float(), 1, generator=g).squeeze(1)  # a token with target mass
+    candidates = torch.stack([torch.zeros(B, dtype=torch.int64), child], 1)
+    r_index = torch.arange(B * N).view(B, N)
+    r_next = torch.tensor([[1, -1]]).repeat(B, 1)
+    r_sib = torch.full((B, N), -1)
+    coins = torch.ones(B, N)  # coin 1 > p(child) / threshold_acc 1: rejected
+    w = probs[:, 0] - (draft[:, 0] if with_draft else 0.0)
+    w = w.clamp(min=0).index_put((torch.arange(B), child), torch.zeros(B))  # the rejected child: draft = target
+    final = torch.rand(B, generator=g)
+    final[0] = 1.0
+    _, cdf = _fp64_inverse_cdf(w, final)
+    for r in range(1, B, 2):  # a coin on a prefix that zero-mass tokens follow
+        wr = w[r].numpy()
+        for t in torch.randperm(V // 2, generator=g).tolist():
+            t += V // 4
+            if not (wr[t] > 0 and wr[t + 1] == 0 and wr[t + 2] == 0):
+                continue
+            f = np.float32(float(cdf[r, t]) / float(cdf[r, -1]))
+            for _ in range(4):  # the fp32 coin whose product with the total is that prefix, if one is near
+                if f * cdf[r, -1] < cdf[r, t]:
+                    f = np.nextafter(f, np.float32(1))
+                elif f * cdf[r, -1] > cdf[r, t]:
+                    f = np.nextafter(f, np.float32(0))
+            if f * cdf[r, -1] == cdf[r, t]:
+                final[r] = float(f)
+                break
+        assert final[r] * cdf[r, -1] == cdf[r, t], f"row {r}: no coin on a prefix found"
+    bonus, _ = _fp64_inverse_cdf(w, final)
+    args = [*_walk_outs(B, N, S), candidates, r_index, r_next, r_sib, coins, final, probs, draft, 1.0, 1.0]
+    return args, bonus
+
+
+def _check_zero_mass_draws(args, bonus):
+    B, N = args[3].shape
+    predicts, accept_index, accept_token_num = (a.cpu() for a in args[:3])
+    assert_equal(predicts[:B * N:N], bonus.int(), "the bonus (predicts at the root rows)")
+    assert_equal(accept_token_num, torch.zeros(B, dtype=torch.int32), "accept_token_num")
+    assert_equal(accept_index[:, 0], torch.arange(0, B * N, N, dtype=torch.int32), "accept_index[:, 0]")
+
+
+@pytest.mark.parametrize("with_draft", [False, True])
+def test_sampling_bonus_is_the_fp64_inverse_cdf_past_zero_mass_tokens(with_draft, monkeypatch):
+    # V 163840 (the bench's), most of the residual zero, coins exactly on a prefix that zero-mass tokens follow:
+    # the tensor-op path draws what the fp64 running mass says. Then again with torch.cumsum accumulating fp32
+    # in fp32 (numpy's sequential fp32 sum; what CUDA's cumsum does, in another order): the draws must not move.
+    # At d4d8c6d the tensor path took torch.cumsum(w) of fp32 w, fp64-accumulated on CPU only; on the H200 it
+    # drew 2-3 tokens past the kernels' in 1-3 of 257-513 rows (the C++ op and the Triton kernels agreed).
+    import numpy as np
+
+    args, bonus = _zero_mass_case(16, 163840, with_draft)
+    run = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+    tree_speculative_sampling_target_only(*run)
+    _check_zero_mass_draws(run, bonus)
+
+    real = torch.cumsum
+
+    def fp32_cumsum(x, dim, *, dtype=None, out=None):
+        if x.dtype != torch.float32 or dtype not in (None, torch.float32) or out is not None:
+            return real(x, dim, dtype=dtype, out=out)
+        return torch.from_numpy(np.cumsum(x.numpy(), dim, dtype=np.float32))
+
+    w = torch.stack([(args[9][b, 0] - (args[10][b, 0] if with_draft else 0)).clamp(min=0) for b in range(16)])
+    w[torch.arange(16), args[3][:, 1]] = 0
+    u = (args[8] * fp32_cumsum(w, -1)[:, -1])[:, None]
+    moved = torch.searchsorted(fp32_cumsum(w, -1), u, right=True).clamp(max=w.shape[1] - 1).squeeze(1) != bonus
+    assert moved.any(), "the case does not tell an fp32 running mass from an fp64 one"
+    monkeypatch.setattr(torch, "cumsum", fp32_cumsum)
+    run = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+    tree_speculative_sampling_target_only(*run)
+    _check_zero_mass_draws(run, bonus)
+
+
+@needs_kernels
+def test_sampling_kernel_draws_past_zero_mass_tokens():
+    # the Triton kernels on _zero_mass_case at V 163840 (40 chunks): the fp64 inverse CDF's draws, as the
+    # tensor ops (the C++ op: test_gpu_cpp_sampling_draws_past_zero_mass_tokens)
+    args, bonus = _zero_mass_case(2, 163840, True)  # row 0 past the mass, row 1 on a prefix
+    _check_zero_mass_draws(kernels_match_tensor_path(tree_speculative_sampling_target_only, args, (0, 1, 2, 10)), bonus)
+
+
 @needs_kernels
 @pytest.mark.parametrize("lengths", [[0], [1], [7, 8, 9], [0, 13, 0, 64, 3], list(range(0, 300, 7))])
 def test_packbits_kernel_matches_tensor_path(lengths):
@@ -1218,6 +1325,16 @@ def test_gpu_cpp_sampling_matches_paths(B, N, kind, S, V, thresholds, with_draft
     # [B * N, V] probabilities, the newest release's positional thresholds (no draft_probs)
     args[9:] = [args[9].view(B * N, V), *thresholds]
     cpp_matches_paths(tree_speculative_sampling_target_only, args, (0, 1, 2))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("with_draft", [False, True])
+def test_gpu_cpp_sampling_draws_past_zero_mass_tokens(with_draft):
+    # _zero_mass_case at the bench's B 64, V 163840: the C++ op, the Triton kernels and the tensor ops (the one
+    # that drew a few tokens off at d4d8c6d, fp32-accumulated by CUDA's cumsum) all draw the fp64 inverse CDF's
+    args, bonus = _zero_mass_case(64, 163840, with_draft)
+    _check_zero_mass_draws(cpp_matches_paths(tree_speculative_sampling_target_only, args,
+                                             (0, 1, 2) + ((10,) if with_draft else ())), bonus)
 
 
 @pytest.mark.gpu

@@ -523,9 +523,11 @@ def tree_speculative_sampling_target_only(predicts: Tensor, accept_index: Tensor
     deterministic : bool
         Accepted for SGLang's signature: this implementation is always deterministic.
 
-    Sums are formed in another order than SGLang's sequential fp32 sum, so a coin within a rounding step of
-    a boundary may go the other way. Bad values: as verify_tree_greedy's, and on CPU a candidate outside
-    [0, V) at any node the lists reach raises Eagle3InputError; on CUDA its probability reads as 0.
+    The children's sums and the bonus's running mass are formed in fp64 and rounded to fp32 on every device
+    and path (the tensor ops, the Triton kernels, the C++ op), in another order than SGLang's sequential
+    fp32 sum, so a coin within a rounding step of a boundary may go the other way. Bad values: as
+    verify_tree_greedy's, and on CPU a candidate outside [0, V) at any node the lists reach raises
+    Eagle3InputError; on CUDA its probability reads as 0.
     """
     if isinstance(draft_probs, (int, float)):  # the newest release's positional (..., threshold_single, ...)
         draft_probs, threshold_single, threshold_acc, deterministic = None, draft_probs, threshold_single, threshold_acc
@@ -605,7 +607,10 @@ def tree_speculative_sampling_target_only(predicts: Tensor, accept_index: Tensor
         q.scatter_reduce_(1, tok, torch.where(at_last, p, 0.0), "amax")
     q = torch.where(capped[:, None], 0.0, q)
     w = (probs[last_row] - q).clamp(min=0)
-    cdf = torch.cumsum(w, -1)
+    # the running mass summed in fp64, each prefix rounded to fp32 (the kernels' rule): torch.cumsum of fp32
+    # accumulates in fp64 on CPU but in fp32 on CUDA, whose error over V = 163840 moved the draw a few tokens
+    # past zero-mass ones in about 1 of 250 rows there
+    cdf = torch.cumsum(w, -1, dtype=torch.float64).float()
     u = (uniform_samples_for_final_sampling * cdf[:, -1])[:, None]
     bonus = torch.searchsorted(cdf, u, right=True).clamp(max=V - 1).squeeze(1)
 
