@@ -8,10 +8,11 @@
 //      form, and writes accept_nodes, accept_len and the accepted draft tokens.
 //        - without draft_probs (one-hot q): after rejecting x, p <- p with p(x) = 0, renormalised by
 //          1 - p(x): a set R of rejected tokens and a scale, no pass over the vocabulary;
-//        - with draft_probs: q of the current row is scattered through d2t into a per-request fp32
-//          scratch row [B, V] (never [B, N, V]), and each rejection costs one block pass over V for
-//          the residual's mass sum_v max(p_j(v) - q(v), 0); p_j(v) is recomputed pointwise from
-//          (p(v), q(v)) and the chain of those sums.
+//        - with draft_probs: q of the current row is read in place (no d2t) or scattered through d2t
+//          into a per-request fp32 scratch row [B, V] (never [B, N, V]), and each rejection costs one
+//          block pass over V for the residual's mass sum_v max(p_j(v) - q(v), 0); p_j(v) is recomputed
+//          pointwise from (p(v), q(v)) and the chain of those sums. The passes over V issue 4 loads per
+//          thread before using them, in the same per-thread order (the same sums).
 //   3. race: the bonus token of each request's last row, argmax_v p_k(v) / E_v with E_v = -log(u_v)
 //      (Philox stream 1, idx = token id), over all chunks of that row in parallel; per request a
 //      packed (score, -token) key reduced with atomicMax, so ties go to the lowest token id. Tokens
@@ -191,7 +192,7 @@ __global__ void __launch_bounds__(kThreads) row_stats_kernel(const scalar_t* __r
 
 // ---- 2. walk ---------------------------------------------------------------------------------------
 // tokens [B, N] int64, parents [B, N] int32, draft_probs [B * N, Vd] row stride ldq (nullptr: one-hot),
-// d2t [Vd] int64 (nullptr: identity), qt [B, V] f32 scratch (draft_probs path only)
+// d2t [Vd] int64 (nullptr: identity), qt [B, V] f32 scratch (draft_probs with d2t only; nullptr otherwise)
 // outputs accept_nodes [B, N] i32, accept_len [B] i32, emitted [B, N] i64 (bonus slot left to finish)
 // err: the device error word
 // grid: B; dynamic shared memory: N doubles (1 / residual mass per rejection)
@@ -214,6 +215,7 @@ __global__ void __launch_bounds__(kThreads) walk_kernel(
   const double invT = greedy ? 0.0 : 1.0 / static_cast<double>(T);
   const uint64_t sd = static_cast<uint64_t>(seed[b]), off = static_cast<uint64_t>(offset[b]);
   const bool has_q = draft_probs != nullptr;
+  const bool gather = has_q && d2t != nullptr;  // host: without d2t, Vd == V
   int64_t* wi = ws_i + b * (kWsI + N);
   double* wd = ws_d + b * (kWsD + N);
   if constexpr (kDeviceChecks) {  // the walk never needs these checks (see above): they only report
@@ -230,20 +232,41 @@ __global__ void __launch_bounds__(kThreads) walk_kernel(
   while (true) {
     const int64_t row = b * N + c;
     const scalar_t* lrow = logits + row * ld;
-    if (has_q) {  // q of this row in target ids
+    // q of this row in target ids: with d2t scattered into the scratch row; without, draft_probs' own row (the
+    // value the scatter would have left there: 0 + q exactly), with no pass over V.
+    const prob_t* qsrc = has_q ? draft_probs + row * ldq : nullptr;
+    if (gather) {
       float* qrow = qt + b * V;
       for (int64_t v = threadIdx.x; v < V; v += kThreads) qrow[v] = 0.0f;
       __syncthreads();
-      for (int64_t d = threadIdx.x; d < Vd; d += kThreads) {
-        const int64_t o = d2t != nullptr ? d2t[d] : 0;  // compared, never added unchecked: no overflow
-        if (o >= -d && o <= V - 1 - d) {
-          atomicAdd(qrow + d + o, to_f(draft_probs[row * ldq + d]));
-        } else {
-          report_range(err, kOpVerifySampling, kArgD2t, o, -d, V - 1 - d, d);
+      int64_t bad_d = -1, bad_o = 0;  // this thread's first d2t entry out of range, reported after the loop
+      for (int64_t d0 = threadIdx.x; d0 < Vd; d0 += 4 * kThreads) {
+        int64_t o[4];
+        float q[4];
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+          const int64_t d = d0 + u * kThreads;
+          o[u] = d < Vd ? d2t[d] : 0;
+          q[u] = d < Vd ? to_f(qsrc[d]) : 0.0f;
         }
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+          const int64_t d = d0 + u * kThreads;
+          if (d >= Vd) break;
+          if (o[u] >= -d && o[u] <= V - 1 - d) {  // compared, never added unchecked: no overflow
+            atomicAdd(qrow + d + o[u], q[u]);
+          } else if (bad_d < 0) {
+            bad_d = d;
+            bad_o = o[u];
+          }
+        }
+      }
+      if (EAGLE3_UNLIKELY(bad_d >= 0)) {
+        report_range(err, kOpVerifySampling, kArgD2t, bad_o, -bad_d, V - 1 - bad_d, bad_d);
       }
       __syncthreads();
     }
+    auto q_at = [&](int64_t v) -> float { return gather ? qt[b * V + v] : to_f(qsrc[v]); };
     if (threadIdx.x == 0) {
       float m = -INFINITY;
       int32_t a = 0;
@@ -284,7 +307,7 @@ __global__ void __launch_bounds__(kThreads) walk_kernel(
         if (valid) {
           const double p0 = prob(x, to_f(lrow[x]));
           if (has_q) {
-            qx = qt[b * V + x];
+            qx = q_at(x);
             px = residual_prob(p0, qx, inv, n_rej);
           } else {
             bool out = false;
@@ -306,10 +329,22 @@ __global__ void __launch_bounds__(kThreads) walk_kernel(
       if (has_q) {  // residual mass sum_v max(p_j(v) - q(v), 0): one block pass over V
         const float mf = static_cast<float>(m), cf = static_cast<float>(invT) * kLog2e;
         double part = 0.0;
-        for (int64_t v = threadIdx.x; v < V; v += kThreads) {
-          const double qv = qt[b * V + v];
-          const double p0 = greedy ? (v == amax ? 1.0 : 0.0) : static_cast<double>(exp2f((to_f(lrow[v]) - mf) * cf)) / Z;
-          part += fmax(residual_prob(p0, qv, inv, n_rej) - qv, 0.0);
+        for (int64_t v0 = threadIdx.x; v0 < V; v0 += 4 * kThreads) {
+          float q[4], l[4];
+#pragma unroll
+          for (int u = 0; u < 4; ++u) {
+            const int64_t v = v0 + u * kThreads;
+            q[u] = v < V ? q_at(v) : 0.0f;
+            l[u] = v < V ? to_f(lrow[v]) : 0.0f;
+          }
+#pragma unroll
+          for (int u = 0; u < 4; ++u) {
+            const int64_t v = v0 + u * kThreads;
+            if (v >= V) break;
+            const double qv = q[u];
+            const double p0 = greedy ? (v == amax ? 1.0 : 0.0) : static_cast<double>(exp2f((l[u] - mf) * cf)) / Z;
+            part += fmax(residual_prob(p0, qv, inv, n_rej) - qv, 0.0);
+          }
         }
         const double s = block_sum(part, red);
         if (threadIdx.x == 0) inv[n_rej] = s > 0.0 ? 1.0 / s : 0.0;
@@ -350,12 +385,15 @@ __global__ void __launch_bounds__(kThreads) walk_kernel(
 
 
 // ---- 3. race ---------------------------------------------------------------------------------------
-// grid: (B, G); each block scans one chunk of its request's final row.
-template <typename scalar_t>
+// grid: (B, G); each block scans one chunk of its request's final row. q as walk read it: draft_probs [B * N, V]
+// (no d2t; q_by_row: the final row's) or the scratch rows qt [B, V] (with d2t: request b's), row stride ldq;
+// nullptr without draft_probs.
+template <typename scalar_t, typename q_t>
 __global__ void __launch_bounds__(kThreads) race_kernel(const scalar_t* __restrict__ logits, int64_t ld, int64_t V,
                                                         int N, const int64_t* __restrict__ seed,
-                                                        const int64_t* __restrict__ offset, const float* __restrict__ qt,
-                                                        int64_t* __restrict__ ws_i, const double* __restrict__ ws_d) {
+                                                        const int64_t* __restrict__ offset, const q_t* __restrict__ q,
+                                                        int64_t ldq, bool q_by_row, int64_t* __restrict__ ws_i,
+                                                        const double* __restrict__ ws_d) {
   const int64_t b = blockIdx.x;
   int64_t* wi = ws_i + b * (kWsI + N);
   const double* wd = ws_d + b * (kWsD + N);
@@ -367,13 +405,14 @@ __global__ void __launch_bounds__(kThreads) race_kernel(const scalar_t* __restri
   const uint64_t sd = static_cast<uint64_t>(seed[b]), off = static_cast<uint64_t>(offset[b]);
   const uint32_t row_stream = static_cast<uint32_t>(row) | 0x80000000u;
   const scalar_t* x = logits + row * ld;
+  const q_t* qrow = q != nullptr ? q + (q_by_row ? row : b) * ldq : nullptr;
   const int64_t begin = static_cast<int64_t>(blockIdx.y) * kChunk, end = min(V, begin + kChunk);
   float best = -INFINITY;
   int64_t best_v = -1;
   for (int64_t v = begin + threadIdx.x; v < end; v += kThreads) {
     const float z = (to_f(x[v]) - m) * c;  // log(p(v) * Z)
     float score;
-    if (qt == nullptr) {
+    if (qrow == nullptr) {
       if (best_v >= 0 && z + kMaxNegLogE < best) continue;  // cannot beat this thread's best
       bool excluded = false;
       for (int i = 0; i < n; ++i) excluded |= wi[kWsI + i] == v;
@@ -381,7 +420,7 @@ __global__ void __launch_bounds__(kThreads) race_kernel(const scalar_t* __restri
       const float u = philox_uniform(static_cast<uint32_t>(v), row_stream, off, sd);
       score = z - logf(-logf(u));
     } else {
-      const double pv = residual_prob(static_cast<double>(exp2f(z * kLog2e)) / Z, qt[b * V + v], wd + kWsD, n);
+      const double pv = residual_prob(static_cast<double>(exp2f(z * kLog2e)) / Z, to_f(qrow[v]), wd + kWsD, n);
       if (!(pv > 0.0)) continue;
       const float lp = static_cast<float>(log(pv));
       if (best_v >= 0 && lp + kMaxNegLogE < best) continue;
@@ -504,7 +543,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_sampling_cuda(
   at::Tensor ws_i = at::empty({B, kWsI + N}, tokens.options());
   at::Tensor ws_d = at::empty({B, kWsD + N}, tokens.options().dtype(at::kDouble));
   at::Tensor qt;
-  if (draft_probs) qt = at::empty({B, V}, tokens.options().dtype(at::kFloat));
+  if (draft_probs && d2t) qt = at::empty({B, V}, tokens.options().dtype(at::kFloat));  // q through d2t
   float* part_m = reinterpret_cast<float*>(part[0].data_ptr<int32_t>());
   int32_t* part_a = part[1].data_ptr<int32_t>();
   float* part_s = reinterpret_cast<float*>(part[2].data_ptr<int32_t>());
@@ -533,14 +572,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_sampling_cuda(
           lg, ld, V, dp, draft_probs ? draft_probs->stride(0) : 0, Vd, d2t ? d2t->data_ptr<int64_t>() : nullptr,
           tokens.data_ptr<int64_t>(), parents.data_ptr<int32_t>(), static_cast<int>(N), temperature.data_ptr<float>(),
           seed.data_ptr<int64_t>(), offset.data_ptr<int64_t>(), part_m, part_a, part_s, G,
-          draft_probs ? qt.data_ptr<float>() : nullptr, ws_i.data_ptr<int64_t>(), ws_d.data_ptr<double>(),
+          qt.defined() ? qt.data_ptr<float>() : nullptr, ws_i.data_ptr<int64_t>(), ws_d.data_ptr<double>(),
           accept_nodes.data_ptr<int32_t>(), accept_len.data_ptr<int32_t>(), emitted.data_ptr<int64_t>(), err);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
+      const dim3 race_grid(static_cast<unsigned>(B), G);
+      if (draft_probs && !d2t) {  // q in place: the final row of draft_probs
+        race_kernel<logit_t, scalar_t><<<race_grid, kThreads, 0, stream>>>(
+            lg, ld, V, static_cast<int>(N), seed.data_ptr<int64_t>(), offset.data_ptr<int64_t>(), dp,
+            draft_probs->stride(0), true, ws_i.data_ptr<int64_t>(), ws_d.data_ptr<double>());
+      } else {  // the scratch rows (d2t), or one-hot q
+        race_kernel<logit_t, float><<<race_grid, kThreads, 0, stream>>>(
+            lg, ld, V, static_cast<int>(N), seed.data_ptr<int64_t>(), offset.data_ptr<int64_t>(),
+            qt.defined() ? qt.data_ptr<float>() : nullptr, V, false, ws_i.data_ptr<int64_t>(), ws_d.data_ptr<double>());
+      }
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
-    race_kernel<logit_t><<<dim3(static_cast<unsigned>(B), G), kThreads, 0, stream>>>(
-        lg, ld, V, static_cast<int>(N), seed.data_ptr<int64_t>(), offset.data_ptr<int64_t>(),
-        draft_probs ? qt.data_ptr<float>() : nullptr, ws_i.data_ptr<int64_t>(), ws_d.data_ptr<double>());
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   finish_kernel<<<static_cast<unsigned>((B + 127) / 128), 128, 0, stream>>>(
       static_cast<int>(B), static_cast<int>(N), V, ws_i.data_ptr<int64_t>(), emitted.data_ptr<int64_t>());
