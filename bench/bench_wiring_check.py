@@ -2,17 +2,20 @@
 in one run, at the same prompts and prefill (engine/wiring_check.py; docs/wiring.md).
 
     python3 bench/bench_wiring_check.py                          # on the H200: kimi-k2-slice, bf16, round graphs
+    python3 bench/bench_wiring_check.py --impl auto torch        # the kernels and the torch code, same off runs
     python3 bench/bench_wiring_check.py --preset tiny --device cpu --dtype float32 --prefix 32 --max-new 16
     python3 bench/bench_wiring_check.py --heldout --batch 1 4    # the verdicts on the shipped pair (CPU)
     python3 bench/bench_wiring_check.py --record --write         # re-measure the shipped drafter's record
 
-Each repeat runs the check off, then on (the order alternates between repeats), every round replayed from one
-CUDA graph (graphs="round") and timed by CUDA events around it (DecodeStats.round_seconds: the rounds' device
-span, the host's waits out), the prefill shared through a PrefillCache. Printed per setting: the median
-time a round with the check off and on, their difference, the repeats' spread (max - min of the off runs:
-the noise), and the check's own span inside the graph (the "check" component). Synthesised weights: the
-drafter predicts nothing, which changes no shape or launch of a round. Rows go to --json, else
-$EAGLE3_BENCH_OUT/wiring_check.json, else ./wiring_check.json.
+Each repeat runs the check off, then on with each --impl (the order reverses between repeats), every round
+replayed from one CUDA graph (graphs="round") and timed by CUDA events around it (DecodeStats.round_seconds:
+the rounds' device span, the host's waits out), the prefill shared through a PrefillCache. Printed per setting
+and impl: the median time a round with the check off and on, their difference, the repeats' spread (max - min
+of the off runs: the noise), the check's own span inside the graph (the "check" component), and what it
+launches a round (count_kernels on one eager CheckRun.observe at the round's shapes: Triton launches, torch ops
+that run a kernel, host syncs). --impl torch times the torch code that the kernels replaced beside them.
+Synthesised weights: the drafter predicts nothing, which changes no shape or launch of a round. Rows go to
+--json, else $EAGLE3_BENCH_OUT/wiring_check.json, else ./wiring_check.json.
 """
 
 from __future__ import annotations
@@ -27,6 +30,74 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+
+
+# ops that launch no kernel: allocations, and views (func.is_view) are told apart by name / schema
+_NO_KERNEL = {"empty", "empty_strided", "empty_like", "detach", "lift_fresh", "alias", "_local_scalar_dense"}
+
+
+def count_kernels(fn, *args, **kwargs) -> dict:
+    """Run fn(*args, **kwargs) once, counting what it launches: torch ops that launch a kernel (a dispatch-mode
+    trace less views and allocations: aten op names, each kernel that op runs on CUDA), Triton launches (kernel
+    names; the torch ops Triton's interpreter runs inside one are not counted) and host syncs
+    (_local_scalar_dense: an .item() or a bool of a device tensor). Works on CPU tensors and under
+    TRITON_INTERPRET=1, where nothing runs on a GPU: it counts the launches, not their time."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from triton.runtime.jit import KernelInterface
+
+    seen = dict(torch=[], triton=[], syncs=0)
+    inside = [0]  # > 0 while a Triton launch runs (the interpreter's own torch ops)
+
+    class Trace(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.overloadpacket.__name__
+            if not inside[0]:
+                if name == "_local_scalar_dense":
+                    seen["syncs"] += 1
+                if not (func.is_view or name in _NO_KERNEL):
+                    seen["torch"].append(name)
+            return func(*args, **(kwargs or {}))
+
+    launch = KernelInterface.__getitem__
+
+    def counted(self, grid):
+        run = launch(self, grid)
+
+        def go(*a, **k):
+            seen["triton"].append(getattr(self, "__name__", type(self).__name__))
+            inside[0] += 1
+            try:
+                return run(*a, **k)
+            finally:
+                inside[0] -= 1
+        return go
+
+    KernelInterface.__getitem__ = counted
+    try:
+        with Trace():
+            fn(*args, **kwargs)
+    finally:
+        KernelInterface.__getitem__ = launch
+    return seen
+
+
+def check_launches(B: int, spec, V: int, H: int, n_aux: int, device, dtype, impl: str) -> dict:
+    """count_kernels of one CheckRun.observe as the decode loop calls it (a record for the settings, so both
+    tests run; random logits and features of the round's shapes)."""
+    from eagle3_ops.engine.wiring_check import CONFIDENCE_EDGES, CheckRun, WiringCheck, WiringRecord
+
+    nb, N = len(CONFIDENCE_EDGES) + 1, spec.num_tokens
+    record = WiringRecord(spec.steps, spec.topk, N, float(spec.temperature), (100,) * nb, (90,) * nb,
+                          (-8.0,) * n_aux, (8.0,) * n_aux, 1000, 10)
+    ids = list(range(n_aux))
+    run = CheckRun(WiringCheck(record=record, impl=impl), ids, ids, n_aux + 1, spec, torch.device(device), B)
+    logits = torch.randn(B * N, V, device=device).to(dtype)
+    aux = torch.randn(B * N, n_aux * H, device=device).to(dtype)
+    nodes = torch.arange(N, dtype=torch.int32, device=device).repeat(B, 1)
+    accept_len = torch.full((B,), N - 1, dtype=torch.int32, device=device)
+    count = torch.zeros(B, dtype=torch.int64, device=device)
+    run.observe(logits, nodes, accept_len, aux, count=count, max_new=64)  # (compiles the kernels first)
+    return count_kernels(run.observe, logits, nodes, accept_len, aux, count=count, max_new=64)
 
 
 def run(args) -> list[dict]:
@@ -51,29 +122,39 @@ def run(args) -> list[dict]:
             record = WiringRecord(steps, topk, num_tokens, 0.0, (100,) * nb, (90,) * nb, (-8.0,) * n_aux,
                                   (8.0,) * n_aux, 1000, 10)
             cache = PrefillCache()
-            times = {False: [], True: []}
-            check_ms = []
+            variants = [None] + list(args.impl)  # the check off, then on with each impl
+            times = {v: [] for v in variants}
+            check_ms = {v: [] for v in args.impl}
             for r in range(args.repeats + 1):  # repeat 0 warms up (Triton compiles, graph pools)
-                for on in ((False, True) if r % 2 else (True, False)):
+                for v in (variants if r % 2 else variants[::-1]):
                     timer = Timer(device=args.device, mode="events")
-                    _, stats = generate_speculative(target, drafter, prompts, args.max_new, spec, timer=timer,
-                                                    graphs=graphs, prefill_cache=cache,
-                                                    wiring_check=WiringCheck(record=record) if on else None)
+                    _, stats = generate_speculative(
+                        target, drafter, prompts, args.max_new, spec, timer=timer, graphs=graphs, prefill_cache=cache,
+                        wiring_check=WiringCheck(record=record, impl=v) if v is not None else None)
                     if r == 0:
                         continue
                     span = stats.round_seconds or (stats.seconds - stats.prefill_seconds - stats.setup_seconds)
-                    times[on].append(span / max(stats.rounds, 1) * 1e3)
-                    if on:
-                        check_ms.append(stats.times.get("check", 0.0) / max(stats.rounds, 1) * 1e3)
-            off, on = statistics.median(times[False]), statistics.median(times[True])
-            row = dict(preset=args.preset, batch=B, prefix=args.prefix, spec=f"{steps}/{topk}/{num_tokens}",
-                       graphs=bool(graphs), round_ms_off=off, round_ms_on=on, diff_ms=on - off,
-                       noise_ms=max(times[False]) - min(times[False]), check_span_ms=statistics.median(check_ms),
-                       repeats=args.repeats, off_runs=times[False], on_runs=times[True])
-            rows.append(row)
-            print(f"B {B:3d} prefix {args.prefix:6d} spec {row['spec']:>8}: round {off:8.3f} ms off, {on:8.3f} ms on, "
-                  f"diff {on - off:+7.3f} ms (noise {row['noise_ms']:.3f} ms), check's span "
-                  f"{row['check_span_ms'] * 1e3:.1f} us", flush=True)
+                    times[v].append(span / max(stats.rounds, 1) * 1e3)
+                    if v is not None:
+                        check_ms[v].append(stats.times.get("check", 0.0) / max(stats.rounds, 1) * 1e3)
+            off = statistics.median(times[None])
+            for v in args.impl:
+                launches = check_launches(B, spec, target.cfg.vocab_size, target.cfg.hidden_size, n_aux,
+                                          args.device, dtype, v)
+                on = statistics.median(times[v])
+                row = dict(preset=args.preset, batch=B, prefix=args.prefix, spec=f"{steps}/{topk}/{num_tokens}",
+                           graphs=bool(graphs), impl=v, round_ms_off=off, round_ms_on=on, diff_ms=on - off,
+                           noise_ms=max(times[None]) - min(times[None]), check_span_ms=statistics.median(check_ms[v]),
+                           check_kernels=len(launches["torch"]) + len(launches["triton"]),
+                           check_torch_ops=launches["torch"], check_triton=launches["triton"],
+                           check_syncs=launches["syncs"], repeats=args.repeats, off_runs=times[None],
+                           on_runs=times[v])
+                rows.append(row)
+                print(f"B {B:3d} prefix {args.prefix:6d} spec {row['spec']:>8} {v:>6}: round {off:8.3f} ms off, "
+                      f"{on:8.3f} ms on, diff {on - off:+7.3f} ms (noise {row['noise_ms']:.3f} ms), check's span "
+                      f"{row['check_span_ms'] * 1e3:.1f} us, {row['check_kernels']} kernels a round "
+                      f"({len(launches['triton'])} Triton, {len(launches['torch'])} torch ops), "
+                      f"{launches['syncs']} host syncs", flush=True)
     return rows
 
 
@@ -145,6 +226,9 @@ def main():
     ap.add_argument("--spec", type=lambda s: tuple(int(x) for x in s.split("/")), nargs="+",
                     default=[(3, 1, 4), (4, 4, 16)], metavar="STEPS/TOPK/TOKENS")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--impl", nargs="+", default=["auto"], choices=["auto", "torch", "triton"],
+                    help="the check's update (WiringCheck.impl), each timed against the same off runs: auto = the "
+                         "Triton kernels on CUDA, torch = the torch code they replaced")
     ap.add_argument("--json", default=None)
     ap.add_argument("--heldout", action="store_true",
                     help="instead: the check's verdicts on the shipped pair (CPU) for the trained wiring, the seed's "

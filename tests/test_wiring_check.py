@@ -2,12 +2,16 @@
 the false-alarm bound of its two sequential tests, its verdicts, and on the shipped pair (CPU, greedy, chain
 3/1/4, 64 new tokens, held-out prompts 0-19: the config's record was measured on prompts 20-63) the seed's
 miswiring and a +1 shift flagged on every request within the first 16 rounds, and no alarm with the trained
-wiring, at batch 1 and batch 4 (bench/bench_wiring_check.py --heldout prints the numbers)."""
+wiring, at batch 1 and batch 4 (bench/bench_wiring_check.py --heldout prints the numbers). The round's update as
+Triton kernels (triton_kernels/wiring_check.py) against the torch code (the specification) on random rounds at
+Kimi's vocabulary and width and odd sizes, on the CPU under TRITON_INTERPRET=1 and, marked gpu, on CUDA and
+inside a CUDA graph; the launches a round each makes."""
 
 from __future__ import annotations
 
 import math
 import os
+import sys
 import warnings
 
 import pytest
@@ -16,6 +20,9 @@ import torch
 from eagle3_ops.engine import SpecConfig, generate_speculative
 from eagle3_ops.engine.wiring_check import (CONFIDENCE_EDGES, RECORD_KEY, CheckRun, MiswiringError, WiringCheck,
                                             WiringRecord, WiringWarning, _binom_cdf, _upper_bound)
+from tests.conftest import capture_graph
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
 
 ASSETS = os.path.join(os.path.dirname(__file__), os.pardir, "eagle3_ops", "assets", "byte-small")
 DRAFTER = os.path.join(ASSETS, "drafter")
@@ -219,3 +226,205 @@ def test_gpu_round_graph_check():
         _, st = generate_speculative(target, drafter, batch, MAX_NEW, SpecConfig(), graphs=True, aux_ids=SEED,
                                      wiring_check=check)
     assert st.wiring.flagged and st.wiring.rounds == 16 and st.wiring.requests == [0, 1, 2, 3], st.wiring.evidence
+
+
+# ---- the round's update as Triton kernels (WiringCheck.impl) against the torch code ----
+
+# on the CPU under Triton's interpreter and, marked gpu, on CUDA
+DEVS = [pytest.param("cpu", marks=pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                                    reason="Triton on the CPU needs TRITON_INTERPRET=1")),
+        pytest.param("cuda", marks=pytest.mark.gpu)]
+MAX_NEW_K = 5  # count drawn in 0..6: some requests finished (frozen)
+
+
+def _kernel_record(spec, n_aux, band=(-0.2, 0.2)):
+    """A record whose bins all differ (so a wrong bin changes the sum) and bands that about half the rounds leave."""
+    return WiringRecord(spec.steps, spec.topk, spec.num_tokens, 0.0, trials=tuple(40 + 7 * j for j in range(NB)),
+                        accepted=tuple(5 + 4 * j for j in range(NB)), band_lo=(band[0],) * n_aux,
+                        band_hi=(band[1],) * n_aux, band_rounds=1000, band_outside=10)
+
+
+def _random_round(gen, B, spec, V, H, n_aux, dtype, dev):
+    """A verify's outputs and a round's captured rows: accept_len in [0, D] with the accepted path increasing node
+    ids from the root (-1 padded); logits at row temperatures from flat to one-hot (every confidence bin); features
+    at per-row-and-slot scales around the bands. Hand-set edge rows where there is room: two tied maxima with the
+    rest -inf (confidence exactly 0.5, a bin edge), a single finite score (1.0), all scores equal (1 / V), and an
+    all-zero feature slot (norm 0: the reference's clamp at 1e-30)."""
+    N = spec.num_tokens
+    D = min(spec.steps, N - 1)
+    accept_len = torch.randint(0, D + 1, (B,), generator=gen, dtype=torch.int32)
+    nodes = torch.full((B, N), -1, dtype=torch.int32)
+    for b in range(B):
+        a = int(accept_len[b])
+        nodes[b, 0] = 0
+        nodes[b, 1:a + 1] = torch.sort(torch.randperm(N - 1, generator=gen)[:a] + 1).values.to(torch.int32)
+    logits = torch.randn(B * N, V, generator=gen) * torch.rand(B * N, 1, generator=gen) * 16
+    read = (torch.arange(B)[:, None] * N + nodes[:, :D].clamp(min=0)).flatten().unique()  # the parents' rows
+    special = [float("-inf")] * 2 + [0.25]
+    for r, fill in zip(read.tolist()[:3], special):
+        logits[r] = fill
+    if len(read) >= 1 and V >= 2:
+        logits[read[0], V // 2] = logits[read[0], V - 1] = 3.0  # two tied maxima
+    if len(read) >= 2:
+        logits[read[1], 0] = -5.0  # one finite score
+    scale = torch.exp(torch.rand(B * N, n_aux, 1, generator=gen) - 0.5)
+    aux = (torch.randn(B * N, n_aux, H, generator=gen) * scale).view(B * N, n_aux * H)
+    aux[0, :H] = 0.0
+    count = torch.randint(0, MAX_NEW_K + 2, (B,), generator=gen)
+    return [t.to(dtype).to(dev) if t.is_floating_point() else t.to(dev) for t in (logits, nodes, accept_len, aux,
+                                                                                    count)]
+
+
+def _runs(record, spec, B, n_aux, dev, impls=("torch", "triton"), gen=None):
+    """A CheckRun per impl, their states set to the same random values (the update adds to what is there)."""
+    ids = list(range(n_aux))
+    runs = [CheckRun(WiringCheck(record=record, impl=impl), ids, ids, n_aux + 1, spec, torch.device(dev), B)
+            for impl in impls]
+    start = torch.randn(runs[0].acc.shape, generator=gen, dtype=torch.float64).to(dev)
+    for run in runs:
+        run.acc.copy_(start)
+    return runs
+
+
+def _same_state(kernel, ref):
+    # fp64 sums in another order; a bin or band decision that differed would move a sum by >= 1e-3
+    torch.testing.assert_close(kernel.acc, ref.acc, rtol=0, atol=1e-9)
+
+
+F32, F16 = torch.float32, torch.float16
+# (B, spec, V, H, dtypes): Kimi's vocabulary and width at batch 1 (40 chunks a row, H in 7 blocks of 1024); batch
+# 4 in a tree (N 16, D 4) at a vocab of 5000 (2 chunks, the last partial); batch 64 at the chain and a vocab of 111
+# (one partial chunk); odd sizes: batch 3 at 5/1/6 (D 5: padded depth lanes), V 4097 (one score alone in its
+# chunk), H 99; steps past N - 1 (4/1/3: D 2). One dtype at the three large cases: the interpreter's time.
+KERNEL_CASES = [(1, (3, 1, 4), 163840, 7168, (F16,)), (4, (4, 4, 16), 5000, 64, (F32,)),
+                (64, (3, 1, 4), 111, 16, (F32,)), (3, (5, 1, 6), 4097, 99, (F32, F16)),
+                (2, (4, 1, 3), 1000, 8, (F32, F16))]
+
+
+@pytest.mark.parametrize("dev", DEVS)
+@pytest.mark.parametrize("B,shape,V,H,dtypes", KERNEL_CASES)
+def test_kernels_match_the_torch_code(gen, dev, B, shape, V, H, dtypes):
+    spec = SpecConfig(steps=shape[0], topk=shape[1], num_tokens=shape[2])
+    n_aux = 3
+    for dtype in dtypes + ((torch.bfloat16, torch.float32) if dev == "cuda" else ()):
+        ref, kernel = _runs(_kernel_record(spec, n_aux), spec, B, n_aux, dev, gen=gen)
+        logits, nodes, accept_len, aux, count = _random_round(gen, B, spec, V, H, n_aux, dtype, dev)
+        for run in (ref, kernel):  # (added to a random state: the update is in place)
+            run.observe(logits, nodes, accept_len, aux, count=count, max_new=MAX_NEW_K)
+        _same_state(kernel, ref)
+        if len(dtypes) > 1 or dev == "cuda":  # the bool form of which requests are active (small cases on the CPU)
+            active = torch.rand(B, generator=gen).to(dev) < 0.7
+            for run in (ref, kernel):
+                run.observe(logits, nodes, accept_len, aux, active)
+            _same_state(kernel, ref)
+
+
+@pytest.mark.parametrize("dev", DEVS)
+def test_kernels_clamp_a_zero_norm(gen, dev):
+    """A slot of zeros: its log-norm is log(1e-30) (the torch code's clamp), not -inf: inside a band down to -100."""
+    spec, B = SpecConfig(), 2
+    ref, kernel = _runs(_kernel_record(spec, 3, band=(-100.0, 100.0)), spec, B, 3, dev, gen=gen)
+    logits, nodes, accept_len, aux, count = _random_round(gen, B, spec, 50, 8, 3, torch.float32, dev)
+    aux[:spec.num_tokens, :8] = 0.0  # request 0's slot 0, every row
+    before = kernel.acc[0, 2].item()
+    for run in (ref, kernel):
+        run.observe(logits, nodes, accept_len, aux, count=count.zero_(), max_new=MAX_NEW_K)
+    _same_state(kernel, ref)
+    assert kernel.acc[0, 2].item() - before == pytest.approx(kernel.out_llr[1])  # inside: log((1 - p1) / (1 - e0))
+
+
+@pytest.mark.parametrize("dev", DEVS)
+def test_kernels_without_a_record_only_count(gen, dev):
+    """No record for the settings: the kernel counts accepted drafts and rounds, and leaves the rest of the state
+    as it was (logits and features are not read: NaN ones change nothing)."""
+    spec, B = SpecConfig(), 5
+    ref, kernel = _runs(None, spec, B, 3, dev, gen=gen)
+    logits, nodes, accept_len, aux, count = _random_round(gen, B, spec, 50, 4, 3, torch.float32, dev)
+    before = kernel.acc.clone()
+    for run in (ref, kernel):
+        run.observe(logits.fill_(float("nan")), nodes, accept_len, aux.fill_(float("nan")), count=count,
+                    max_new=MAX_NEW_K)
+    _same_state(kernel, ref)
+    assert torch.equal(kernel.acc[:, 2:], before[:, 2:])
+    act = (count < MAX_NEW_K).to(before.dtype)
+    torch.testing.assert_close(kernel.acc[:, :2], before[:, :2] + torch.stack([accept_len * act, act], 1).double(),
+                               rtol=0, atol=0)
+
+
+def test_kernels_in_the_decode_loop(pair):
+    """The loop's call (count and max_new: the comparison inside the kernel) with the kernels on the shipped pair:
+    the same tokens, counts and evidence as the torch code's."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("Triton on the CPU needs TRITON_INTERPRET=1")
+    target, drafter, prompts = pair
+    batch = next(_batches(prompts, 4))[:2]
+    out = {}
+    for impl in ("torch", "triton"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            out[impl] = generate_speculative(target, drafter, batch, 20, SpecConfig(),
+                                             wiring_check=WiringCheck.for_drafter(DRAFTER, impl=impl))
+    (t_ref, s_ref), (t_k, s_k) = out["torch"], out["triton"]
+    assert torch.equal(t_ref, t_k) and s_k.wiring.checked
+    assert (s_k.wiring.request_rounds, s_k.wiring.accepted, s_k.wiring.evidence) == \
+        (s_ref.wiring.request_rounds, s_ref.wiring.accepted, s_ref.wiring.evidence)
+
+
+def test_launches_a_round():
+    """What the check adds to a round (bench_wiring_check.count_kernels on one observe): the torch code's ~30 small
+    kernels become two Triton launches with a record (one without), with no torch op and no host sync."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("Triton on the CPU needs TRITON_INTERPRET=1")
+    import bench_wiring_check as bench
+
+    for spec in (SpecConfig(), SpecConfig(steps=4, topk=4, num_tokens=16)):
+        torch_code = bench.check_launches(2, spec, 1000, 32, 3, "cpu", torch.float32, "torch")
+        kernels = bench.check_launches(2, spec, 1000, 32, 3, "cpu", torch.float32, "triton")
+        assert not torch_code["triton"] and len(torch_code["torch"]) >= 20 and torch_code["syncs"] == 0, torch_code
+        assert kernels == dict(torch=[], triton=["_partials", "_update"], syncs=0), kernels
+    run = CheckRun(WiringCheck(impl="triton"), TRAINED, TRAINED, 8, SpecConfig(), torch.device("cpu"), 2)
+    args = _random_round(torch.Generator().manual_seed(0), 2, SpecConfig(), 50, 4, 3, torch.float32, "cpu")
+    seen = bench.count_kernels(run.observe, *args[:4], count=args[4], max_new=MAX_NEW_K)
+    assert seen == dict(torch=[], triton=["_update"], syncs=0), seen
+
+
+
+def test_bad_observe_input_is_refused():
+    spec, B = SpecConfig(), 2
+    run = _check_run(B=B)
+    logits, nodes, accept_len, aux, count = _random_round(torch.Generator().manual_seed(0), B, spec, 20, 4, 3,
+                                                          torch.float32, "cpu")
+    with pytest.raises(ValueError, match=r"accept_len must be a \[2\] torch.int32"):
+        run.observe(logits, nodes, accept_len.long(), aux, count=count, max_new=4)
+    with pytest.raises(ValueError, match=r"accept_nodes must be a \[2, 4\] torch.int32"):
+        run.observe(logits, nodes[:, :3], accept_len, aux, count=count, max_new=4)
+    with pytest.raises(ValueError, match=r"count must be a \[2\] torch.int64"):
+        run.observe(logits, nodes, accept_len, aux, count=count.int(), max_new=4)
+    with pytest.raises(ValueError, match="observe takes active, or count with max_new"):
+        run.observe(logits, nodes, accept_len, aux, count < 4, count=count, max_new=4)
+    with pytest.raises(ValueError, match=r"logits must be a float \[B \* N = 8, V\]"):
+        run.observe(logits[:7], nodes, accept_len, aux, count=count, max_new=4)
+    with pytest.raises(ValueError, match=r"aux must be a float \[B \* N = 8, 3 \* H\]"):
+        run.observe(logits, nodes, accept_len, aux[:, :-1], count=count, max_new=4)
+    with pytest.raises(ValueError, match="impl must be 'auto', 'torch' or 'triton'"):
+        WiringCheck(impl="cuda")
+
+
+@pytest.mark.gpu
+def test_gpu_kernels_in_a_cuda_graph(gen):
+    """The kernels captured in a CUDA graph (as the round graph holds them) and replayed on new rounds written into
+    the same buffers, against the torch code run eagerly on each: Kimi's vocabulary and width, batch 8, the tree."""
+    spec, B, V, H, n_aux = SpecConfig(steps=4, topk=4, num_tokens=16), 8, 163840, 7168, 3
+    ref, kernel = _runs(_kernel_record(spec, n_aux), spec, B, n_aux, "cuda", gen=gen)
+    bufs = _random_round(gen, B, spec, V, H, n_aux, torch.bfloat16, "cuda")
+    start = kernel.acc.clone()
+    graph, _ = capture_graph(lambda: kernel.observe(*bufs[:4], count=bufs[4], max_new=MAX_NEW_K))
+    kernel.acc.copy_(start)  # (the warm-up's update undone)
+    for _ in range(3):
+        new = _random_round(gen, B, spec, V, H, n_aux, torch.bfloat16, "cuda")
+        for buf, t in zip(bufs, new):
+            buf.copy_(t)
+        graph.replay()
+        ref.observe(*new[:4], count=new[4], max_new=MAX_NEW_K)
+    torch.cuda.synchronize()
+    _same_state(kernel, ref)

@@ -679,7 +679,7 @@ class _Loop:
                 accept_nodes, accept_len, emitted = self.verify(logits, tokens, parents, spec)
             if check is not None:  # before accept_update: count still says which requests this round served
                 with timer("check"):
-                    check.observe(logits, accept_nodes, accept_len, aux, self.count < max_new)
+                    check.observe(logits, accept_nodes, accept_len, aux, count=self.count, max_new=max_new)
             # 5. accept: compact the target's KV, emit, freeze finished requests (fused.accept_update says how)
             with timer("kv_accept"):
                 g_ops.kv_accept(accept_caches, tkv.page_table, tkv.prefix_lens, accept_nodes, accept_len)

@@ -1,9 +1,10 @@
 """Serve-time wiring check: is each request's drafter doing as well as it did with its trained wiring?
 
 Two one-sided sequential tests per request, run on the device inside the round (graph capture safe, no
-host sync), each against a record measured offline with the trained wiring and stored in the drafter's
-config (``WiringRecord``, key ``eagle3_ops_wiring_record``; a calibration on the first prompts served would
-be no reference: the wiring under test would be the one calibrated):
+host sync; on CUDA two Triton kernels a round, triton_kernels/wiring_check.py), each against a record
+measured offline with the trained wiring and stored in the drafter's config (``WiringRecord``, key
+``eagle3_ops_wiring_record``; a calibration on the first prompts served would be no reference: the wiring
+under test would be the one calibrated):
 
 1. acceptance. Each round with accept_len a is up to min(a + 1, D) trials (D = min(steps, N - 1)), depth
    k accepted iff k <= a.
@@ -173,6 +174,11 @@ class WiringCheck:
     collect : bool
         ``record_wiring``'s: count the trials per confidence bin and keep every round's feature means
         (``WiringReport.collected``; a host copy a round, so eager runs only).
+    impl : str
+        How the round updates the state: "auto" (on CUDA the two Triton kernels of
+        triton_kernels/wiring_check.py; else the torch code), "torch" (the specification: 32 small kernels a
+        round on CUDA), or "triton" (the kernels on any tensors: the tests run them on the CPU under
+        TRITON_INTERPRET=1). ``collect``'s counts are the torch code's on every impl.
     """
 
     rounds: int = 16
@@ -185,8 +191,11 @@ class WiringCheck:
     config_ids: Optional[Sequence[int]] = None
     convention: Optional[str] = None
     collect: bool = False
+    impl: str = "auto"
 
     def __post_init__(self):
+        if self.impl not in ("auto", "torch", "triton"):
+            raise ValueError(f"impl must be 'auto', 'torch' or 'triton', got {self.impl!r}")
         if not 1 <= self.rounds <= 16:
             raise ValueError(f"rounds must be in 1..16 (a verdict within the first 16 rounds), got {self.rounds}")
         for name in ("alpha", "level", "p1"):
@@ -232,10 +241,14 @@ class WiringReport:
 
 class CheckRun:
     """One run's check: per-request state updated on the device inside the round, read on the host between
-    rounds. Without a usable record it only counts acceptance (nothing to test against)."""
+    rounds. Without a usable record it only counts acceptance (nothing to test against). ``check.impl`` picks
+    the kernels or the torch code for the update."""
 
     def __init__(self, check: WiringCheck, aux_ids: Sequence[int], drafter_ids: Sequence[int], num_layers: int,
                  spec, device: torch.device, batch: int):
+        impl = check.impl
+        self.impl = "triton" if impl == "triton" or (impl == "auto" and torch.device(device).type == "cuda") \
+            else "torch"
         self.check, self.spec, self.B = check, spec, batch
         self.aux_ids, self.drafter_ids, self.num_layers = list(aux_ids), list(drafter_ids), num_layers
         rec = check.record
@@ -257,6 +270,9 @@ class CheckRun:
             p1 = max(check.p1, e0)  # (a band left that often gives no evidence)
             self.out_llr = (math.log(p1 / e0), math.log((1 - p1) / (1 - e0)) if e0 < 1 else 0.0)
             self.out_terms = torch.tensor(self.out_llr[::-1], **f64)  # [inside, outside]
+        # the kernels' constants (triton_kernels/wiring_check.observe): None without a record
+        self.terms = None if self.record is None else (self.ok_llr, self.no_llr, self.out_terms, self.band,
+                                                       self.edges)
         self.cuda = device.type == "cuda"
         self.host = torch.zeros(batch, 3 + self.nd, dtype=torch.float64, pin_memory=self.cuda)
         self.event = None
@@ -303,10 +319,45 @@ class CheckRun:
         a = accept_len[:, None]
         return (self.depths <= a + 1) & active[:, None], self.depths <= a, torch.bucketize(conf, self.edges)
 
-    def observe(self, logits: Tensor, accept_nodes: Tensor, accept_len: Tensor, aux: Tensor, active: Tensor) -> None:
+    def observe(self, logits: Tensor, accept_nodes: Tensor, accept_len: Tensor, aux: Tensor,
+                active: Optional[Tensor] = None, *, count: Optional[Tensor] = None,
+                max_new: Optional[int] = None) -> None:
         """Inside the round, on the device (no host sync): logits [B * N, V] the verify's, accept_nodes [B, N]
-        int32, accept_len [B] int32, aux [B * N, n_aux * H] the verify rows' captured features, active [B] bool
-        (requests still decoding before this round)."""
+        int32, accept_len [B] int32, aux [B * N, n_aux * H] the verify rows' captured features, and which
+        requests were still decoding before this round: active [B] bool, or the loop's count [B] int64 with
+        max_new (active: count < max_new, compared inside the kernel: one launch fewer)."""
+        self._check_inputs(logits, accept_nodes, accept_len, aux, active, count, max_new)
+        if self.impl == "triton":
+            from eagle3_ops.triton_kernels import wiring_check as kernels
+
+            live, limit = (active, -1) if count is None else (count, max_new)
+            kernels.observe(self.acc, logits, accept_nodes.contiguous(), accept_len.contiguous(), aux,
+                            live.contiguous(), limit, self.D, self.terms)
+        else:
+            active = count < max_new if active is None else active
+            self._observe(logits, accept_nodes, accept_len, aux, active)
+        if self.collected is not None:
+            self._collect(logits, accept_nodes, accept_len, aux, count < max_new if active is None else active)
+
+    def _check_inputs(self, logits, accept_nodes, accept_len, aux, active, count, max_new) -> None:
+        """Shapes and dtypes only (no device values: no sync); the kernels index by them unchecked."""
+        B, N, n_aux = self.B, self.spec.num_tokens, len(self.aux_ids)
+        if (active is None) == (count is None) or (count is None) != (max_new is None):
+            raise ValueError("observe takes active, or count with max_new (not both)")
+        want = [("accept_nodes", accept_nodes, (B, N), torch.int32), ("accept_len", accept_len, (B,), torch.int32)]
+        want.append(("active", active, (B,), torch.bool) if count is None else ("count", count, (B,), torch.int64))
+        for name, t, shape, dtype in want:
+            if tuple(t.shape) != shape or t.dtype != dtype:
+                raise ValueError(f"{name} must be a {list(shape)} {dtype} tensor (B = {B}, N = {N}), "
+                                 f"got {list(t.shape)} {t.dtype}")
+        for name, t, width in (("logits", logits, "V"), ("aux", aux, f"{n_aux} * H")):
+            bad_width = name == "aux" and t.dim() == 2 and t.shape[1] % n_aux
+            if t.dim() != 2 or t.shape[0] != B * N or not t.is_floating_point() or bad_width:
+                raise ValueError(f"{name} must be a float [B * N = {B * N}, {width}] tensor, got {list(t.shape)} "
+                                 f"{t.dtype}")
+
+    def _observe(self, logits: Tensor, accept_nodes: Tensor, accept_len: Tensor, aux: Tensor, active: Tensor):
+        """The kernels' specification: the update as torch code (what runs on the CPU, and with impl="torch")."""
         w = active[:, None].double()
         cols = [accept_len[:, None].double(), torch.ones_like(w)]
         if self.record is not None:
@@ -316,12 +367,14 @@ class CheckRun:
             out = ((y < self.band[0]) | (y > self.band[1])).any(-1)
             cols += [self.out_terms[out.long()][:, None], (terms * trial[..., None]).sum(1)]
         self.acc[:, :self.used].addcmul_(torch.cat(cols, 1), w)
-        if self.collected is not None:
-            trial, ok, bins = self.trials(logits, accept_nodes, accept_len, active)
-            self.collected["trials"].index_add_(0, bins[trial], torch.ones_like(bins[trial], dtype=torch.float64))
-            self.collected["accepted"].index_add_(0, bins[trial & ok],
-                                                  torch.ones_like(bins[trial & ok], dtype=torch.float64))
-            self.collected["features"].append(self.features(aux)[active])
+
+    def _collect(self, logits: Tensor, accept_nodes: Tensor, accept_len: Tensor, aux: Tensor, active: Tensor):
+        """record_wiring's counts (boolean indexing, a host sync: eager runs only)."""
+        trial, ok, bins = self.trials(logits, accept_nodes, accept_len, active)
+        self.collected["trials"].index_add_(0, bins[trial], torch.ones_like(bins[trial], dtype=torch.float64))
+        self.collected["accepted"].index_add_(0, bins[trial & ok],
+                                              torch.ones_like(bins[trial & ok], dtype=torch.float64))
+        self.collected["features"].append(self.features(aux)[active])
 
     def _mixture(self, acc: Tensor) -> Tensor:
         return acc[:, 3:].logsumexp(-1) - math.log(self.nd)
