@@ -290,25 +290,6 @@ __device__ __forceinline__ T warp_inclusive_sum(T x) {
   return x;
 }
 
-// Exclusive prefix sum of one int per thread over the block (every thread calls it); *total = the block's sum.
-template <int kThreads>
-__device__ int block_exclusive_sum(int v, int* scratch, int* total) {
-  static_assert(kThreads % 32 == 0 && kThreads <= 1024, "whole warps");
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int x = warp_inclusive_sum(v);
-  if (lane == 31) scratch[warp] = x;
-  __syncthreads();
-  if (warp == 0) {
-    const int w = warp_inclusive_sum(lane < kThreads / 32 ? scratch[lane] : 0);
-    if (lane < kThreads / 32) scratch[lane] = w;
-  }
-  __syncthreads();
-  const int before = (warp ? scratch[warp - 1] : 0) + x - v;
-  *total = scratch[kThreads / 32 - 1];
-  __syncthreads();
-  return before;
-}
-
 template <typename T, int kThreads>
 __device__ T block_sum(T v, T* scratch) {
   for (int o = 16; o > 0; o >>= 1) v += __shfl_down_sync(0xffffffffu, v, o);
@@ -327,7 +308,7 @@ __device__ T block_sum(T v, T* scratch) {
 
 // ==== build_tree_kernel_efficient =============================================================================
 
-constexpr int kBuildThreads = 256;
+constexpr int kBuildMaxThreads = 512;
 constexpr int64_t kBuildMaxSlots = 8192;  // depth * M candidate slots held in shared memory
 constexpr int64_t kBuildMaxNodes = 1024;
 
@@ -342,136 +323,166 @@ __device__ __forceinline__ int64_t parent_local(int64_t g, int topk, int M, int 
 // seq_lens [B] int32 | int64; mask: the output mask's bytes (mask_numel); positions [B * N] int64;
 // r_index / r_next / r_sib [B, N] int64; err: the device error word.
 // Slot c = d * M + m is our [depth, M] layout of SGLang's flat candidates (f < topk: row 0, then topk^2 per
-// depth; M = topk^2, or topk at depth 1). grid: B blocks of kBuildThreads; dynamic shared memory: CS slots'
-// parent slot and node (int32) and chosen / fin flags (u8), N parents (int32).
-__global__ void __launch_bounds__(kBuildThreads) sglang_build_kernel(
+// depth; M = topk^2, or topk at depth 1). grid: B blocks of blockDim.x (whole warps, <= kBuildMaxThreads);
+// dynamic shared memory: a region of max(CS * 10, N * W * 4) bytes (the slots' parent slot and node, int32,
+// and chosen / fin flags, u8; once the parents are known, each node's ancestor bits, W = ceil(N / 32) words),
+// then N parents (int32).
+//
+// One small block per request, so its critical path is the time: every global load is issued before the
+// first barrier, six barriers in all (the rank scan and the prefix lengths' sum share one), and no thread scans
+// the nodes one by one: the first child and the next sibling come from warp ballots over the parents (32 a
+// step), the mask rows from each node's ancestor bits (one walk up per node and word), a warp per row writing
+// its bytes.
+__global__ void __launch_bounds__(kBuildMaxThreads) sglang_build_kernel(
     const int64_t* __restrict__ parent_list, int64_t P, const int64_t* __restrict__ selected,
     const void* __restrict__ seq_lens, bool seq64, uint8_t* __restrict__ mask, int64_t mask_numel,
     int64_t* __restrict__ positions, int64_t* __restrict__ r_index, int64_t* __restrict__ r_next,
-    int64_t* __restrict__ r_sib, int topk, int depth, int M, int N, int mode, int nb, int64_t* __restrict__ err) {
+    int64_t* __restrict__ r_sib, int topk, int depth, int M, int N, int mode, int nb, size_t region,
+    int64_t* __restrict__ err) {
   extern __shared__ int32_t smem32[];
-  __shared__ int scan_scratch[kBuildThreads / 32];
-  __shared__ int64_t sum_scratch[kBuildThreads / 32];
+  __shared__ int warp_count[kBuildMaxThreads / 32];
+  __shared__ int64_t warp_seq[kBuildMaxThreads / 32];
   __shared__ int first_bad;
-  const int CS = depth * M;
-  int32_t* ps = smem32;                                   // [CS] parent slot; -1: hangs from the root
+  const int CS = depth * M, W = (N + 31) / 32;
+  int32_t* ps = smem32;                                   // [CS] parent slot: -1 from the root, -2 out of range
   int32_t* node = ps + CS;                                // [CS] node of the slot, or -1
-  int32_t* par = node + CS;                               // [N] parent node (-1 for the root)
-  uint8_t* chosen = reinterpret_cast<uint8_t*>(par + N);  // [CS] selected
+  uint8_t* chosen = reinterpret_cast<uint8_t*>(node + CS);  // [CS] selected
   uint8_t* fin = chosen + CS;                             // [CS] selected, and so is every ancestor
+  uint32_t* anc = reinterpret_cast<uint32_t*>(smem32);    // [N, W] after the slots: ancestor-or-self bits
+  int32_t* par = reinterpret_cast<int32_t*>(reinterpret_cast<char*>(smem32) + region);  // [N] parent node
   const int64_t b = blockIdx.x;
-  const int tid = threadIdx.x;
+  const int tid = threadIdx.x, T = blockDim.x, lane = tid & 31, warp = tid >> 5, nw = T >> 5;
   const int64_t C = topk + static_cast<int64_t>(depth - 1) * topk * topk;  // SGLang's candidates
+  // each thread takes a contiguous run of slots (the rank scan below counts them in order)
+  const int per = (CS + T - 1) / T;
+  const int lo = min(CS, tid * per), hi = min(CS, lo + per);
 
-  for (int c = tid; c < CS; c += kBuildThreads) chosen[c] = 0;
+  // every global read first: the prefix lengths, the first selected entries, each slot's parent_list entry
   if (tid == 0) first_bad = INT_MAX;
-  __syncthreads();
-  // the selected slots (a selected candidate outside [0, C) is skipped; duplicates select once)
-  for (int j = tid; j < N - 1; j += kBuildThreads) {
-    const int64_t s = selected[b * (N - 1) + j];
-    if (s >= 0 && s < C) chosen[s < topk ? s : s + (M - topk)] = 1;
+  const int64_t seq = load_index(seq_lens, seq64, b);
+  int64_t seq_part = 0;  // FULL_MASK: the earlier requests' prefix lengths
+  if (mode == 0) {
+    for (int64_t k = tid; k < b; k += T) seq_part += load_index(seq_lens, seq64, k);
   }
-  __syncthreads();
-  // parent slots: a selected candidate's parent_list entry -> its slot in depth d - 1; one outside that depth is
-  // build_tree's draft_parents error, and the candidate hangs from the root (an unselected one reads slot 0)
-  for (int c = tid; c < CS; c += kBuildThreads) {
+  const int64_t sel0 = tid < N - 1 ? selected[b * (N - 1) + tid] : -1;
+  for (int c = lo; c < hi; ++c) {
     const int d = c / M, m = c - d * M;
-    int p = -1;
+    int32_t p = -1;
     if (d > 0) {
-      int64_t local = 0;
-      if (chosen[c]) local = parent_local(parent_list[b * P + 1 + (d - 1) * topk + m / topk], topk, M, d);
-      if (local < 0 || local >= M) {
-        atomicMin(&first_bad, c);
-      } else {
-        p = (d - 1) * M + static_cast<int>(local);
-      }
+      const int64_t local = parent_local(parent_list[b * P + 1 + (d - 1) * topk + m / topk], topk, M, d);
+      p = local >= 0 && local < M ? (d - 1) * M + static_cast<int32_t>(local) : -2;
     }
     ps[c] = p;
+    chosen[c] = 0;
   }
   __syncthreads();
+  // the selected slots (a selected candidate outside [0, C) is skipped; duplicates select once)
+  auto choose = [&](int64_t s) {
+    if (s >= 0 && s < C) chosen[s < topk ? s : s + (M - topk)] = 1;
+  };
+  choose(sel0);
+  for (int j = tid + T; j < N - 1; j += T) choose(selected[b * (N - 1) + j]);
+  __syncthreads();
+  // a selected slot whose parent_list entry is outside depth d - 1 is build_tree's draft_parents error (it hangs
+  // from the root); fin: selected with every ancestor selected (the chain ends at the root or at such an entry)
+  int count = 0;
+  for (int c = lo; c < hi; ++c) {
+    const bool ch = chosen[c] != 0;
+    if (EAGLE3_UNLIKELY(ch && ps[c] == -2)) atomicMin(&first_bad, c);
+    bool f = ch;
+    for (int x = ps[c], steps = 0; f && x >= 0 && steps < depth; x = ps[x], ++steps) f = chosen[x] != 0;
+    fin[c] = f;
+    count += f;
+  }
+  // build_tree's ranks: the fin slots in slot order (their -index scores), then the others in slot order;
+  // one barrier for the scan of the fin counts and the sum of the prefix lengths
+  const int inclusive = warp_inclusive_sum(count);
+  int64_t seq_sum = seq_part;
+  for (int o = 16; o > 0; o >>= 1) seq_sum += __shfl_down_sync(0xffffffffu, seq_sum, o);
+  if (lane == 31) warp_count[warp] = inclusive;
+  if (lane == 0) warp_seq[warp] = seq_sum;
+  __syncthreads();
+  int before = inclusive - count, total = 0;
+  int64_t seq_before = 0;
+  for (int k = 0; k < nw; ++k) {
+    total += warp_count[k];
+    before += k < warp ? warp_count[k] : 0;
+    seq_before += warp_seq[k];
+  }
   if (tid == 0 && EAGLE3_UNLIKELY(first_bad != INT_MAX)) {  // the first bad slot, as the Triton kernel reports it
     const int c = first_bad, d = c / M, m = c - d * M;
     const int64_t local = parent_local(parent_list[b * P + 1 + (d - 1) * topk + m / topk], topk, M, d);
     report_range(err, kOpBuildTree, kArgDraftParents, local, 0, M - 1, b, d, m);
   }
-  // fin: selected with every ancestor selected (the chain ends at the root or at a bad entry: ps < 0)
-  for (int c = tid; c < CS; c += kBuildThreads) {
-    bool f = chosen[c] != 0;
-    for (int x = ps[c], steps = 0; f && x >= 0 && steps < depth; x = ps[x], ++steps) f = chosen[x] != 0;
-    fin[c] = f;
-  }
-  __syncthreads();
-  // build_tree's ranks: the fin slots in slot order (their -index scores), then the others in slot order;
-  // ranks 0 .. N - 2 become nodes 1 .. N - 1. Each thread takes a contiguous run of slots.
-  const int per = (CS + kBuildThreads - 1) / kBuildThreads;
-  const int lo = min(CS, tid * per), hi = min(CS, lo + per);
-  int count = 0;
-  for (int c = lo; c < hi; ++c) count += fin[c];
-  int total = 0;
-  int before = block_exclusive_sum<kBuildThreads>(count, scan_scratch, &total);
+  // ranks 0 .. N - 2 become nodes 1 .. N - 1
   for (int c = lo; c < hi; ++c) {
     const int rank = fin[c] ? before : total + (c - before);
     before += fin[c];
     node[c] = rank < N - 1 ? rank + 1 : -1;
   }
   __syncthreads();
-  // a node's parent is the node of its parent slot: a slot ranks after its parent slot (fin ones first, each
-  // group in slot order, a parent slot < its child's), so that is a node with a smaller index
+  // a node's parent is the node of its parent slot (an unselected slot's: slot 0 of depth d - 1, as the Triton
+  // kernel reads it; from the root: 0). A slot ranks after its parent slot (fin ones first, each group in slot
+  // order, a parent slot < its child's), so that is a node with a smaller index
   if (tid == 0) par[0] = -1;
-  for (int c = tid; c < CS; c += kBuildThreads) {
+  for (int c = lo; c < hi; ++c) {
     const int n = node[c];
     if (n < 1) continue;
-    const int pn = ps[c] < 0 ? 0 : node[ps[c]];
+    const int d = c / M;
+    const int p = chosen[c] ? (ps[c] >= 0 ? ps[c] : -1) : (d > 0 ? (d - 1) * M : -1);
+    const int pn = p < 0 ? 0 : node[p];
     par[n] = pn >= 0 && pn < n ? pn : 0;
   }
-  int64_t seq_before = 0;  // FULL_MASK: the earlier requests' prefix lengths
-  if (mode == 0) {
-    for (int64_t k = tid; k < b; k += kBuildThreads) seq_before += load_index(seq_lens, seq64, k);
-  }
-  seq_before = block_sum<int64_t, kBuildThreads>(seq_before, sum_scratch);  // (its barriers publish par too)
-  const int64_t seq = load_index(seq_lens, seq64, b);
+  __syncthreads();  // the slots are read for the last time above: their region holds the ancestor bits next
 
-  // per node: depth -> positions; retrive_index; first child and next sibling, written where they exist
-  for (int i = tid; i < N; i += kBuildThreads) {
-    int dep = 0;
-    for (int x = par[i]; x >= 0 && dep < N; x = par[x]) ++dep;
-    positions[b * N + i] = seq + dep;
-    r_index[b * N + i] = b * N + i;
-    for (int j = i + 1; j < N; ++j) {  // a child has a larger index
-      if (par[j] == i) {
-        r_next[b * N + i] = j;
-        break;
-      }
+  // per (node i, word w): the word's ancestor-or-self bits and the depth -> positions, retrive_index; the packed
+  // mask (N <= 32: one word)
+  for (int t = tid; t < N * W; t += T) {
+    const int i = t / W, w = t - i * W;
+    uint32_t bits = 0;
+    int dep = -1;
+    for (int x = i, steps = 0; x >= 0 && steps <= N; x = par[x], ++steps) {
+      if ((x >> 5) == w) bits |= 1u << (x & 31);
+      ++dep;
     }
-    const int pi = par[i];
-    if (pi >= 0) {
-      for (int j = i + 1; j < N; ++j) {
-        if (par[j] == pi) {
-          r_sib[b * N + i] = j;
-          break;
-        }
-      }
+    anc[t] = bits;
+    if (w == 0) {
+      positions[b * N + i] = seq + dep;
+      r_index[b * N + i] = b * N + i;
     }
     if (mode == 2) {  // QLEN_ONLY_BITPACKING: nb little-endian bytes per row; byte 0 set, the others OR-ed into
-      uint32_t bits = 0;
-      for (int x = i, steps = 0; x >= 0 && steps <= N; x = par[x], ++steps) bits |= 1u << x;
       uint8_t* row = mask + (b * N + i) * nb;
       row[0] = static_cast<uint8_t>(bits & 255u);
       for (int k = 1; k < nb; ++k) row[k] |= static_cast<uint8_t>((bits >> (8 * k)) & 255u);
     }
   }
-  if (mode == 2) return;
-  // FULL_MASK / QLEN_ONLY: one bool per (row i, column j), j an ancestor of i or i itself; row (b, i) of the
-  // FULL_MASK block starts at N*N*b + N*sum(seq[:b]) + (seq[b] + N)*i + seq[b] (entries past the buffer skipped)
+  __syncthreads();
+  // a warp per node i: over each word of columns j, first child = the first j whose parent is i, next sibling
+  // = the first j > i with i's parent (written where they exist); FULL_MASK / QLEN_ONLY: row i's bools, j an
+  // ancestor of i or i itself. Row (b, i) of the FULL_MASK block starts at N*N*b + N*sum(seq[:b]) +
+  // (seq[b] + N)*i + seq[b] (entries past the buffer skipped)
   const int64_t start = mode == 0 ? static_cast<int64_t>(N) * N * b + N * seq_before + seq
                                   : static_cast<int64_t>(N) * N * b;
   const int64_t stride = mode == 0 ? seq + N : N;
-  for (int t = tid; t < N * N; t += kBuildThreads) {
-    const int i = t / N, j = t - i * N;
-    int x = i;
-    for (int steps = 0; x > j && steps < N; ++steps) x = par[x];  // parents have smaller indices
-    const int64_t at = start + stride * i + j;
-    if (at >= 0 && at < mask_numel) mask[at] = x == j;
+  for (int i = warp; i < N; i += nw) {
+    const int pi = par[i];
+    int first = -1, sib = -1;
+    for (int w = 0; w < W; ++w) {
+      const int j = 32 * w + lane;
+      const int pj = j < N ? par[j] : -2;
+      const unsigned child = __ballot_sync(0xffffffffu, pj == i);
+      const unsigned next = __ballot_sync(0xffffffffu, pi >= 0 && pj == pi && j > i);
+      if (first < 0 && child != 0u) first = 32 * w + __ffs(child) - 1;
+      if (sib < 0 && next != 0u) sib = 32 * w + __ffs(next) - 1;
+      if (mode != 2 && j < N) {
+        const int64_t at = start + stride * i + j;
+        if (at >= 0 && at < mask_numel) mask[at] = (anc[i * W + w] >> lane) & 1u;
+      }
+    }
+    if (lane == 0) {
+      if (first >= 0) r_next[b * N + i] = first;
+      if (sib >= 0) r_sib[b * N + i] = sib;
+    }
   }
 }
 
@@ -485,25 +496,33 @@ void sglang_build_tree_cuda(const at::Tensor& parent_list, const at::Tensor& sel
   const int64_t B = parent_list.size(0), P = parent_list.size(1), N = draft_token_num, mode = tree_mask_mode;
   if (B == 0) return;
   const int64_t M = depth > 1 ? topk * topk : topk;
-  TORCH_CHECK_NOT_IMPLEMENTED(depth * M <= kBuildMaxSlots && N <= kBuildMaxNodes,
+  TORCH_CHECK_NOT_IMPLEMENTED(depth * M <= kBuildMaxSlots && N <= kBuildMaxNodes && B < (int64_t{1} << 31),
                               "compat_sglang build: more than ", kBuildMaxSlots, " candidate slots or ", kBuildMaxNodes,
-                              " nodes per request");
+                              " nodes per request, or B >= 2**31");
   const c10::cuda::OptionalCUDAGuard guard(parent_list.device());
   const cudaStream_t stream = current_stream(parent_list);
   const int device = parent_list.get_device();
-  const int64_t CS = depth * M;
-  const size_t smem = static_cast<size_t>(CS) * (2 * sizeof(int32_t) + 2) + static_cast<size_t>(N) * sizeof(int32_t);
+  const int64_t CS = depth * M, W = (N + 31) / 32;
+  const size_t region = static_cast<size_t>(std::max(CS * 10, N * W * 4) + 3) / 4 * 4;
+  const size_t smem = region + static_cast<size_t>(N) * sizeof(int32_t);  // at most 132 KiB
   if (smem > 48 * 1024) {
+    int max_smem = 0;
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+    TORCH_CHECK_NOT_IMPLEMENTED(smem <= static_cast<size_t>(max_smem), "compat_sglang build: ", smem,
+                                " bytes of shared memory a request, this GPU has ", max_smem);
     C10_CUDA_CHECK(cudaFuncSetAttribute(sglang_build_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                         static_cast<int>(smem)));
   }
-  sglang_build_kernel<<<static_cast<unsigned>(B), kBuildThreads, smem, stream>>>(
+  // a thread per slot, per (node, mask word), or four nodes a warp (the row pass), in whole warps, 32 .. 512
+  const int64_t work = std::max({CS, N * W, 32 * ((N + 3) / 4)});
+  const int threads = static_cast<int>(std::clamp<int64_t>((work + 31) / 32 * 32, 32, kBuildMaxThreads));
+  sglang_build_kernel<<<static_cast<unsigned>(B), threads, smem, stream>>>(
       P ? parent_list.data_ptr<int64_t>() : nullptr, P, selected_index.data_ptr<int64_t>(),
       verified_seq_len.data_ptr(), verified_seq_len.scalar_type() == at::kLong,
       static_cast<uint8_t*>(tree_mask.data_ptr()), tree_mask.numel() * static_cast<int64_t>(tree_mask.element_size()),
       positions.data_ptr<int64_t>(), retrive_index.data_ptr<int64_t>(), retrive_next_token.data_ptr<int64_t>(),
       retrive_next_sibling.data_ptr<int64_t>(), static_cast<int>(topk), static_cast<int>(depth), static_cast<int>(M),
-      static_cast<int>(N), static_cast<int>(mode), nb, device_error_word(device));
+      static_cast<int>(N), static_cast<int>(mode), nb, region, device_error_word(device));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   after_launch(device, stream);
 }

@@ -1212,8 +1212,11 @@ def cpp_matches_paths(fn, args, outs):
     return runs["auto"]
 
 
-# BUILD_KERNEL_SHAPES, then the bench's (B 64: Kimi-like 8 x 6 x 64, 4 x 5 x 16, a chain of 4)
-CPP_BUILD_SHAPES = BUILD_KERNEL_SHAPES + [(64, 8, 6, 64), (64, 4, 5, 16), (64, 1, 3, 4)]
+# BUILD_KERNEL_SHAPES, then the bench's (B 64: Kimi-like 8 x 6 x 64, 4 x 5 x 16, a chain of 4), then mask rows of
+# many words: a deep chain (N 33), N 300 (past the Triton kernel's 256: the tensor ops beside it), and the C++
+# kernel's limits, 1024 nodes and 8192 slots (132 KiB of shared memory)
+CPP_BUILD_SHAPES = BUILD_KERNEL_SHAPES + [(64, 8, 6, 64), (64, 4, 5, 16), (64, 1, 3, 4), (3, 1, 40, 33),
+                                          (2, 8, 6, 300), (1, 16, 32, 1024)]
 
 
 @pytest.mark.gpu
@@ -1237,6 +1240,22 @@ def test_gpu_cpp_build_unselected_parents_unsorted_duplicates_outside(selected, 
     # outside SGLang's contract: the C++ op ranks such selections as the Triton kernel and build_tree do (a
     # selected index outside [0, C) skipped)
     cpp_matches_paths(build_tree_kernel_efficient, _golden_selection_case(selected, mode), (3, 4, 5, 6, 7))
+
+
+@pytest.mark.gpu
+def test_gpu_cpp_build_random_selections():
+    # small random shapes in every mode, every other selection drawn anywhere in [0, C) (unsorted, duplicated,
+    # parents not selected): the C++ op ranks and links them as the Triton kernel and the tensor ops do
+    g = torch.Generator().manual_seed(23)
+    for k in range(40):
+        topk, depth = int(torch.randint(1, 5, (1,), generator=g)), int(torch.randint(1, 5, (1,), generator=g))
+        C = topk + (depth - 1) * topk * topk
+        N, B = int(torch.randint(1, C + 2, (1,), generator=g)), int(torch.randint(1, 4, (1,), generator=g))
+        mode = MODES[k % 3] if k % 3 != 2 or N <= 32 else TreeMaskMode.QLEN_ONLY
+        args = _build_case(g, B, topk, depth, N, mode)
+        if k % 2:
+            args[1] = torch.randint(0, C, (B, N - 1), generator=g)
+        cpp_matches_paths(build_tree_kernel_efficient, args, (3, 4, 5, 6, 7))
 
 
 @pytest.mark.gpu
