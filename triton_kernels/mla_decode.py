@@ -330,13 +330,20 @@ def _mla_kernel(
         if HAS_LSE:
             tl.store(LSE + token * G + head, lse2 * 0.6931471805599453, mask=row_ok)
     # The reports last, after the stores (with the accumulators live they add registers and spills;
-    # tree_attention.py's kernel says what that cost); b recomputed there, the span reloaded.
-    if bad:
+    # tree_attention.py's kernel says what that cost); b recomputed there, the span reloaded. One branch for both:
+    # as two (the request's, then the scale's), the fp8 kernel at 64 heads spilled 2188 bytes with checks, 944
+    # without (and with either report alone; ptxas for sm_90a). A bad request records first, as before (the
+    # scale's report after it found the word taken).
+    if KV_SCALED:
+        if bad | bad_scale:
+            if bad:
+                report_request(ERR, _OP_MLA, PL, PT, tl.program_id(0) // m_blocks, stride_pt, CAPACITY, N,
+                               first_pos, PAGE_SIZE, NUM_PAGES)
+            else:
+                report_not_positive(ERR, _OP_MLA, _ARG_KV_SCALE, kv_scale)
+    elif bad:
         report_request(ERR, _OP_MLA, PL, PT, tl.program_id(0) // m_blocks, stride_pt, CAPACITY, N, first_pos,
                        PAGE_SIZE, NUM_PAGES)
-    if KV_SCALED:
-        if bad_scale:
-            report_not_positive(ERR, _OP_MLA, _ARG_KV_SCALE, kv_scale)
 
 
 def default_config(dtype: torch.dtype) -> dict:
