@@ -7,7 +7,7 @@
 # $OUT/<on|off><round>.json; a round is bounded by ROUND_TIMEOUT s, so a call cut short keeps the rounds that ended.
 # Every round's process runs on the same CPUs (PIN_CPUS, through taskset where it exists): the eager rows time the
 # host, and two processes of one build on different cores differed by half (device_checks_h200.log at f803251).
-#   usage: OUT=... EAGLE3_COMMIT=... [ROUNDS=3] [ROUND_TIMEOUT=150] [BENCH_K='eagle3'] [PIN_CPUS=4-7]
+#   usage: OUT=... EAGLE3_COMMIT=... [REUSE=1] [ROUNDS=3] [ROUND_TIMEOUT=150] [BENCH_K='eagle3'] [PIN_CPUS=4-7]
 #          bash bench/device_checks.sh [bench files...]
 set -o pipefail
 OUT=${OUT:-/tmp/eagle3_checks_out}
@@ -20,17 +20,22 @@ BENCHES=("$@")
 # every microbenchmark (bench_e2e.py, the decode loop, has its own script: bench/e2e_gpu.sh)
 [ ${#BENCHES[@]} -eq 0 ] && BENCHES=($(ls bench/bench_*.py | grep -v bench_e2e))
 
+LOG=$OUT/device_checks.log
+# REUSE=1: a warm machine's two builds from an earlier call of this script (same sources) are timed again as they are
+if [ "${REUSE:-0}" = 1 ] && [ -d "$OFF/eagle3_ops" ]; then
+  rm -rf "$OFF.rows"; echo "reusing the builds already here" | tee -a "$LOG"
+else
 rm -rf "$OFF" "$OFF.rows" build && mkdir -p "$OFF"
 tar --exclude=./build --exclude=./.git --exclude='*.so' -cf - . | tar -xf - -C "$OFF"
 [ -e eagle3_ops/triton_kernels ] || ln -s ../triton_kernels eagle3_ops/triton_kernels
 [ -e "$OFF/eagle3_ops/triton_kernels" ] || ln -s ../triton_kernels "$OFF/eagle3_ops/triton_kernels"
 start=$(date +%s)
-LOG=$OUT/device_checks.log
 (MAX_JOBS=8 python3 setup.py build_ext --inplace > "$OFF.build_on.log" 2>&1) &
 (cd "$OFF" && EAGLE3_DEVICE_CHECKS=0 MAX_JOBS=8 python3 setup.py build_ext --inplace > "$OFF.build_off.log" 2>&1) &
 wait
 tail -n 3 "$OFF.build_on.log" "$OFF.build_off.log" >> "$LOG"
 echo "both builds took $(( $(date +%s) - start )) s" | tee -a "$LOG"
+fi
 python3 -c "import eagle3_ops; print('on :', eagle3_ops.build_info())" 2>&1 | tee -a "$LOG" || exit 1
 (cd "$OFF" && python3 -c "import eagle3_ops; print('off:', eagle3_ops.build_info())") 2>&1 | tee -a "$LOG" || exit 1
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything that needs the H200, in one call (docs/method.md): build for sm_90a, run the GPU tests, run the
 # benchmarks, and leave logs, JSON and the table under $OUT (the table printed last).
-#   usage: [SANITIZE='-k expr'] bash bench/gpu_run.sh [pytest -k expression for the GPU tests] [bench files... | none]
+#   usage: [SKIP_BUILD=1] [SANITIZE='-k expr'] bash bench/gpu_run.sh [pytest -k expression for the GPU tests] [bench files... | none]
 #   SANITIZE runs the GPU tests matching that expression under compute-sanitizer memcheck.
 #   TESTS='tests/test_kv_accept.py ...' selects the test files (their GPU tests run in chunks of TEST_CHUNK node ids,
 #   TEST_JOBS pytest processes at once); EAGLE3_CUDA_ONLY=a,b
@@ -32,8 +32,11 @@ BENCHES=("$@")
   # installed: eagle3_ops.triton_kernels is the top-level triton_kernels/ folder (as setup.py maps it).
   # A warm machine keeps the last call's build/ folder, whose objects can be newer than the sources copied in
   # now (ninja then says "no work to do" and the old kernels run): always build from scratch.
+  # SKIP_BUILD=1: use the build already in place (made earlier in the same call, e.g. by bench/device_checks.sh)
+  if [ "${SKIP_BUILD:-0}" = 1 ]; then echo "using the build in place" > "$OUT/.build_raw.log"; else
   rm -rf build
   python3 setup.py build_ext --inplace 2>&1 | tee "$OUT/.build_raw.log" || exit 1
+  fi
   # ptxas reports wgmmas it serialises (every one then waited for: ~2x slower) as "info", not as a warning or
   # an error (C7510-C7520; seen at 19a402e, where the line sat unread in this log): fail the build on it
   if grep -E "\(C75(1[0-9]|20)\)" "$OUT/.build_raw.log"; then
