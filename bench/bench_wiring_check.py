@@ -3,6 +3,7 @@ in one run, at the same prompts and prefill (engine/wiring_check.py; docs/wiring
 
     python3 bench/bench_wiring_check.py                          # on the H200: kimi-k2-slice, bf16, round graphs
     python3 bench/bench_wiring_check.py --impl auto torch        # the kernels and the torch code, same off runs
+    python3 bench/bench_wiring_check.py --impl auto auto:inline  # the side stream (the default) against in line
     python3 bench/bench_wiring_check.py --preset tiny --device cpu --dtype float32 --prefix 32 --max-new 16
     python3 bench/bench_wiring_check.py --heldout --batch 1 4    # the verdicts on the shipped pair (CPU)
     python3 bench/bench_wiring_check.py --record --write         # re-measure the shipped drafter's record
@@ -13,7 +14,9 @@ the rounds' device span, the host's waits out), the prefill shared through a Pre
 and impl: the median time a round with the check off and on, their difference, the repeats' spread (max - min
 of the off runs: the noise), the check's own span inside the graph (the "check" component), and what it
 launches a round (count_kernels on one eager CheckRun.observe at the round's shapes: Triton launches, torch ops
-that run a kernel, host syncs). --impl torch times the torch code that the kernels replaced beside them.
+that run a kernel, host syncs). --impl torch times the torch code that the kernels replaced beside them; an
+impl with ":inline" runs the update on the round's stream (WiringCheck.overlap=False) instead of the side stream
+(where the "check" span is only its enqueueing on the round's stream).
 Synthesised weights: the drafter predicts nothing, which changes no shape or launch of a round. Rows go to
 --json, else $EAGLE3_BENCH_OUT/wiring_check.json, else ./wiring_check.json.
 """
@@ -81,16 +84,24 @@ def count_kernels(fn, *args, **kwargs) -> dict:
     return seen
 
 
+def _check(record, impl: str):
+    """WiringCheck for an --impl value: "auto", "torch", "triton", or one of them + ":inline" (overlap off)."""
+    from eagle3_ops.engine.wiring_check import WiringCheck
+
+    name, _, mode = impl.partition(":")
+    return WiringCheck(record=record, impl=name, overlap=mode != "inline")
+
+
 def check_launches(B: int, spec, V: int, H: int, n_aux: int, device, dtype, impl: str) -> dict:
     """count_kernels of one CheckRun.observe as the decode loop calls it (a record for the settings, so both
     tests run; random logits and features of the round's shapes)."""
-    from eagle3_ops.engine.wiring_check import CONFIDENCE_EDGES, CheckRun, WiringCheck, WiringRecord
+    from eagle3_ops.engine.wiring_check import CONFIDENCE_EDGES, CheckRun, WiringRecord
 
     nb, N = len(CONFIDENCE_EDGES) + 1, spec.num_tokens
     record = WiringRecord(spec.steps, spec.topk, N, float(spec.temperature), (100,) * nb, (90,) * nb,
                           (-8.0,) * n_aux, (8.0,) * n_aux, 1000, 10)
     ids = list(range(n_aux))
-    run = CheckRun(WiringCheck(record=record, impl=impl), ids, ids, n_aux + 1, spec, torch.device(device), B)
+    run = CheckRun(_check(record, impl), ids, ids, n_aux + 1, spec, torch.device(device), B)
     logits = torch.randn(B * N, V, device=device).to(dtype)
     aux = torch.randn(B * N, n_aux * H, device=device).to(dtype)
     nodes = torch.arange(N, dtype=torch.int32, device=device).repeat(B, 1)
@@ -103,7 +114,7 @@ def check_launches(B: int, spec, V: int, H: int, n_aux: int, device, dtype, impl
 def run(args) -> list[dict]:
     from eagle3_ops.cli import _load_pair
     from eagle3_ops.engine import PrefillCache, SpecConfig, Timer, generate_speculative
-    from eagle3_ops.engine.wiring_check import CONFIDENCE_EDGES, WiringCheck, WiringRecord, WiringWarning
+    from eagle3_ops.engine.wiring_check import CONFIDENCE_EDGES, WiringRecord, WiringWarning
 
     import warnings
 
@@ -130,7 +141,7 @@ def run(args) -> list[dict]:
                     timer = Timer(device=args.device, mode="events")
                     _, stats = generate_speculative(
                         target, drafter, prompts, args.max_new, spec, timer=timer, graphs=graphs, prefill_cache=cache,
-                        wiring_check=WiringCheck(record=record, impl=v) if v is not None else None)
+                        wiring_check=_check(record, v) if v is not None else None)
                     if r == 0:
                         continue
                     span = stats.round_seconds or (stats.seconds - stats.prefill_seconds - stats.setup_seconds)
@@ -150,7 +161,7 @@ def run(args) -> list[dict]:
                            check_syncs=launches["syncs"], repeats=args.repeats, off_runs=times[None],
                            on_runs=times[v])
                 rows.append(row)
-                print(f"B {B:3d} prefix {args.prefix:6d} spec {row['spec']:>8} {v:>6}: round {off:8.3f} ms off, "
+                print(f"B {B:3d} prefix {args.prefix:6d} spec {row['spec']:>8} {v:>11}: round {off:8.3f} ms off, "
                       f"{on:8.3f} ms on, diff {on - off:+7.3f} ms (noise {row['noise_ms']:.3f} ms), check's span "
                       f"{row['check_span_ms'] * 1e3:.1f} us, {row['check_kernels']} kernels a round "
                       f"({len(launches['triton'])} Triton, {len(launches['torch'])} torch ops), "
@@ -226,9 +237,11 @@ def main():
     ap.add_argument("--spec", type=lambda s: tuple(int(x) for x in s.split("/")), nargs="+",
                     default=[(3, 1, 4), (4, 4, 16)], metavar="STEPS/TOPK/TOKENS")
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--impl", nargs="+", default=["auto"], choices=["auto", "torch", "triton"],
+    ap.add_argument("--impl", nargs="+", default=["auto"],
+                    choices=[i + m for i in ("auto", "torch", "triton") for m in ("", ":inline")],
                     help="the check's update (WiringCheck.impl), each timed against the same off runs: auto = the "
-                         "Triton kernels on CUDA, torch = the torch code they replaced")
+                         "Triton kernels on CUDA, torch = the torch code they replaced; ':inline': on the round's "
+                         "stream (WiringCheck.overlap=False), else on its side stream")
     ap.add_argument("--json", default=None)
     ap.add_argument("--heldout", action="store_true",
                     help="instead: the check's verdicts on the shipped pair (CPU) for the trained wiring, the seed's "

@@ -275,11 +275,13 @@ def _random_round(gen, B, spec, V, H, n_aux, dtype, dev):
                                                                                     count)]
 
 
-def _runs(record, spec, B, n_aux, dev, impls=("torch", "triton"), gen=None):
-    """A CheckRun per impl, their states set to the same random values (the update adds to what is there)."""
+def _runs(record, spec, B, n_aux, dev, impls=("torch", "triton"), gen=None, overlaps=None):
+    """A CheckRun per impl (overlaps: WiringCheck.overlap per impl, default on), their states set to the same
+    random values (the update adds to what is there)."""
     ids = list(range(n_aux))
-    runs = [CheckRun(WiringCheck(record=record, impl=impl), ids, ids, n_aux + 1, spec, torch.device(dev), B)
-            for impl in impls]
+    overlaps = overlaps or (True,) * len(impls)
+    runs = [CheckRun(WiringCheck(record=record, impl=impl, overlap=o), ids, ids, n_aux + 1, spec, torch.device(dev), B)
+            for impl, o in zip(impls, overlaps)]
     start = torch.randn(runs[0].acc.shape, generator=gen, dtype=torch.float64).to(dev)
     for run in runs:
         run.acc.copy_(start)
@@ -287,6 +289,7 @@ def _runs(record, spec, B, n_aux, dev, impls=("torch", "triton"), gen=None):
 
 
 def _same_state(kernel, ref):
+    kernel.join(), ref.join()  # (on CUDA the updates run on side streams)
     # fp64 sums in another order; a bin or band decision that differed would move a sum by >= 1e-3
     torch.testing.assert_close(kernel.acc, ref.acc, rtol=0, atol=1e-9)
 
@@ -418,13 +421,49 @@ def test_gpu_kernels_in_a_cuda_graph(gen):
     ref, kernel = _runs(_kernel_record(spec, n_aux), spec, B, n_aux, "cuda", gen=gen)
     bufs = _random_round(gen, B, spec, V, H, n_aux, torch.bfloat16, "cuda")
     start = kernel.acc.clone()
-    graph, _ = capture_graph(lambda: kernel.observe(*bufs[:4], count=bufs[4], max_new=MAX_NEW_K))
+    graph, _ = capture_graph(lambda: (kernel.observe(*bufs[:4], count=bufs[4], max_new=MAX_NEW_K), kernel.join()))
     kernel.acc.copy_(start)  # (the warm-up's update undone)
+    _replay_new_rounds(graph, bufs, ref, lambda: _random_round(gen, B, spec, V, H, n_aux, torch.bfloat16, "cuda"))
+    _same_state(kernel, ref)
+
+
+def _replay_new_rounds(graph, bufs, ref, new_round, after=None):
+    """Three rounds: each written into the captured buffers and replayed, and run eagerly through ref."""
     for _ in range(3):
-        new = _random_round(gen, B, spec, V, H, n_aux, torch.bfloat16, "cuda")
+        new = new_round()
         for buf, t in zip(bufs, new):
             buf.copy_(t)
         graph.replay()
         ref.observe(*new[:4], count=new[4], max_new=MAX_NEW_K)
+        if after is not None:
+            after(new)
     torch.cuda.synchronize()
-    _same_state(kernel, ref)
+
+
+@pytest.mark.gpu
+def test_gpu_side_stream_update_in_a_graph(gen):
+    """WiringCheck.overlap as the round graph holds it: the update forked after the verify onto the side stream,
+    beside unrelated work on the round's stream, the count overwritten after count_read() (as accept_update does)
+    and the fork joined at the end; replayed on new rounds, against the update run in line on the count as it was
+    before the overwrite (a snapshot taken late would see requests finished that were not: MAX_NEW_K 5, +3)."""
+    spec, B, V, H, n_aux = SpecConfig(steps=3, topk=1, num_tokens=4), 8, 163840, 7168, 3
+    ref, side = _runs(_kernel_record(spec, n_aux), spec, B, n_aux, "cuda", impls=("triton", "triton"), gen=gen,
+                      overlaps=(False, True))
+    assert side.overlap and not ref.overlap
+    bufs = _random_round(gen, B, spec, V, H, n_aux, torch.bfloat16, "cuda")
+    big = torch.randn(2048, 2048, device="cuda", dtype=torch.bfloat16)
+
+    def round_body():
+        side.observe(*bufs[:4], count=bufs[4], max_new=MAX_NEW_K)
+        busy = big @ big  # the round's own work, independent of the check
+        side.count_read()
+        bufs[4].add_(3)
+        side.join()
+        return busy
+
+    start = side.acc.clone()
+    graph, _ = capture_graph(round_body)
+    side.acc.copy_(start)
+    _replay_new_rounds(graph, bufs, ref, lambda: _random_round(gen, B, spec, V, H, n_aux, torch.bfloat16, "cuda"),
+                       after=lambda new: torch.testing.assert_close(bufs[4], new[4] + 3, rtol=0, atol=0))
+    _same_state(side, ref)

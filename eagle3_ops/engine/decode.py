@@ -683,6 +683,8 @@ class _Loop:
             # 5. accept: compact the target's KV, emit, freeze finished requests (fused.accept_update says how)
             with timer("kv_accept"):
                 g_ops.kv_accept(accept_caches, tkv.page_table, tkv.prefix_lens, accept_nodes, accept_len)
+            if check is not None:  # (on CUDA the check runs on a side stream: it has snapshotted count by now)
+                check.count_read()
             fused.accept_update(accept_nodes, accept_len, emitted, self.count, self.out, hist, self.root,
                                 tkv.prefix_lens, dkv.prefix_lens, max_new, cu_rows, cu_tokens, cu_positions, cu_step)
             # 6. catch-up: the drafter re-reads the accepted tokens with the target's features
@@ -691,6 +693,8 @@ class _Loop:
             with timer("draft"):
                 logits, hidden = catch_up_fwd(cu_tokens, hidden, cu_positions)
             fused.accept_finish(logits, hidden, self.last_logits, self.g, cu_step, dkv.prefix_lens)
+            if check is not None:
+                check.join()
             if round_events and torch.cuda.is_current_stream_capturing():
                 round_events[1].record()
             return accept_len, drafting.scores

@@ -179,6 +179,11 @@ class WiringCheck:
         triton_kernels/wiring_check.py; else the torch code), "torch" (the specification: 32 small kernels a
         round on CUDA), or "triton" (the kernels on any tensors: the tests run them on the CPU under
         TRITON_INTERPRET=1). ``collect``'s counts are the torch code's on every impl.
+    overlap : bool
+        On CUDA, run the update on a side stream of the round: forked after the verify (a snapshot of the
+        request counts first), so that it runs beside kv_accept, the fc and the drafter's catch-up, and joined
+        at the round's end (``CheckRun.join``); the loop's count update waits only for the snapshot
+        (``CheckRun.count_read``). False: in line, on the round's stream.
     """
 
     rounds: int = 16
@@ -192,6 +197,7 @@ class WiringCheck:
     convention: Optional[str] = None
     collect: bool = False
     impl: str = "auto"
+    overlap: bool = True
 
     def __post_init__(self):
         if self.impl not in ("auto", "torch", "triton"):
@@ -274,6 +280,15 @@ class CheckRun:
         self.terms = None if self.record is None else (self.ok_llr, self.no_llr, self.out_terms, self.band,
                                                        self.edges)
         self.cuda = device.type == "cuda"
+        # the side stream (WiringCheck.overlap): the snapshot of what the round's count update overwrites, the
+        # event after it, and what the side stream reads, kept alive (and its memory unreused) until join()
+        self.overlap = check.overlap and self.cuda
+        if self.overlap:
+            self.stream = torch.cuda.Stream(device)
+            self.snap_count = torch.zeros(batch, dtype=torch.int64, device=device)
+            self.snap_active = torch.zeros(batch, dtype=torch.bool, device=device)
+            self.snapped = torch.cuda.Event()
+        self.inflight = None
         self.host = torch.zeros(batch, 3 + self.nd, dtype=torch.float64, pin_memory=self.cuda)
         self.event = None
         self.pending = False
@@ -325,8 +340,39 @@ class CheckRun:
         """Inside the round, on the device (no host sync): logits [B * N, V] the verify's, accept_nodes [B, N]
         int32, accept_len [B] int32, aux [B * N, n_aux * H] the verify rows' captured features, and which
         requests were still decoding before this round: active [B] bool, or the loop's count [B] int64 with
-        max_new (active: count < max_new, compared inside the kernel: one launch fewer)."""
+        max_new (active: count < max_new, compared inside the kernel: one launch fewer). With
+        WiringCheck.overlap on CUDA the update is only enqueued, on the side stream: call count_read() before
+        writing count / active, and join() before the round ends (or the host reads the state)."""
         self._check_inputs(logits, accept_nodes, accept_len, aux, active, count, max_new)
+        if not self.overlap:
+            self._update(logits, accept_nodes, accept_len, aux, active, count, max_new)
+            return
+        self.join()  # (a round that did not join its last update)
+        main = torch.cuda.current_stream(self.acc.device)
+        self.stream.wait_stream(main)
+        with torch.cuda.stream(self.stream):
+            if count is None:
+                active = self.snap_active.copy_(active)
+            else:
+                count = self.snap_count.copy_(count)
+            self.snapped.record(self.stream)
+            self._update(logits, accept_nodes, accept_len, aux, active, count, max_new)
+        self.inflight = (logits, accept_nodes, accept_len, aux)
+
+    def count_read(self) -> None:
+        """Before the round overwrites the count (or active) it passed to observe: the current stream waits for
+        the side stream's snapshot of it (nothing else). A no-op when the update ran in line."""
+        if self.inflight is not None:
+            torch.cuda.current_stream(self.acc.device).wait_event(self.snapped)
+
+    def join(self) -> None:
+        """The current stream waits for the side stream's update, and what it read may be freed: a round calls
+        this at its end (inside a graph capture, the fork must be joined before the capture ends)."""
+        if self.inflight is not None:
+            torch.cuda.current_stream(self.acc.device).wait_stream(self.stream)
+            self.inflight = None
+
+    def _update(self, logits, accept_nodes, accept_len, aux, active, count, max_new) -> None:
         if self.impl == "triton":
             from eagle3_ops.triton_kernels import wiring_check as kernels
 
@@ -381,6 +427,7 @@ class CheckRun:
 
     def after_round(self, rounds: int) -> None:
         """On the host, between rounds: snapshot after ``check.rounds`` rounds; judge once the copy is done."""
+        self.join()  # (the loop's rounds join their own; a caller's observe may not have)
         if rounds == self.check.rounds and self.event is None and not self.report.rounds:
             self.host.copy_(self.acc, non_blocking=self.cuda)
             self.pending = True
@@ -393,6 +440,7 @@ class CheckRun:
     def finish(self, rounds: int) -> WiringReport:
         """After the loop (the device drained): judge a snapshot not read yet, then the whole run (a request
         flagged after the first verdict warns then)."""
+        self.join()
         if self.pending:
             self._judge(self.check.rounds)
         self.host.copy_(self.acc)
