@@ -455,3 +455,33 @@ def test_simulation_follows_the_loop(pair, p):
                                     policy=AdaptivePolicy(costs=costs))
     sim = simulate(AdaptivePolicy(costs=costs), costs, 1, plain.shape[1], p, stale=0)
     assert stats.decisions == sim["decisions"] and stats.resumes == sim["resumes"]
+
+
+def simulated_table(seeds: int = 32, max_new: int = 61, make=AdaptivePolicy) -> list[tuple]:
+    """docs/e2e.md's simulated table: per H200 table and acceptance length, mean over `seeds` of adaptive's
+    tokens/s over plain's, and over the best of plain and the fixed chains 1, 2, 3, 5 (the same seeds' draws),
+    with that best. Rows (key, full, L, adaptive / plain, adaptive / best, best's label)."""
+    rows = []
+    for key, full in TABLES:
+        costs, B = h200_costs(key, full), key[0]
+        plain = B / costs[PLAIN]
+        for L in LENGTHS:
+            p = p_for_acceptance_length(L, 3)
+            ada = sum(simulate(make(costs=costs), costs, B, max_new, p, seed=i)["tok_s"] for i in range(seeds)) / seeds
+            fixed = {PLAIN: plain}
+            for s in (1, 2, 3, 5):
+                fixed[f"{s}/1/{s + 1}"] = sum(simulate(FixedPolicy(steps=s, topk=1, num_tokens=s + 1), costs, B,
+                                                       max_new, p, seed=i)["tok_s"] for i in range(seeds)) / seeds
+            best = max(fixed, key=fixed.get)
+            rows.append((key, full, L, ada / plain, ada / fixed[best], best))
+    return rows
+
+
+if __name__ == "__main__":  # .venv/bin/python tests/test_policy.py: the simulated table, as docs/e2e.md gives it
+    rows = simulated_table()
+    print("| table | " + " | ".join(f"L {L:g}" for L in LENGTHS) + " |\n|---|" + "---|" * len(LENGTHS))
+    for key, full in TABLES:
+        cells = [f"{a:.3f}, {b:.3f} ({best})" for k, f, L, a, b, best in rows if (k, f) == (key, full)]
+        print(f"| B {key[0]} prefix {key[1]} {'61-layer' if full else 'slice'} | " + " | ".join(cells) + " |")
+    low = [r for r in rows if min(r[3], r[4]) < 0.97]
+    print(f"{len(rows) - len(low)} of {len(rows)} cells >= 0.97 of plain and of the best fixed chain")

@@ -26,26 +26,8 @@ AdaptivePolicy's model, per request b and draft depth j (a chain drafts one toke
   slowest estimate mostly picks noise (with it, the shipped pair at B 4 on the CPU ran 0.96-0.98x fixed 3/1/4 on
   the first 8 held-out prompts, against 1.05x with the mean, single runs; the ORACLE's requests are alike, where
   the two agree). An engine that refills finished slots would maximise sum_b mu_b / T instead.
-- alpha_bj, the request's running acceptance at depth j, in two steps: pi_bj = (w * prior_bj + the other
-  requests' drafts accepted at depth j) / (w + theirs tested there), then alpha_bj = (v' * pi_bj + b's own
-  accepted) / (v' + b's own tested), v' = min(v, w + theirs tested: the pooled estimate weighs no more than the
-  evidence it holds). Depth 0: prior_b0 = `prior`, w = `prior_weight` (default 1/2 at weight 1: the mean of
-  Jeffreys' Beta(1/2, 1/2)), v = `request_weight` or, by default, the requests' spread (spread_weight: empirical
-  Bayes, v infinite where their rates differ no more than binomial draws do: one request's unlucky draws are
-  not taken for a harder request); depth j >= 1: prior_bj = alpha_b(j-1), w = v = `depth_weight` (a
-  depth tested little is expected to do as the one above it: one rejection at depth 2 does not make a 3-draft
-  chain look worse than a 1-draft one). At B 1 pi_bj = prior_bj; at B 8 one round informs every request, and a
-  request's own record still counts; a draft is tested when every draft before it was accepted (the
-  maximum-likelihood rate of a chain whose drafts are accepted independently; per depth, since a drafter trained
-  for a few steps does worse past them; the ORACLE's is p at every depth). The evidence decays by `forget` each
-  round (plain rounds too), so a request that fell back to plain decoding drifts back to the prior.
-- c_bj / m_bj, the drafter's confidence (EAGLE-2's) against its usual: c_bj its top-1 probability at depth j
-  given the draft before it (exp of the step in the chain's cumulative log-probability) as the last round that
-  drafted depth j read it, m_bj the running mean of those readings. A draft the drafter is surer of than usual
-  is expected to be accepted more often than the running rate says, and less when it is unsure (the ORACLE's
-  confidence is always 1: the factor is 1). Each round that does not read c_bj (plain rounds, shorter chains)
-  it relaxes halfway to m_bj, so one low reading does not keep a request in plain decoding until the next
-  resume reads d_1 again.
+- alpha_bj (each request's running acceptance at depth j, pooled across the batch) and c_bj / m_bj (the
+  drafter's confidence against its usual): engine/evidence.py.
 - T, the cost table run_policy measures at start-up: one round of each shape, the plain round and the
   drafter's catch-up after plain rounds ("resume/8", "resume/R": 8 or R pending rows), each replayed from its
   own CUDA graph (on the CPU, and eager runs, timed eagerly); a shape chosen after plain rounds pays the
@@ -57,15 +39,9 @@ mu(S + 1) - mu(S) > mu(S) (T(S + 1) - T(S)) / T(S)); otherwise drafting stops th
 A tree candidate (topk > 1) is valued as its top-1 chain, a lower bound on its gain; the default candidates are
 chains.
 
-B 1: exact (ChainDP, `exact`). One request's run of at most EXACT_HORIZON tokens is decided by dynamic
-programming, solved once at start (numpy, 0.05 s for 60 tokens, 0.3 s for 127 on this VM's CPU; start-up, as the
-cost table is): the depths share the request's acceptance alpha ~ Beta(w prior + accepted drafts, w (1 - prior)
-+ rejections) (Jeffreys' by default), every round one of plain and the chains, the value the expected time to the
-last token over every outcome the posterior predicts. So a probe is worth what it teaches over the tokens left,
-a chain is lengthened as the evidence for it grows, and the end of the run is planned (one token left: plain).
-It is Bayes-optimal for that model and prior; the per-depth estimates and the confidence factors above do not
-enter it (the ORACLE has neither; a real drafter's deeper drafts do worse than the model says). Every decision
-waits for the newest round's snapshot (need_outcome), as each depends on the last outcome.
+B 1: exact (ChainDP, engine/chain_dp.py, `exact`). One request's run of at most EXACT_HORIZON tokens is decided
+by dynamic programming over the request's Beta posterior of its acceptance, solved once at start; every
+decision waits for the newest round's snapshot (need_outcome), as each depends on the last outcome.
 
 What a probe teaches elsewhere (explore, `lookahead`: B > 1, or runs past EXACT_HORIZON). The argmax above values
 the present evidence only: after a rejected probe it picks plain, and plain rounds teach nothing, so one unlucky
@@ -128,10 +104,9 @@ from dataclasses import replace
 from typing import Optional, Sequence
 
 from .adaptive import PLAIN, label, resume_label, resume_sizes, run_policy
+from .chain_dp import ChainDP
 from .decode import SpecConfig
-
-MEAN_WEIGHT = 0.2  # of a new confidence reading in its running mean
-RELAX = 0.5  # a round without a reading keeps this part of the last reading's distance from the mean
+from .evidence import Evidence
 HORIZON = 1024  # tokens left a request is taken to have where no max_new is given
 EXACT_HORIZON = 128  # B 1: ChainDP decides every round of a run of at most this many tokens
 
@@ -183,7 +158,7 @@ class Policy:
         raise NotImplementedError
 
 
-class AdaptivePolicy(Policy):
+class AdaptivePolicy(Evidence, Policy):
     """Expected time to the batch's end from measured costs, the drafter's confidence and each request's posterior
     acceptance (the static batch waits for its slowest request), a cost-priced first probe, the value of what a
     probe teaches and a regret budget (the module docstring has the model and the bound).
@@ -240,10 +215,7 @@ class AdaptivePolicy(Policy):
         self.costs = dict(costs if self.fixed_costs is None else self.fixed_costs)
         self.B, self.observed, self._specs = B, 0, list(shapes)
         self.depth = depth = max(max(self.steps), max((s.steps for s in shapes), default=1))
-        self.num = [[0.0] * depth for _ in range(B)]  # accepted drafts per depth (decayed)
-        self.den = [[0.0] * depth for _ in range(B)]  # drafts tested per depth (decayed)
-        self.conf = [[1.0] * depth for _ in range(B)]  # c_bj, last read (relaxed toward mean while not read)
-        self.mean = [[1.0] * depth for _ in range(B)]  # c_bj's running mean
+        self.reset_evidence(B, depth)
         self.max_new = max_new
         self.remaining = [math.inf if max_new is None else max_new - 1] * B  # tokens left (the first is the prefill's)
         self.t0 = self.costs[PLAIN]
@@ -251,9 +223,6 @@ class AdaptivePolicy(Policy):
         self.allowance = max(self.costs[label(s)] for s in self._specs) + worst_resume - self.t0  # A
         self.need_outcome = False  # whether the next decision should wait for the round just chosen
         self.regret, self.rounds, self.flight = 0.0, 0, deque()  # R (settled rounds), n, the rounds in flight
-        self.tested = 0  # drafts verification tested (every draft before them accepted), over the run
-        self._spread = (-1, math.inf)  # (observed, spread_weight) cached per evidence
-        self._alphas = {}  # alphas(b) of the evidence as it is (cleared where it changes)
         # ChainDP (B 1), and the drafts accepted / rejected over the run, cut at the tokens left as ChainDP cuts
         self.dp, self.seen = None, [0, 0]
         if self.exact and B == 1 and max_new is not None and 0 < max_new - 1 <= EXACT_HORIZON:
@@ -261,109 +230,9 @@ class AdaptivePolicy(Policy):
             self.dp = ChainDP(self.costs, self._specs, w * self.prior, w * (1 - self.prior), max_new - 1,
                               self.costs[resume_label(1, self.resume_rows)])
 
-    # -- the model: each request's survival probabilities P(the first s drafts accepted) ------------------------
-
-    def totals(self) -> tuple[list[float], list[float]]:
-        """Per depth, the batch's accepted and tested drafts (decayed), every request's summed."""
-        return [sum(n[d] for n in self.num) for d in range(self.depth)], \
-            [sum(n[d] for n in self.den) for d in range(self.depth)]
-
-    def posterior(self, b: int, totals=None) -> tuple[float, float, list[float]]:
-        """Request b's Beta(a, c) posterior of its first draft's acceptance and its per-depth point estimates
-        alpha_b0 .. alpha_b(depth-1) (alpha_b0 = a / (a + c)). Depth 0: the other requests' evidence over the
-        prior, then b's own over that pooled posterior at weight min(v, the evidence it holds); depth j: the same
-        two steps over alpha_b(j-1) at depth_weight. b < 0: the batch's pooled posterior (every request's
-        evidence, no own step)."""
-        N, D = totals or self.totals()
-        own_n = self.num[b] if b >= 0 else [0.0] * self.depth
-        own_d = self.den[b] if b >= 0 else [0.0] * self.depth
-        w, m = self.prior_weight, self.prior
-        held = w + D[0] - own_d[0]
-        pa = w * m + N[0] - own_n[0]
-        pc = held - pa
-        v = min(self.spread_weight(), held)
-        a, c = v * pa / held + own_n[0], v * pc / held + own_d[0] - own_n[0]
-        out, prev = [a / (a + c)], a / (a + c)
-        W = self.depth_weight
-        for d in range(1, self.depth):
-            held = W + D[d] - own_d[d]
-            pi = (W * prev + N[d] - own_n[d]) / held
-            vv = min(W, held)
-            prev = (vv * pi + own_n[d]) / (vv + own_d[d])
-            out.append(prev)
-        return a, c, out
-
-    def spread_weight(self) -> float:
-        """v, the pooled posterior's weight against a request's own evidence: `request_weight`, or (None) from the
-        requests' spread at depth 0 (empirical Bayes: the between-request variance tau^2 by the method of moments,
-        the observed spread of their rates less the binomial part, and v = p (1 - p) / tau^2 - 1, the concentration
-        of a Beta with that variance; no spread beyond the binomial: the pooled posterior weighs all it holds)."""
-        if self.request_weight is not None:
-            return self.request_weight
-        if self._spread[0] == self.observed:
-            return self._spread[1]
-        rows = [(self.num[b][0], self.den[b][0]) for b in range(self.B) if self.den[b][0] > 1e-9]
-        total = sum(d for _, d in rows)
-        v = math.inf
-        if len(rows) > 1:
-            p = sum(n for n, _ in rows) / total
-            pq = p * (1 - p)
-            spread = sum(d * (n / d - p) ** 2 for n, d in rows) - (len(rows) - 1) * pq
-            tau2 = spread / (total - sum(d * d for _, d in rows) / total)
-            if pq > 0 and tau2 > 0:
-                v = max(1.0, pq / tau2 - 1)
-        self._spread = (self.observed, v)
-        return v
-
-    def alphas(self, b: int, totals=None) -> list[float]:
-        """alpha_b0 .. alpha_b(depth-1), the point estimates (posterior; for the evidence as it is, cached until it
-        changes: a decision reads them once a request, not once a shape)."""
-        if totals is not None:
-            return self.posterior(b, totals)[2]
-        if b not in self._alphas:
-            self._alphas[b] = self.posterior(b)[2]
-        return self._alphas[b]
-
-    def alpha(self, b: int, j: int) -> float:
-        """alpha_bj (alphas)."""
-        return self.alphas(b)[j]
-
-    def factors(self, b: int) -> list[float]:
-        """The confidence factor c_bj / m_bj per depth (1 for the ORACLE)."""
-        return [self.conf[b][j] / max(self.mean[b][j], 1e-6) for j in range(self.depth)]
-
-    @staticmethod
-    def survival(alphas, factors, n: int) -> list[float]:
-        """P(the first s drafts are accepted), s = 1..n: the product of q_bj = min(1, alpha_bj c_bj / m_bj), j < s."""
-        out, run = [], 1.0
-        for s in range(n):
-            run *= min(1.0, alphas[s] * factors[s])
-            out.append(run)
-        return out
-
     def _left(self, b: int) -> float:
         """Tokens request b has left, less what the rounds still in flight are expected to emit for it."""
         return self.remaining[b] - sum(e[b] for *_, e in self.flight)
-
-    @staticmethod
-    def _moments(surv) -> tuple[float, float]:
-        mean = m2 = 1.0
-        for j, p in enumerate(surv):  # P(X >= j + 2) weighs (j + 2)^2 - (j + 1)^2 in E[X^2]
-            mean += p
-            m2 += (2 * j + 3) * p
-        return mean, max(0.0, m2 - mean * mean)
-
-    def emission(self, b: int, steps: int, totals=None) -> tuple[float, float]:
-        """Mean and variance of the tokens a round of a `steps` chain emits for request b (1, 0 for plain), cut
-        at the tokens b has left."""
-        n = int(min(steps, self._left(b) - 1))
-        if n <= 0:
-            return 1.0, 0.0
-        return self._moments(self.survival(self.alphas(b, totals), self.factors(b), n))
-
-    def expected_tokens(self, b: int, steps: int, totals=None) -> float:
-        """E_b(steps): expected tokens a round of a `steps` chain emits for request b (1 for plain)."""
-        return self.emission(b, steps, totals)[0]
 
     # -- the objective: the batch's expected time to its end -------------------------------------------------
 
@@ -524,7 +393,6 @@ class AdaptivePolicy(Policy):
 
     def observe(self, spec, active, accept_len, scores, d1_logprob, counts=None) -> None:
         self.observed += 1
-        self._alphas = {}
         cost = self.flight.popleft()[0] if self.flight else self.costs[label(spec)]
         decoding = [b for b in range(self.B) if active[b]]
         if decoding:  # the regret: this round's cost less plain's for the tokens it emitted (a share per request)
@@ -536,82 +404,7 @@ class AdaptivePolicy(Policy):
             self.seen[1] += a < n
         if counts is not None and self.max_new is not None:
             self.remaining = [self.max_new - c for c in counts]
-        for b in range(self.B):
-            self.num[b] = [x * self.forget for x in self.num[b]]
-            self.den[b] = [x * self.forget for x in self.den[b]]
-            conf, mean = self.conf[b], self.mean[b]
-            read = {}
-            if d1_logprob is not None:
-                read[0] = d1_logprob[b]
-            if spec is not None and active[b]:
-                prev = 0.0
-                for j in range(spec.steps):  # the chain's step confidences, read this round
-                    read[j] = scores[b][j] - prev
-                    prev = scores[b][j]
-            for j in range(len(conf)):
-                if j in read:
-                    conf[j] = math.exp(min(0.0, read[j]))
-                    mean[j] += MEAN_WEIGHT * (conf[j] - mean[j])
-                else:  # not read this round: what was read last is less telling
-                    conf[j] = mean[j] + RELAX * (conf[j] - mean[j])
-            if spec is None or not active[b]:
-                continue
-            a = int(accept_len[b])
-            self.tested += min(a + 1, spec.steps)  # (undecayed: the run's totals, bench_e2e's calibration check)
-            for j in range(min(a + 1, spec.steps)):  # draft j was tested: the j before it were accepted
-                self.num[b][j] += j < a
-                self.den[b][j] += 1.0
-
-
-class ChainDP:
-    """The Bayes-optimal decisions of one request over its last `horizon` tokens (B 1), by dynamic programming:
-    the depths share the request's acceptance alpha ~ Beta(a, c) (the prior updated by every draft tested: accepted
-    drafts to a, rejections to c), each round one of plain and the chains, its cost from the table (a chain after
-    plain rounds pays the resume too); the value is the expected time to the request's last token. V[l, g][s, f]:
-    l tokens left, g = 1 after a plain round, s / f accepted / rejected drafts since the solve; an outcome of a
-    chain of S drafts cut at n = min(S, l - 1): its first k accepted and the next rejected (k < n) with probability
-    E[alpha^k] - E[alpha^(k+1)], all n with E[alpha^n]."""
-
-    def __init__(self, costs: dict, specs, a: float, c: float, horizon: int, resume: float):
-        import numpy as np
-
-        G, P = horizon + 1, max(s.steps for s in specs) + 2
-        self.specs, self.a, self.c = list(specs), a, c
-        s = np.arange(G + P, dtype=np.float64)[:, None]
-        f = np.arange(G + P, dtype=np.float64)[None, :]
-        M = [np.ones((G + P, G + P))]
-        for i in range(P):
-            M.append(M[-1] * (a + s + i) / (a + c + s + f + i))
-        V = np.zeros((G, 2, G + P, G + P))
-        self.choice = np.zeros((G, 2, G + P, G + P), dtype=np.int8)  # 0: plain, i: specs[i - 1]
-        t0 = costs[PLAIN]
-        for l in range(1, G):
-            for g in (0, 1):
-                best = t0 + V[l - 1, 1]
-                pick = np.zeros(best.shape, dtype=np.int8)
-                for i, spec in enumerate(self.specs, 1):
-                    n = min(spec.steps, l - 1)
-                    if n <= 0:
-                        continue
-                    q = np.full(best.shape, costs[label(spec)] + g * resume)
-                    for k in range(n):  # k accepted, the next rejected
-                        nxt = np.zeros_like(best)
-                        nxt[:G + P - k, :G + P - 1] = V[l - k - 1, 0][k:, 1:]
-                        q += (M[k] - M[k + 1]) * nxt
-                    nxt = np.zeros_like(best)
-                    nxt[:G + P - n, :] = V[l - n - 1, 0][n:, :]
-                    q += M[n] * nxt
-                    better = q < best
-                    best = np.where(better, q, best)
-                    pick = np.where(better, np.int8(i), pick)
-                V[l, g], self.choice[l, g] = best, pick
-        self.V, self.horizon = V, horizon
-
-    def decide(self, left: int, lag: bool, s: int, f: int):
-        """The decision (a spec or None) at `left` tokens, after plain rounds or not, s / f drafts accepted /
-        rejected since the solve."""
-        i = int(self.choice[left, int(lag), s, f])
-        return None if i == 0 else self.specs[i - 1]
+        self.record(spec, active, accept_len, scores, d1_logprob)
 
 
 class FixedPolicy(Policy):
@@ -634,4 +427,4 @@ class FixedPolicy(Policy):
         return self._spec
 
 
-__all__ = ["AdaptivePolicy", "FixedPolicy", "PLAIN", "Policy", "label"]
+__all__ = ["AdaptivePolicy", "ChainDP", "FixedPolicy", "PLAIN", "Policy", "label"]
