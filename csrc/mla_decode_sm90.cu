@@ -51,6 +51,7 @@
 #include <cmath>
 #include <cstdint>
 #include <optional>
+#include <type_traits>
 
 #include "eagle3/checks.h"
 #include "eagle3/device.h"
@@ -89,6 +90,8 @@ struct Params {
   float scale_log2;
   int B, N, W, G, num_pages, max_pages, page_size, num_splits;
   int64_t stride_qt, stride_qh, stride_kp, stride_ks, stride_pt, stride_ot, stride_oh;
+  const float* kv_scale;      // [1] fp32: an fp8 cache's dequantisation scale (kFp8 builds), else nullptr
+  int evict_first;            // kFp8 builds: the KV loads' L2 policy, evict-first (1) or normal (0)
 };
 
 template <typename T>
@@ -159,6 +162,26 @@ __device__ __forceinline__ void cp_async16_hint(uint32_t dst, const void* src, u
                : "memory");
 }
 
+// kFp8: 16 e4m3 values (16 bytes, the order they sit in memory) -> 16 fp16 values, exactly (every e4m3 value,
+// subnormals and NaN included, is an fp16 value): 8 cvt.rn.f16x2.e4m3x2, two values each.
+__device__ __forceinline__ void e4m3x16_to_f16(const uint32_t (&in)[4], uint32_t (&out)[8]) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    asm("{\n.reg .b16 lo, hi;\nmov.b32 {lo, hi}, %2;\ncvt.rn.f16x2.e4m3x2 %0, lo;\ncvt.rn.f16x2.e4m3x2 %1, hi;\n}\n"
+        : "=r"(out[2 * i]), "=r"(out[2 * i + 1])
+        : "r"(in[i]));
+  }
+}
+__device__ __forceinline__ void lds128(uint32_t addr, uint32_t (&v)[4]) {
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(v[0]), "=r"(v[1]), "=r"(v[2]), "=r"(v[3])
+               : "r"(addr)
+               : "memory");
+}
+__device__ __forceinline__ void sts128(uint32_t addr, uint32_t a, uint32_t b, uint32_t c, uint32_t d) {
+  asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(a), "r"(b), "r"(c), "r"(d) : "memory");
+}
+
 // Named barrier `id` over `threads` threads: the producer arrives (does not wait), the consumer syncs.
 __device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
   asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
@@ -197,7 +220,8 @@ __device__ __noinline__ void report_request(int64_t* err, const int32_t* pt_row,
 #endif
 // kEvictFirst: the KV loads carry an L2 evict-first policy (else plain cp.async). kDev: 0, or a development
 // build (EAGLE3_DEV_BUILD only, above).
-template <typename T, bool kEvictFirst, int kDev = 0>
+// kFp8: the cache is fp8 e4m3 (T is q's and out's dtype; the dots run in fp16: kFp8's notes below).
+template <typename T, bool kEvictFirst, int kDev = 0, bool kFp8 = false>
 __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_constant__ Params p) {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ uint8_t smem_raw[];
@@ -229,7 +253,14 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
 #endif
   const int rows_total = p.N * p.G;
   const T* q = static_cast<const T*>(p.q);
-  const T* kv = static_cast<const T*>(p.kv);
+  using KT = std::conditional_t<kFp8, uint8_t, T>;  // a cache element
+  using MT = std::conditional_t<kFp8, __half, T>;   // the wgmmas' inputs (Q, K, P, V in shared memory)
+  const KT* kv = static_cast<const KT*>(p.kv);
+  // kFp8: the scale, read on the device (a graph replays with whatever it holds); not finite and > 0: every row
+  // NaN and the value reported (the reference raises)
+  const float kv_scale = kFp8 ? *p.kv_scale : 1.f;
+  const bool bad_scale = kFp8 && !(kv_scale > 0.f && kv_scale <= 3.402823466e38f);
+  float qk_scale = p.scale_log2;  // the scores' factor to log2 units (kFp8: times kv_scale and Q's 2^shift)
 
   // This split's keys (tree_attention.py _request_span): whole 64-key tiles of the clamped prefix.
   const int64_t capacity = static_cast<int64_t>(p.max_pages) * p.page_size;
@@ -250,7 +281,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
   // on a page id outside [0, num_pages): those rows are zero-filled; the latter also poison the request, and
   // report_request finds and reports them after the epilogue: nothing waits on a page id before its loads).
   bool unreal = false;
-  auto row_src = [&](int t, int r) -> const T* {
+  auto row_src = [&](int t, int r) -> const KT* {
     int64_t pos;
     bool valid;
     if (t < n_prefix_tiles) {
@@ -271,8 +302,17 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
   };
   uint64_t policy = 0;
   if constexpr (kEvictFirst) asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
-  auto kv_load = [&](uint32_t dst, const T* src) {
-    if constexpr (kEvictFirst) {
+  if constexpr (kFp8) {  // (a runtime policy: one build serves both)
+    if (p.evict_first) {
+      asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+    } else {
+      asm volatile("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;" : "=l"(policy));
+    }
+  }
+  auto kv_load = [&](uint32_t dst, const KT* src) {
+    if constexpr (kFp8) {
+      cp_async16_hint(dst, src ? src : kv, src ? 16 : 0, policy);
+    } else if constexpr (kEvictFirst) {
       cp_async16_hint(dst, src ? src : kv, src ? 16 : 0, policy);
     } else {
       sm90::cp_async16(dst, src ? src : kv, src ? 16 : 0);
@@ -281,11 +321,11 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
   // The first tiles (and Q): every thread, rows lr and lr + 32, 16-byte chunk lc of each of the 9 column
   // chunks (8 threads read a row's 128-byte column chunk together).
   const int lr = tid / 8, lc = tid % 8;
-  auto tile_srcs = [&](int t, const T* (&src)[2]) {
+  auto tile_srcs = [&](int t, const KT* (&src)[2]) {
 #pragma unroll
     for (int i = 0; i < 2; ++i) src[i] = row_src(t, lr + 32 * i);
   };
-  auto issue_tile = [&](const T* const (&src)[2], uint32_t stage) {
+  auto issue_tile = [&](const KT* const (&src)[2], uint32_t stage) {
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
       const uint32_t dst = stage + sm90::swizzle128(lr + 32 * i, lc);
@@ -299,7 +339,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
   // wr + 16, wr + 32, wr + 48: first the chunks only its P V reads (4-7), as soon as that P V is done, then
   // chunks 0-3 and the rope chunk 8 once warpgroup 0 says its P V is done (barrier 4).
   const int wr = (tid % 128) / 8;
-  const T* rows_src[4];
+  const KT* rows_src[4];
   auto refill_srcs = [&](int t) {
 #pragma unroll
     for (int i = 0; i < 4; ++i) rows_src[i] = row_src(t, wr + 16 * i);
@@ -327,12 +367,80 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
     }
   };
 
+  // kFp8: warpgroup 1 alone loads and converts every tile. Thread i (0..127) of it owns rows fr and fr + 32 and
+  // the 16-byte piece fj of each row's 64-byte column chunk (4 threads a row chunk: whole 32-byte sectors). A
+  // tile's 36,864 fp8 bytes land (cp.async) in the upper half of its bf16-sized stage, chunk-major: chunk c's
+  // [64 rows x 64 bytes] at kF8Base + c * 4096, piece p = 4 r + fj at 16 p. The upper half is read only by
+  // warpgroup 1's own P V (chunks 4-7) and by Q K^T (long done), so the bytes of tile t + 1 are issued as soon as
+  // warpgroup 1's P V of tile t - 1 is done. convert_tile then expands the bytes in place into the 128-byte
+  // swizzled fp16 layout the wgmmas read: the thread converts the pieces it loaded (no wait on other threads'
+  // loads), output chunk c at c * 8192. Outputs 0-3 overlap no input; output 4 overlaps input chunk 0, output 5
+  // inputs 1-2, output 6 inputs 3-4, output 7 inputs 5-6, output 8 inputs 7-8: so inputs 0-3 are converted and
+  // written first, a barrier (5, warpgroup 1's 128 threads), inputs 4-5 converted and written, inputs 6-8 read,
+  // a barrier, outputs 6-8 written. Barrier 4 (warpgroup 0's P V of the tile before is done: it reads output
+  // chunks 0-3) comes before any write.
+  constexpr uint32_t kF8Base = kTileBytes / 2;  // 36,864
+  const int fi = tid % 128, fr = fi / 4, fj = fi % 4;
+  const KT* f8_src[2];
+  auto f8_srcs = [&](int t, const KT* (&src)[2]) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i) src[i] = row_src(t, fr + 32 * i);
+  };
+  auto f8_issue = [&](const KT* const (&src)[2], uint32_t stage) {
+#pragma unroll
+    for (int c = 0; c < kChunks; ++c) {
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        kv_load(stage + kF8Base + c * 4096 + (fi + 128 * i) * 16, src[i] ? src[i] + c * 64 + fj * 16 : nullptr);
+      }
+    }
+  };
+  auto f8_convert_chunk = [&](uint32_t stage, int c, const uint32_t (&raw)[4], int i) {
+    uint32_t h[8];
+    e4m3x16_to_f16(raw, h);
+    const uint32_t dst = stage + c * kChunkBytes;
+    const int r = fr + 32 * i;
+    sts128(dst + sm90::swizzle128(r, 2 * fj), h[0], h[1], h[2], h[3]);
+    sts128(dst + sm90::swizzle128(r, 2 * fj + 1), h[4], h[5], h[6], h[7]);
+  };
+  auto convert_tile = [&](uint32_t stage) {
+    uint32_t raw[4];
+#pragma unroll
+    for (int c = 0; c < 6; ++c) {
+      if (c == 4) named_barrier_sync(5, 128);  // every thread's inputs 0-3 read
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        lds128(stage + kF8Base + c * 4096 + (fi + 128 * i) * 16, raw);
+        f8_convert_chunk(stage, c, raw, i);
+      }
+    }
+    uint32_t held[3][2][4];
+#pragma unroll
+    for (int c = 6; c < 9; ++c) {
+#pragma unroll
+      for (int i = 0; i < 2; ++i) lds128(stage + kF8Base + c * 4096 + (fi + 128 * i) * 16, held[c - 6][i]);
+    }
+    named_barrier_sync(5, 128);  // every thread's inputs 4-8 read
+#pragma unroll
+    for (int c = 6; c < 9; ++c) {
+#pragma unroll
+      for (int i = 0; i < 2; ++i) f8_convert_chunk(stage, c, held[c - 6][i], i);
+    }
+  };
+
   if (n_tiles > 0) {
     // every page id of the prologue's tiles first: their round trips overlap each other and Q's loads
-    const T* src0[2];
-    const T* src1[2] = {nullptr, nullptr};
-    tile_srcs(0, src0);
-    if (n_tiles > 1) tile_srcs(1, src1);
+    const KT* src0[2];
+    const KT* src1[2] = {nullptr, nullptr};
+    if (!kFp8 || wg == 1) {
+      if constexpr (kFp8) {
+        f8_srcs(0, src0);
+        if (n_tiles > 1) f8_srcs(1, src1);
+      } else {
+        tile_srcs(0, src0);
+        if (n_tiles > 1) tile_srcs(1, src1);
+      }
+    }
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
       const int r = lr + 32 * i;
@@ -344,14 +452,75 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
 #pragma unroll
       for (int c = 0; c < kChunks; ++c) sm90::cp_async16(dst + c * kChunkBytes, ok ? src + c * 64 : q, ok ? 16 : 0);
     }
-    // tile 1 too: stage 1 is free from the start (a separate group; an empty one without a tile 1)
-    issue_tile(src0, s_k);
-    sm90::cp_async_commit();
-    if (n_tiles > 1) issue_tile(src1, s_k + kTileBytes);
-    sm90::cp_async_commit();
-    if (wg == 1 && n_tiles > 2) refill_srcs(2);  // warpgroup 1 reads its refills' page ids an iteration ahead
+    if constexpr (kFp8) {
+      // Q in its own group, then (warpgroup 1) tile 0 into stage 0 and tile 1 into stage 1, a group each
+      sm90::cp_async_commit();
+      if (wg == 1) {
+        f8_issue(src0, s_k);
+        sm90::cp_async_commit();
+        if (n_tiles > 1) f8_issue(src1, s_k + kTileBytes);
+        sm90::cp_async_commit();
+        if (n_tiles > 2) f8_srcs(2, f8_src);  // page ids an iteration ahead, as below
+        sm90::cp_async_wait<2>();  // Q
+      } else {
+        sm90::cp_async_wait_all();
+      }
+      __syncthreads();  // Q landed for every thread
+      int shift = 0;
+      if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+        // bf16 q -> fp16 in place, exact in fp16's normal range; a block whose Q holds |q| >= 2^15 is first scaled
+        // by 2^-shift (exact), folded back into qk_scale, so nothing overflows fp16 (the Triton fp8 path's rule)
+        float amax = 0.f;
+#pragma unroll
+        for (int k = 0; k < kTileBytes / 16 / kThreads; ++k) {
+          uint32_t v[4];
+          lds128(s_q + (tid + kThreads * k) * 16, v);
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&v[e]));
+            amax = fmaxf(amax, fmaxf(fabsf(f.x), fabsf(f.y)));  // (NaN is dropped: it stays NaN in fp16)
+          }
+        }
+#pragma unroll
+        for (int o2 = 16; o2 > 0; o2 /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o2));
+        if (lane == 0) s_alpha[tid / 32] = amax;  // (s_alpha is free until the first softmax)
+        __syncthreads();
+#pragma unroll
+        for (int w = 0; w < kThreads / 32; ++w) amax = fmaxf(amax, s_alpha[w]);
+        if (amax >= 32768.f && amax <= 3.402823466e38f) {  // (an inf in q stays inf, as the reference has it)
+          const uint32_t bits = __float_as_uint(amax);
+          const int ceil_log2 = static_cast<int>((bits >> 23) & 0xffu) - 127 + ((bits & 0x7fffffu) != 0u);
+          shift = ceil_log2 - 15;  // amax * 2^-shift <= 2^15
+        }
+        const float down = __uint_as_float(static_cast<uint32_t>(127 - shift) << 23);  // 2^-shift
+#pragma unroll
+        for (int k = 0; k < kTileBytes / 16 / kThreads; ++k) {
+          const uint32_t addr = s_q + (tid + kThreads * k) * 16;
+          uint32_t v[4], h[4];
+          lds128(addr, v);
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&v[e]));
+            h[e] = Pack2<__half>::pack(f.x * down, f.y * down);
+          }
+          sts128(addr, h[0], h[1], h[2], h[3]);
+        }
+      }
+      qk_scale = p.scale_log2 * kv_scale * __uint_as_float(static_cast<uint32_t>(127 + shift) << 23);
+      if (wg == 1) {
+        sm90::cp_async_wait<1>();  // tile 0 (tile 1's group may still fly)
+        convert_tile(s_k);
+      }
+      sm90::fence_proxy_async();  // Q's and tile 0's fp16 (st.shared) for the wgmmas
+    } else {
+      // tile 1 too: stage 1 is free from the start (a separate group; an empty one without a tile 1)
+      issue_tile(src0, s_k);
+      sm90::cp_async_commit();
+      if (n_tiles > 1) issue_tile(src1, s_k + kTileBytes);
+      sm90::cp_async_commit();
+      if (wg == 1 && n_tiles > 2) refill_srcs(2);  // warpgroup 1 reads its refills' page ids an iteration ahead
+    }
   }
-
   // This thread's two rows of every accumulator (wgmma layout): r0 and r0 + 8.
   const int r0 = warp * 16 + lane / 4;
   const int quad = lane % 4;
@@ -375,7 +544,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
     for (int k = 0; k < 4; ++k) {
       const uint64_t da = sm90::desc_sw128(s_p + k * 32, 16, 1024);
       const uint64_t db = sm90::desc_sw128(stage + wg * 4 * kChunkBytes + k * 16 * 128, kChunkBytes, 1024);
-      mma_pv<T>(o, da, db);
+      mma_pv<MT>(o, da, db);
     }
     sm90::wgmma_commit();
     sm90::fence_operand(o);
@@ -395,7 +564,9 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
   // Tile 1 came with the prologue: warpgroup 1 refills from t = 1 on (tile t + 1 into the stage of t - 1).
   auto refills = [&](int t) { return t >= 1 && t + 1 < n_tiles; };
   auto wait_tile = [&](int t) {  // this thread's part of tile t has landed
-    if (t == 0) {
+    if constexpr (kFp8) {
+      return;  // (kFp8: Q waited for in the prologue; warpgroup 1 waits for its tiles where it converts them)
+    } else if (t == 0) {
       sm90::cp_async_wait<1>();  // (tile 1's group may still fly)
     } else {
       sm90::cp_async_wait_all();
@@ -437,7 +608,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
         for (int k = 0; k < 4; ++k) {
           const uint64_t da = sm90::desc_sw128(s_q + c * kChunkBytes + k * 32, 16, 1024);
           const uint64_t db = sm90::desc_sw128(stage + c * kChunkBytes + k * 32, 16, 1024);
-          mma_qk<T>(s, da, db, (c | k) != 0);
+          mma_qk<MT>(s, da, db, (c | k) != 0);
         }
       }
       sm90::wgmma_commit();
@@ -490,18 +661,18 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
         for (int j = 0; j < 8; ++j) mx = fmaxf(mx, fmaxf(s[4 * j + 2 * h], s[4 * j + 2 * h + 1]));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        const float m_new = fmaxf(m_run[h], mx * p.scale_log2);
+        const float m_new = fmaxf(m_run[h], mx * qk_scale);
         const float m_use = m_new == -INFINITY ? 0.f : m_new;  // a row that has seen nothing stays at 0
         alpha[h] = fast_exp2(m_run[h] - m_use);
         m_run[h] = m_new;
         float sum = 0.f;
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
-          const float p0 = fast_exp2(fmaf(s[4 * j + 2 * h], p.scale_log2, -m_use));
-          const float p1 = fast_exp2(fmaf(s[4 * j + 2 * h + 1], p.scale_log2, -m_use));
+          const float p0 = fast_exp2(fmaf(s[4 * j + 2 * h], qk_scale, -m_use));
+          const float p1 = fast_exp2(fmaf(s[4 * j + 2 * h + 1], qk_scale, -m_use));
           sum += p0 + p1;
           const int r = r0 + 8 * h;
-          *reinterpret_cast<uint32_t*>(p_tile + sm90::swizzle128(r, j) + quad * 4) = Pack2<T>::pack(p0, p1);
+          *reinterpret_cast<uint32_t*>(p_tile + sm90::swizzle128(r, j) + quad * 4) = Pack2<MT>::pack(p0, p1);
         }
         l_run[h] = l_run[h] * alpha[h] + sum;
         if (quad == 0) s_alpha[r0 + 8 * h] = alpha[h];
@@ -512,21 +683,35 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
       pv(stage);
     }
   } else {
+    // kFp8: tile t was converted at the end of iteration t - 1 (tile 0 in the prologue); warpgroup 1 issues tile
+    // t + 1's bytes once its P V of tile t - 1 is done, and converts them while its P V of tile t runs
     for (int t = 0; t < n_tiles; ++t) {
-      wait_tile(t);
-      sm90::fence_proxy_async();
-      named_barrier_sync(3, kThreads);  // tile t landed for every thread
+      if constexpr (!kFp8) {
+        wait_tile(t);
+        sm90::fence_proxy_async();
+      }
+      named_barrier_sync(3, kThreads);  // tile t landed (kFp8: converted, each thread fenced) for every thread
       const uint32_t stage = s_k + (t & 1) * kTileBytes;
+      const uint32_t next = s_k + ((t + 1) & 1) * kTileBytes;
       sm90::wgmma_wait<0>();  // this warpgroup's P V of tile t - 1 is done:
       sm90::fence_operand(o);
       named_barrier_arrive(2, kThreads);  // P and the rescale factors may be overwritten
-      if (refills(t)) {  // refill the stage of tile t - 1
-        const uint32_t next = s_k + ((t + 1) & 1) * kTileBytes;
-        load_own_chunks(next);  // (page ids read an iteration ago)
-        named_barrier_sync(4, kThreads);
-        load_other_chunks(next);
+      if (refills(t)) {  // refill the stage of tile t - 1 (page ids read an iteration ago)
+        if constexpr (kFp8) {
+          f8_issue(f8_src, next);  // its upper half: only this warpgroup's P V of tile t - 1 read it
+        } else {
+          load_own_chunks(next);
+          named_barrier_sync(4, kThreads);
+          load_other_chunks(next);
+        }
         sm90::cp_async_commit();
-        if (t + 2 < n_tiles) refill_srcs(t + 2);  // their round trip overlaps this tile's P V
+        if (t + 2 < n_tiles) {  // their round trip overlaps this tile's P V
+          if constexpr (kFp8) {
+            f8_srcs(t + 2, f8_src);
+          } else {
+            refill_srcs(t + 2);
+          }
+        }
       }
       named_barrier_sync(1, kThreads);
 #ifdef EAGLE3_DEV_BUILD
@@ -535,6 +720,14 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
       const float alpha[2] = {s_alpha[r0], s_alpha[r0 + 8]};
       rescale(alpha);
       pv(stage);
+      if constexpr (kFp8) {
+        if (t + 1 < n_tiles) {
+          sm90::cp_async_wait_all();  // this thread's bytes of tile t + 1
+          if (t >= 1) named_barrier_sync(4, kThreads);  // warpgroup 0's P V of tile t - 1 is done
+          convert_tile(next);
+          sm90::fence_proxy_async();
+        }
+      }
     }
   }
   sm90::wgmma_wait<0>();
@@ -558,7 +751,8 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
       }
     }
   }
-  const bool poisoned = __syncthreads_or(unreal) || bad;
+  const bool request_bad = __syncthreads_or(unreal) || bad;
+  const bool poisoned = request_bad || bad_scale;  // (bad_scale: kFp8 only)
   const float poison = poisoned ? NAN : 0.f;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
@@ -566,7 +760,8 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
     const int row = m_block * kRows + r;
     if (row >= rows_total) continue;
     const float l = s_l[r], m = s_m[r];
-    const float inv = l > 0.f ? 1.f / l : 1.f;
+    // (kFp8: V = fp8 * kv_scale, the scale applied once a row, with the sum)
+    const float inv = l > 0.f ? (kFp8 ? kv_scale / l : 1.f / l) : 1.f;
     const float lse2 = (l > 0.f ? m + log2f(l) : -INFINITY) + poison;
 #ifdef EAGLE3_DEV_BUILD
     if constexpr ((kDev & kDevNoStores) != 0) continue;
@@ -593,8 +788,12 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
     }
   }
   if (kDeviceChecks && EAGLE3_UNLIKELY(poisoned)) {  // (block-uniform) after every store: nothing waits on it
-    report_request(p.err, pt_row, p.num_pages, p.page_size, b, bad, prefix_raw, clamp_hi, start, end, prefix,
-                   split == p.num_splits - 1 ? p.N : 0);
+    if (!kFp8 || request_bad) {  // a bad request reports first (the Triton fp8 path's order)
+      report_request(p.err, pt_row, p.num_pages, p.page_size, b, bad, prefix_raw, clamp_hi, start, end, prefix,
+                     split == p.num_splits - 1 ? p.N : 0);
+    } else if (tid == 0) {
+      report_float(p.err, kOpTreeAttentionMla, kArgKvScale, kKindNotPositive, kv_scale, kNoIndex);
+    }
   }
 #ifdef EAGLE3_DEV_BUILD
   if constexpr ((kDev & kDevTrace) != 0) {
@@ -639,7 +838,9 @@ bool sm90a_compiled(int device) {
 }
 
 // q           [B * N, G, 576]  bf16 | fp16, rows 16-byte aligned, last dim contiguous
-// kv_cache    [num_pages, page_size, 576]  q's dtype, rows 16-byte aligned, last dim contiguous
+// kv_cache    [num_pages, page_size, 576]  q's dtype (fp8 e4m3 with kv_scale), rows 16-byte aligned, last dim
+//             contiguous
+// kv_scale    (fp8 caches) [] or [1] fp32 on q's device: key = V source = fp8 * kv_scale
 // page_table  [B, max_pages] int32, last dim contiguous;  prefix_lens [B] int32
 // tree_mask   [B, N, W] int32 contiguous
 // out         [B * N, G, 512]  q's dtype, last dim contiguous;  lse [B * N, G] fp32 contiguous, optional
@@ -648,7 +849,7 @@ bool sm90a_compiled(int device) {
 void check_args(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& page_table,
                 const at::Tensor& prefix_lens, const at::Tensor& tree_mask, double scale, const at::Tensor& out,
                 const std::optional<at::Tensor>& lse, const at::Tensor& part_out, const at::Tensor& part_lse,
-                int64_t num_splits) {
+                int64_t num_splits, const at::Tensor* kv_scale = nullptr) {
   TORCH_CHECK_TYPE(q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf,
                    "q must have dtype bfloat16 | float16, got ", q.scalar_type());
   CHECK_CUDA(q);
@@ -657,8 +858,14 @@ void check_args(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tenso
   const int64_t B = tree_mask.size(0), N = tree_mask.size(1), W = tree_mask.size(2), G = q.size(1);
   CHECK_SHAPE(q, B * N, G, kDim);
   CHECK_LAST_DIM_CONTIGUOUS(q);
-  CHECK_DTYPE(kv_cache, q.scalar_type());
+  CHECK_DTYPE(kv_cache, kv_scale != nullptr ? at::kFloat8_e4m3fn : q.scalar_type());
   CHECK_DIM(kv_cache, 3);
+  if (kv_scale != nullptr) {
+    CHECK_DTYPE((*kv_scale), at::kFloat);
+    TORCH_CHECK_VALUE(kv_scale->numel() == 1 && kv_scale->dim() <= 1, "kv_scale must have shape [] or [1], got ",
+                      kv_scale->sizes());
+    CHECK_SAME_DEVICE((*kv_scale), q);
+  }
   CHECK_SHAPE(kv_cache, kv_cache.size(0), kv_cache.size(1), kDim);
   CHECK_LAST_DIM_CONTIGUOUS(kv_cache);
   CHECK_DTYPE(page_table, at::kInt);
@@ -698,7 +905,8 @@ void check_args(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tenso
   }
   // 16-byte cp.async of every 576-wide row
   auto aligned = [](const at::Tensor& t, int64_t s0, int64_t s1) {
-    return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0 && s0 % 8 == 0 && s1 % 8 == 0;
+    const int64_t per16 = 16 / t.element_size();  // elements a 16-byte unit
+    return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0 && s0 % per16 == 0 && s1 % per16 == 0;
   };
   TORCH_CHECK_VALUE(aligned(q, q.stride(0), q.stride(1)), "q must have 16-byte aligned rows (data pointer and strides)");
   TORCH_CHECK_VALUE(aligned(kv_cache, kv_cache.stride(0), kv_cache.stride(1)),
@@ -717,7 +925,7 @@ using Kernel = void (*)(const Params);
 void launch(Kernel kernel, const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& page_table,
             const at::Tensor& prefix_lens, const at::Tensor& tree_mask, double scale, const at::Tensor& out,
             const std::optional<at::Tensor>& lse, const at::Tensor& part_out, const at::Tensor& part_lse,
-            int64_t num_splits, uint64_t* trace) {
+            int64_t num_splits, uint64_t* trace, const at::Tensor* kv_scale = nullptr, bool evict_first = false) {
   const int64_t B = tree_mask.size(0), N = tree_mask.size(1), W = tree_mask.size(2), G = q.size(1);
   const c10::cuda::OptionalCUDAGuard guard(q.device());
   const int device = q.get_device();
@@ -759,6 +967,8 @@ void launch(Kernel kernel, const at::Tensor& q, const at::Tensor& kv_cache, cons
   p.stride_pt = page_table.stride(0);
   p.stride_ot = out.stride(0);
   p.stride_oh = out.stride(1);
+  p.kv_scale = kv_scale != nullptr ? kv_scale->data_ptr<float>() : nullptr;
+  p.evict_first = evict_first ? 1 : 0;
   if (p.page_size == 0 || p.max_pages == 0) {
     p.max_pages = 0;  // capacity 0: every request is bad (NaN), nothing is read
     p.page_size = 1;
@@ -789,6 +999,21 @@ void tree_attention_mla_sm90_cuda(const at::Tensor& q, const at::Tensor& kv_cach
   }
   launch(kernel, q, kv_cache, page_table, prefix_lens, tree_mask, scale, out, lse, part_out, part_lse, num_splits,
          nullptr);
+}
+
+// The fp8 e4m3 cache (kv_scale: [] or [1] fp32 on q's device, key = fp8 * kv_scale); the other arguments as
+// tree_attention_mla_sm90_cuda's. One build per q dtype: the L2 policy of the KV loads is a runtime choice.
+void tree_attention_mla_sm90_fp8_cuda(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& kv_scale,
+                                      const at::Tensor& page_table, const at::Tensor& prefix_lens,
+                                      const at::Tensor& tree_mask, double scale, const at::Tensor& out,
+                                      const std::optional<at::Tensor>& lse, const at::Tensor& part_out,
+                                      const at::Tensor& part_lse, int64_t num_splits, bool evict_first) {
+  check_args(q, kv_cache, page_table, prefix_lens, tree_mask, scale, out, lse, part_out, part_lse, num_splits,
+             &kv_scale);
+  const Kernel kernel = q.scalar_type() == at::kBFloat16 ? mla_decode_kernel<__nv_bfloat16, false, 0, true>
+                                                         : mla_decode_kernel<__half, false, 0, true>;
+  launch(kernel, q, kv_cache, page_table, prefix_lens, tree_mask, scale, out, lse, part_out, part_lse, num_splits,
+         nullptr, &kv_scale, evict_first);
 }
 
 #ifdef EAGLE3_DEV_BUILD
@@ -834,8 +1059,19 @@ void tree_attention_mla_sm90_dev_cuda(const at::Tensor& q, const at::Tensor& kv_
 }  // namespace
 }  // namespace eagle3
 
+// internal, Hopper only: the sm_90a kernel over an fp8 e4m3 cache (tree_attention_mla with kv_scale), called by
+// triton_kernels/mla_decode.py's tree_attention_mla_sm90, which picks the splits and merges them. Defined here,
+// beside its only kernel, so that builds without this file have no such op (mla_decode.sm90_supported asks).
+TORCH_LIBRARY_FRAGMENT(eagle3, m) {
+  m.def(
+      "_tree_attention_mla_sm90_fp8(Tensor q, Tensor kv_cache, Tensor kv_scale, Tensor page_table, "
+      "Tensor prefix_lens, Tensor tree_mask, float scale, Tensor(a!) out, Tensor(b!)? lse, Tensor(c!) part_out, "
+      "Tensor(d!) part_lse, int num_splits, bool evict_first=False) -> ()");
+}
+
 TORCH_LIBRARY_IMPL(eagle3, CUDA, m) {
   m.impl("_tree_attention_mla_sm90", &eagle3::tree_attention_mla_sm90_cuda);
+  m.impl("_tree_attention_mla_sm90_fp8", &eagle3::tree_attention_mla_sm90_fp8_cuda);
 #ifdef EAGLE3_DEV_BUILD
   m.impl("_tree_attention_mla_sm90_dev", &eagle3::tree_attention_mla_sm90_dev_cuda);
 #endif

@@ -27,8 +27,9 @@ What differs from tree_attention's kernel (FlashMLA's shape as far as Triton rea
   of 72 HGMMA.64x32x16 per warpgroup and tile).
 - fill=True (the bf16 / fp16 default): splits_fill's split count, which lets one partial wave count as full.
 
-fp8 e4m3 caches (torch.ops.eagle3.tree_attention_mla with kv_scale; tree_attention.tree_attention_mla_op routes them here, as
-the sm90 kernel reads 2-byte caches only): the same kernel reads one byte a dim (TMA boxes of fp8, half the
+fp8 e4m3 caches (torch.ops.eagle3.tree_attention_mla with kv_scale; tree_attention.tree_attention_mla_op sends them
+to the sm90 CUDA kernel where sm90_supported says so, and here otherwise: builds without sm_90a, other GPUs, other
+widths, or config {"kernel": "mla_decode"}): the same kernel reads one byte a dim (TMA boxes of fp8, half the
 bytes of bf16), computes in fp16 (each tile converted in registers, exact for e4m3, and bf16 q converted once,
 exactly, with a power-of-two guard against fp16's range: _mla_kernel's KS comment), and folds the per-tensor
 scale into the score scale (scale * log2 e * kv_scale) and into the output's 1 / l, so the dots see the unscaled
@@ -481,28 +482,37 @@ def sm90_compiled(device: torch.device) -> bool:
     return _SM90A[device.index]
 
 
+FP8 = torch.float8_e4m3fn
+
+
 def sm90_supported(q: Tensor, kv_cache: Tensor, out: Tensor, page_table: Tensor, tree_mask: Tensor) -> bool:
     """Whether csrc/mla_decode_sm90.cu's kernel serves this call: a Hopper GPU, a build that compiled it for
-    sm_90a (sm90_compiled), bf16 / fp16 q and cache (not an fp8 cache) at Kimi's widths (576-dim keys, 512-dim
-    V), 16-byte aligned rows of q and the cache, and sizes inside its 32-bit position arithmetic and grid (B on
-    grid axis 1: at most 65535) (else the Triton kernel takes the call)."""
-    if not (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and kv_cache.dtype == q.dtype
+    sm_90a (sm90_compiled), bf16 / fp16 q with a cache of q's dtype or an fp8 e4m3 cache (the build's
+    _tree_attention_mla_sm90_fp8 op) at Kimi's widths (576-dim keys, 512-dim V), 16-byte aligned rows of q and
+    the cache, and sizes inside its 32-bit position arithmetic and grid (B on grid axis 1: at most 65535) (else
+    the Triton kernel takes the call)."""
+    fp8 = kv_cache.dtype == FP8
+    if not (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and (kv_cache.dtype == q.dtype or fp8)
             and q.shape[2] == 576 and out.shape[2] == 512):
         return False
     if not (hopper_kernel(q.device, "_tree_attention_mla_sm90") and sm90_compiled(q.device)):
+        return False
+    if fp8 and not hopper_kernel(q.device, "_tree_attention_mla_sm90_fp8"):
         return False
     B, N, _ = tree_mask.shape
     if (page_table.shape[1] * kv_cache.shape[1] >= 2**31 or kv_cache.shape[0] >= 2**31 or B > 65535
             or N * q.shape[1] > 2**30):
         return False
+    per16 = 16 // kv_cache.element_size()  # cache elements a 16-byte unit
     return (q.data_ptr() % 16 == 0 and q.stride(0) % 8 == 0 and q.stride(1) % 8 == 0 and q.stride(2) == 1
-            and kv_cache.data_ptr() % 16 == 0 and kv_cache.stride(0) % 8 == 0 and kv_cache.stride(1) % 8 == 0
-            and kv_cache.stride(2) == 1 and out.stride(0) % 2 == 0 and out.stride(1) % 2 == 0
+            and kv_cache.data_ptr() % 16 == 0 and kv_cache.stride(0) % per16 == 0
+            and kv_cache.stride(1) % per16 == 0 and kv_cache.stride(2) == 1 and out.stride(0) % 2 == 0 and out.stride(1) % 2 == 0
             and out.stride(2) == 1 and out.data_ptr() % 4 == 0)
 
 
 def tree_attention_mla_sm90(q: Tensor, kv_cache: Tensor, page_table: Tensor, prefix_lens: Tensor,
-                            tree_mask: Tensor, scale: float, out: Tensor, lse: Optional[Tensor], config: dict) -> None:
+                            tree_mask: Tensor, scale: float, out: Tensor, lse: Optional[Tensor], config: dict,
+                            kv_scale: Optional[Tensor] = None) -> None:
     """The sm_90a CUDA kernel's launcher (checks done by tree_attention.tree_attention_mla, which makes q's device
     current: the merge launches on the current device): the split count
     as this file's fill rule less the splits a full-length prefix leaves empty (trim_splits; config: min_chunk,
@@ -514,7 +524,9 @@ def tree_attention_mla_sm90(q: Tensor, kv_cache: Tensor, page_table: Tensor, pre
     (Ways that lost on the H200 at N1 B1: 129 splits of <= 4 tiles, results/mla_sweep_makespan_h200.log; splits
     reduced on chip by thread-block clusters,
     results/mla_sm90_cluster_h200.log; 2-byte split partials and bulk-copied partials, mla_sm90_early_h200.log; the
-    merge as a CUDA kernel, launched plainly or by PDL, mla_sm90_merge_h200.log.)"""
+    merge as a CUDA kernel, launched plainly or by PDL, mla_sm90_merge_h200.log.)
+    kv_scale: an fp8 e4m3 cache's [] / [1] fp32 scale (tree_attention.tree_attention_mla_op): the kernel's fp8 build,
+    _tree_attention_mla_sm90_fp8 (docs/kernels/tree_attention_mla_fp8.md), same splits and merge."""
     B, N, _ = tree_mask.shape
     G = q.shape[1]
     rows = N * G
@@ -528,7 +540,12 @@ def tree_attention_mla_sm90(q: Tensor, kv_cache: Tensor, page_table: Tensor, pre
         plse = torch.empty((splits, B, rows), dtype=torch.float32, device=q.device)
     else:
         po = plse = out.new_empty((0,), dtype=torch.float32)
-    torch.ops.eagle3._tree_attention_mla_sm90(q, kv_cache, page_table, prefix_lens, tree_mask, scale, out, lse, po, plse,
-                                              splits, bool(config.get("evict_first", splits > 1)))
+    evict_first = bool(config.get("evict_first", splits > 1))
+    if kv_scale is not None:
+        torch.ops.eagle3._tree_attention_mla_sm90_fp8(q, kv_cache, kv_scale, page_table, prefix_lens, tree_mask, scale,
+                                                      out, lse, po, plse, splits, evict_first)
+    else:
+        torch.ops.eagle3._tree_attention_mla_sm90(q, kv_cache, page_table, prefix_lens, tree_mask, scale, out, lse,
+                                                  po, plse, splits, evict_first)
     if splits > 1:
         merge_splits(po, plse, out, lse, N, 1, G)

@@ -53,6 +53,12 @@ MLA_MAX_DV = 512  # latent dims read as V (Kimi / DeepSeek: 512)
 MLA_MAX_ROPE = 128  # key dims past V (Kimi / DeepSeek: 64)
 GQA_MAX_DIM = 256  # Dh and Dv of tree_attention
 
+# config {"kernel": "sm90"} where mla_decode.sm90_supported says no
+SM90_NEEDS = ("config kernel 'sm90' needs a Hopper GPU, a build with csrc/mla_decode_sm90.cu for sm_90a "
+              "(TORCH_CUDA_ARCH_LIST with 9.0a), bf16 or fp16 q with D = 576 and Dv = 512, a kv_cache of q's dtype or "
+              "fp8 e4m3, 16-byte aligned rows of q and kv_cache, and sizes within the kernel's range (page table "
+              "capacity < 2**31, B <= 65535)")
+
 
 def on_device(device: torch.device):
     """The tensors' CUDA device made current for a launch sequence (Triton launches on the current device's
@@ -317,10 +323,7 @@ def tree_attention_mla(q: Tensor, kv_cache: Tensor, page_table: Tensor, prefix_l
     if "kernel" in config:
         kernel = config.pop("kernel")
         if kernel == "sm90" and not sm90_supported(q, kv_cache, out, page_table, tree_mask):
-            raise ValueError("config kernel 'sm90' needs a Hopper GPU, a build with csrc/mla_decode_sm90.cu for sm_90a "
-                             "(TORCH_CUDA_ARCH_LIST with 9.0a), bf16 or "
-                             "fp16 q with D = 576 and Dv = 512, 16-byte aligned rows of q and kv_cache, and sizes "
-                             "within the kernel's range (page table capacity < 2**31, B <= 65535)")
+            raise ValueError(SM90_NEEDS)
     elif Dv < 256 and "tma" not in config:
         kernel = "v1"
     else:
@@ -359,22 +362,43 @@ def tree_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, page_table: Tens
     errors.after_launch(q.device)
 
 
+# mla_decode launcher's config keys that the sm90 kernel has no use for
+_MLA_DECODE_ONLY = frozenset({"tma", "BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "rescale_tau", "cut", "fill",
+                              "programs_per_sm"})
+
+
 def tree_attention_mla_op(q: Tensor, kv_cache: Tensor, page_table: Tensor, prefix_lens: Tensor, tree_mask: Tensor,
                           scale: float, out: Tensor, lse: Optional[Tensor], kv_scale: Optional[Tensor] = None, *,
                           config: Optional[dict] = None) -> None:
     """torch.ops.eagle3.tree_attention_mla's CUDA implementation (eagle3_ops/_register.py registers it; the
     arguments are checked there, eagle3_ops._validate.tree_attention_mla). A bf16 / fp16 / fp32 cache goes to
-    tree_attention_mla above, which picks the sm90 CUDA kernel or a Triton one. An fp8 e4m3 cache
-    (kv_scale given) runs mla_decode's Triton kernel in fp16 with kv_scale folded into the score scale and the
-    output's normalisation: the sm90 kernel reads 2-byte caches only. config as mla_decode's launcher's
-    ({"kernel": "mla_decode"} accepted), benchmarks and tests only."""
+    tree_attention_mla above, which picks the sm90 CUDA kernel or a Triton one. An fp8 e4m3 cache (kv_scale
+    given) goes to the sm90 CUDA kernel's fp8 build where mla_decode.sm90_supported says so (a Hopper GPU, an
+    sm_90a build, 576 / 512 dims, aligned rows), else to mla_decode's Triton kernel; both compute in fp16 with
+    kv_scale folded into the score scale and the output's normalisation (docs/kernels/tree_attention_mla_fp8.md).
+    config, benchmarks and tests only: {"kernel": "sm90"} insists on the CUDA kernel (a ValueError where it cannot
+    serve), {"kernel": "mla_decode"} or any of the Triton launcher's own keys (_MLA_DECODE_ONLY: tma, BLOCK_N, ...)
+    takes the Triton kernel; the other keys go to the chosen launcher (the sm90 one reads splits, min_chunk,
+    evict_first)."""
     if kv_scale is None:
         tree_attention_mla(q, kv_cache, page_table, prefix_lens, tree_mask, scale, out, lse, config=config)
         return
     config = dict(config or {})
-    if config.pop("kernel", "mla_decode") != "mla_decode":
-        raise ValueError("config kernel must be 'mla_decode' with an fp8 kv_cache (the only kernel that reads one)")
+    kernel = config.pop("kernel", None)
+    if kernel not in (None, "sm90", "mla_decode"):
+        raise ValueError(f"config kernel must be 'sm90' or 'mla_decode' with an fp8 kv_cache (the kernels that read "
+                         f"one), got {kernel!r}")
     D, Dv = q.shape[2], out.shape[2]
+    # (no kernel named: a Triton-only key, as tree_attention_mla's "tma" / "v_split", keeps the Triton kernel)
+    triton_only = kernel is None and bool(_MLA_DECODE_ONLY & config.keys())
+    if kernel != "mla_decode" and not triton_only and sm90_supported(q, kv_cache, out, page_table, tree_mask):
+        with on_device(q.device):
+            tree_attention_mla_sm90(q, kv_cache, page_table, prefix_lens, tree_mask, scale, out, lse, config,
+                                    kv_scale=kv_scale)
+        errors.after_launch(q.device)
+        return
+    if kernel == "sm90":
+        raise ValueError(SM90_NEEDS)
     if Dv > MLA_MAX_DV or D - Dv > MLA_MAX_ROPE:
         raise ValueError(f"out must have Dv <= {MLA_MAX_DV} and q's D - Dv <= {MLA_MAX_ROPE} for the Triton "
                          f"kernel (Kimi: 512 and 64), got Dv = {Dv}, D = {D}")
