@@ -104,6 +104,19 @@ TORCH_LIBRARY(eagle3, m) {
       "_sglang_reconstruct_indices(Tensor tree_mask, Tensor verified_seq_len, Tensor(a!) positions, "
       "Tensor(b!) retrive_index, Tensor(c!) retrive_next_token, Tensor(d!) retrive_next_sibling, "
       "int batch_size, int draft_token_num) -> ()");
+  // internal, CUDA only: eagle3_ops.compat.vllm's RejectionSampler step on vLLM's own tensors, read in place
+  // (csrc/verify_greedy.cu, verify_sampling.cu): the ragged drafts through cu_num_draft_tokens, the logits rows
+  // through target / bonus_logits_indices, the sampler's bonus tokens optional; returns sampled_token_ids
+  // [batch_size, max_spec_len + 1] int32. CPU and fake implementations in eagle3_ops/compat/vllm.py.
+  m.def(
+      "_vllm_rejection_greedy(Tensor logits, Tensor draft_token_ids, Tensor cu_num_draft_tokens, "
+      "Tensor target_logits_indices, Tensor bonus_logits_indices, Tensor? bonus_token_ids, int batch_size, "
+      "int num_tokens, int max_spec_len) -> Tensor");
+  m.def(
+      "_vllm_rejection_sampling(Tensor logits, Tensor? draft_probs, Tensor draft_token_ids, "
+      "Tensor cu_num_draft_tokens, Tensor target_logits_indices, Tensor bonus_logits_indices, "
+      "Tensor? bonus_token_ids, Tensor temperature, Tensor seed, int batch_size, int num_tokens, "
+      "int max_spec_len) -> Tensor");
 }
 
 // ---- build information, exposed through pybind11 as eagle3_ops._C.build_info() ---------------------

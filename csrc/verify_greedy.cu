@@ -39,6 +39,7 @@
 #include <tuple>
 
 #include "eagle3/checks.h"
+#include "eagle3/compat_vllm.h"
 #include "eagle3/device.h"
 #include "eagle3/errors.cuh"
 #include "eagle3/errors.h"
@@ -198,18 +199,47 @@ __device__ __forceinline__ void warp_argmax(acc_t& val, int& idx) {
 // partial  [rows * S] (max, first index) of each slice; a slice with no elements gives (-inf, INT_MAX)
 // grid: rows * S blocks; block `blockIdx.x` scans slice s = blockIdx.x % S of row blockIdx.x / S.
 // kVector: 16-byte loads (row starts 16-byte aligned, V % kVec == 0); else one element at a time.
-template <typename scalar_t, bool kVector>
+// Rows: logical row r reads logits row r (the native op), or with kIndexed the row vLLM's indices name: r < n_a
+// reads row rows_a[r] (target_logits_indices), else rows_b[r - n_a] (bonus_logits_indices); an index outside
+// [0, R) is reported (op, arg_a / arg_b) and its slice left at (-inf, INT_MAX), matching no token.
+struct RowIndex {
+  const void* a = nullptr;  // int32 | int64 [n_a]
+  const void* b = nullptr;  // int32 | int64 [rows - n_a]
+  bool a64 = false, b64 = false;
+  int64_t n_a = 0, R = 0;
+  int64_t* err = nullptr;
+  int64_t op = 0, arg_a = 0, arg_b = 0;
+};
+
+__device__ __forceinline__ int64_t load_index(const void* p, bool is64, int64_t i) {
+  return is64 ? static_cast<const int64_t*>(p)[i] : static_cast<int64_t>(static_cast<const int32_t*>(p)[i]);
+}
+
+template <typename scalar_t, bool kVector, bool kIndexed = false>
 __global__ void __launch_bounds__(kThreads) argmax_partial_kernel(const scalar_t* __restrict__ logits, int64_t stride,
                                                                    int64_t V, int S, int64_t chunk,
-                                                                   Partial<typename Elem<scalar_t>::acc_t>* __restrict__ partial) {
+                                                                   Partial<typename Elem<scalar_t>::acc_t>* __restrict__ partial,
+                                                                   RowIndex ri = RowIndex{}) {
   using E = Elem<scalar_t>;
   using acc_t = typename E::acc_t;
   // Programmatic dependent launch: the walk kernel may be launched once every block of this grid has
   // started; it waits (wait_previous_grid) for this grid's completion before reading the partials, so
   // only its launch latency overlaps with this pass.
   allow_next_grid();
-  const int64_t row = blockIdx.x / S;
+  const int64_t lrow = blockIdx.x / S;
   const int s = blockIdx.x % S;
+  int64_t row = lrow;
+  if constexpr (kIndexed) {
+    const bool in_a = lrow < ri.n_a;
+    row = in_a ? load_index(ri.a, ri.a64, lrow) : load_index(ri.b, ri.b64, lrow - ri.n_a);
+    if (EAGLE3_UNLIKELY(row < 0 || row >= ri.R)) {
+      if (threadIdx.x == 0) {
+        if (s == 0) report_range(ri.err, ri.op, in_a ? ri.arg_a : ri.arg_b, row, 0, ri.R - 1, in_a ? lrow : lrow - ri.n_a);
+        partial[blockIdx.x] = Partial<acc_t>{static_cast<acc_t>(-INFINITY), INT_MAX};
+      }
+      return;
+    }
+  }
   const scalar_t* x = logits + row * stride;
   acc_t best = -INFINITY;
   int best_idx = INT_MAX;
@@ -367,6 +397,82 @@ __global__ void __launch_bounds__(kWalkThreads) walk_kernel(const Partial<acc_t>
   }
 }
 
+// ---- vLLM's RejectionSampler layout (torch.ops.eagle3._vllm_rejection_greedy) -------------------------
+// A vLLM draft is a chain: request b's drafts are draft_token_ids[start, end) with start = cu[b - 1] (0 for
+// b = 0), end = cu[b]; the logits row predicting draft i of the request is target_logits_indices[start + i],
+// the row after its last draft bonus_logits_indices[b]. Phase 1 ran over the logical rows 0..T-1 (the draft
+// rows) then T..T+nb-1 (the bonus rows, nb = B, or 0 when the sampler's bonus tokens are given), so the
+// partials of request b's row i are at (start + i) * S and its bonus row's at (T + b) * S.
+//
+// partial   [(T + nb) * S]  phase 1's slices
+// drafts    [T]  int32 | int64     cu [B] int32 | int64     bonus_tokens [B] int32 | int64 or nullptr
+// out       [B, K + 1] int32: accepted drafts, then the argmax at the first mismatch or the bonus, then -1
+// err       the device error word: cu_num_draft_tokens[b] outside [start, min(start + K, T)] (= T for the
+//           last request) is reported and the request taken as having no drafts (only its bonus slot written)
+// grid: B blocks of kWalkThreads; a programmatic dependent of phase 1 where available.
+template <typename acc_t>
+__global__ void __launch_bounds__(kWalkThreads) chain_walk_kernel(const Partial<acc_t>* __restrict__ partial, int S,
+                                                                  const void* __restrict__ drafts, bool drafts64,
+                                                                  const void* __restrict__ cu, bool cu64,
+                                                                  const void* __restrict__ bonus_tokens, bool bonus64,
+                                                                  int64_t T, int K, bool bonus_rows,
+                                                                  int32_t* __restrict__ out, int64_t* __restrict__ err) {
+  __shared__ int target[129];  // argmax of rows 0..n (K <= 128)
+  __shared__ int64_t s_start;
+  __shared__ int s_n, s_first;
+  const int64_t b = blockIdx.x;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (threadIdx.x == 0) {  // cu is not phase 1's output: read before waiting on it
+    const int64_t prev = b == 0 ? 0 : load_index(cu, cu64, b - 1);
+    const int64_t end = load_index(cu, cu64, b);
+    const int64_t start = prev < 0 ? 0 : (prev > T ? T : prev);
+    const int64_t hi = b == gridDim.x - 1 ? T : (start + K < T ? start + K : T);
+    const int64_t lo = b == gridDim.x - 1 ? T : start;
+    int n = static_cast<int>(end - start);
+    if (EAGLE3_UNLIKELY(end < lo || end > hi || prev != start)) {
+      report_range(err, kOp_vllmRejectionGreedy, kArgCuNumDraftTokens, end, lo, hi, b);
+      n = 0;
+    }
+    s_start = start;
+    s_n = n;
+    s_first = n;
+  }
+  __syncthreads();
+  const int64_t start = s_start;
+  const int n = s_n;
+  wait_previous_grid();  // phase 1 has finished and its writes are visible
+  const int rows = bonus_rows ? n + 1 : n;  // row n (the bonus row) only when logits has it
+  for (int r = warp; r < rows; r += kWalkThreads / 32) {
+    const Partial<acc_t>* p = partial + (r < n ? start + r : T + b) * S;
+    acc_t best = -INFINITY;
+    int best_idx = INT_MAX;
+    for (int s = lane; s < S; s += 32) {
+      const Partial<acc_t> q = p[s];
+      if (better(q.val, q.idx, best, best_idx)) {
+        best = q.val;
+        best_idx = q.idx;
+      }
+    }
+    warp_argmax(best, best_idx);
+    if (lane == 0) target[r] = best_idx;
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < n; i += kWalkThreads) {
+    if (load_index(drafts, drafts64, start + i) != static_cast<int64_t>(target[i])) atomicMin(&s_first, i);
+  }
+  __syncthreads();
+  const int a = s_first;  // drafts accepted
+  for (int i = threadIdx.x; i <= K; i += kWalkThreads) {
+    int64_t e = -1;
+    if (i < a) {
+      e = load_index(drafts, drafts64, start + i);
+    } else if (i == a) {
+      e = a < n || bonus_tokens == nullptr ? target[a] : load_index(bonus_tokens, bonus64, b);
+    }
+    out[b * (K + 1) + i] = static_cast<int32_t>(e);
+  }
+}
+
 // PDL needs sm_90 in the device and in the binary the runtime loaded for `kernel`: compiled for an older
 // architecture its wait_previous_grid is empty, and as a dependent it could read phase 1's partials early.
 template <typename Kernel>
@@ -428,6 +534,91 @@ void launch(const at::Tensor& logits, const at::Tensor& tokens, const at::Tensor
             accept_len.data_ptr<int32_t>(), emitted.data_ptr<int64_t>(), err);
 }
 
+// vLLM's layout: phase 1 over the T draft rows and nb bonus rows in place (through the indices), then the
+// chain walk writing vLLM's output. Shapes checked by the caller (vllm::layout).
+template <typename scalar_t>
+void launch_vllm(const at::Tensor& logits, const at::Tensor& drafts, const at::Tensor& cu, const at::Tensor& target,
+                 const at::Tensor& bonus_idx, const at::Tensor* bonus_tokens, int64_t B, int64_t T, int64_t K,
+                 int64_t nb, at::Tensor& out, int64_t* err, cudaStream_t stream) {
+  using E = Elem<scalar_t>;
+  using acc_t = typename E::acc_t;
+  const int64_t rows = T + nb, V = logits.size(1), stride = logits.stride(0);
+  const bool vector = V % E::kVec == 0 && (stride * static_cast<int64_t>(sizeof(scalar_t))) % 16 == 0 &&
+                      aligned16(logits.data_ptr());
+  const int64_t units = vector ? V / E::kVec : V;
+  const int64_t round = vector ? kThreads * kUnroll : kThreads;
+  int64_t S = 1;
+  at::Tensor partial;
+  if (rows > 0) {
+    const int64_t want = (6 * num_sms(logits.get_device()) + rows - 1) / rows;
+    const int64_t most = (units + round - 1) / round;
+    S = std::max<int64_t>(1, std::min<int64_t>({want, most, kMaxSplits}));
+    const int64_t chunk = (units + S - 1) / S;
+    S = (units + chunk - 1) / chunk;
+    TORCH_CHECK_VALUE(rows * S < (int64_t{1} << 31), "logits has too many rows: num_tokens + batch_size = ", rows);
+    partial = at::empty({rows * S * static_cast<int64_t>(sizeof(Partial<acc_t>))}, logits.options().dtype(at::kByte));
+    RowIndex ri;
+    ri.a = target.data_ptr();
+    ri.a64 = target.scalar_type() == at::kLong;
+    ri.n_a = T;
+    ri.b = bonus_idx.data_ptr();
+    ri.b64 = bonus_idx.scalar_type() == at::kLong;
+    ri.R = logits.size(0);
+    ri.err = err;
+    ri.op = kOp_vllmRejectionGreedy;
+    ri.arg_a = kArgTargetLogitsIndices;
+    ri.arg_b = kArgBonusLogitsIndices;
+    auto* part = reinterpret_cast<Partial<acc_t>*>(partial.data_ptr());
+    const scalar_t* x = logits.data_ptr<scalar_t>();
+    if (vector) {
+      argmax_partial_kernel<scalar_t, true, true><<<static_cast<unsigned>(rows * S), kThreads, 0, stream>>>(
+          x, stride, V, static_cast<int>(S), chunk, part, ri);
+    } else {
+      argmax_partial_kernel<scalar_t, false, true><<<static_cast<unsigned>(rows * S), kThreads, 0, stream>>>(
+          x, stride, V, static_cast<int>(S), chunk, part, ri);
+    }
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+  launch_ex(chain_walk_kernel<acc_t>, dim3(static_cast<unsigned>(B)), dim3(kWalkThreads), 0, stream, 0,
+            rows > 0 && pdl_available(chain_walk_kernel<acc_t>, logits.get_device()),
+            static_cast<const Partial<acc_t>*>(rows > 0 ? partial.data_ptr() : nullptr), static_cast<int>(S),
+            static_cast<const void*>(drafts.data_ptr()), drafts.scalar_type() == at::kLong,
+            static_cast<const void*>(cu.data_ptr()), cu.scalar_type() == at::kLong,
+            static_cast<const void*>(bonus_tokens ? bonus_tokens->data_ptr() : nullptr),
+            bonus_tokens ? bonus_tokens->scalar_type() == at::kLong : false, T, static_cast<int>(K), nb > 0,
+            out.data_ptr<int32_t>(), err);
+}
+
+// vLLM v1 RejectionSampler's all-greedy step on its own tensors (eagle3_ops.compat.vllm, the CUDA fast path):
+// logits                 [R, V] bf16 | fp16 | fp32 | fp64 (R >= num_tokens + nb), last dim contiguous
+// draft_token_ids        [num_tokens] int32 | int64
+// cu_num_draft_tokens    [batch_size] int32 | int64 (inclusive cumulative drafts per request)
+// target_logits_indices  [num_tokens] int32 | int64 (the row predicting each draft)
+// bonus_logits_indices   [batch_size] int32 | int64 (each request's bonus row), or [0] with bonus_token_ids
+// bonus_token_ids        [batch_size] or [batch_size, 1] int32 | int64, optional: the sampler's bonus tokens
+// returns sampled_token_ids [batch_size, max_spec_len + 1] int32
+at::Tensor vllm_rejection_greedy_cuda(const at::Tensor& logits, const at::Tensor& draft_token_ids,
+                                      const at::Tensor& cu_num_draft_tokens, const at::Tensor& target_logits_indices,
+                                      const at::Tensor& bonus_logits_indices,
+                                      const std::optional<at::Tensor>& bonus_token_ids, int64_t batch_size,
+                                      int64_t num_tokens, int64_t max_spec_len) {
+  const int64_t B = batch_size, T = num_tokens, K = max_spec_len;
+  const int64_t nb = vllm::layout(logits, draft_token_ids, cu_num_draft_tokens, target_logits_indices,
+                                  bonus_logits_indices, bonus_token_ids, B, T, K);
+  const c10::cuda::OptionalCUDAGuard guard(logits.device());
+  at::Tensor out = at::empty({B, K + 1}, draft_token_ids.options().dtype(at::kInt));
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const int device = logits.get_device();
+  int64_t* err = device_error_word(device);
+  const at::Tensor* bt = bonus_token_ids ? &*bonus_token_ids : nullptr;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, logits.scalar_type(), "_vllm_rejection_greedy", [&] {
+    launch_vllm<scalar_t>(logits, draft_token_ids, cu_num_draft_tokens, target_logits_indices, bonus_logits_indices,
+                          bt, B, T, K, nb, out, err, stream);
+  });
+  after_launch(device, stream);
+  return out;
+}
+
 // logits   [B * N, V]  bf16 | fp16 | fp32 | fp64, last dim contiguous
 // tokens   [B, N]      int64, contiguous
 // parents  [B, N]      int32, contiguous
@@ -476,4 +667,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_greedy_cuda(const at::Tens
 }  // namespace
 }  // namespace eagle3
 
-TORCH_LIBRARY_IMPL(eagle3, CUDA, m) { m.impl("verify_greedy", &eagle3::verify_greedy_cuda); }
+TORCH_LIBRARY_IMPL(eagle3, CUDA, m) {
+  m.impl("verify_greedy", &eagle3::verify_greedy_cuda);
+  m.impl("_vllm_rejection_greedy", &eagle3::vllm_rejection_greedy_cuda);
+}

@@ -46,6 +46,7 @@
 #include <cstdint>
 
 #include "eagle3/checks.h"
+#include "eagle3/compat_vllm.h"
 #include "eagle3/errors.cuh"
 #include "eagle3/errors.h"
 
@@ -85,14 +86,63 @@ __device__ __forceinline__ uint32_t ordered(float x) {
 }
 
 // Per-request state handed from walk to race and finish.
-//   ws_i [B, 8 + N] int64: final row, greedy, argmax of the final row, |R| or rejections, race key,
-//                         accept_len, -, -, then R (one-hot path: rejected tokens)
+//   ws_i [B, 10 + N] int64: final row (Philox's), greedy, argmax of the final row, |R| or rejections, race key,
+//                         accept_len, the final row's q row (-1: q = 0 there), the final row's logits row, the
+//                         sampler's bonus taken (1: race skipped), -, then R (one-hot path: rejected tokens)
 //   ws_d [B, 4 + N] f64:  max of the final row, 1 / T, Z (sum exp((l - max) / T)), -, then per rejection
 //                         1 / residual mass (0: that rejection left p unchanged) (draft_probs path)
-constexpr int kWsI = 8, kWsD = 4;
+constexpr int kWsI = 10, kWsD = 4;
 // The walk keeps one double per node in dynamic shared memory: 128 KB at the cap, past the 48 KB a launch
 // gets by default (N > 6144), so the launcher raises the kernel's limit (the cap as verify_greedy's).
 constexpr int64_t kMaxNodes = 16384;
+
+// vLLM's RejectionSampler layout (torch.ops.eagle3._vllm_rejection_sampling): the chain of request b is node 0
+// (its last verified token) then its drafts draft_token_ids[start, start + n) (start = cu[b - 1], 0 for b = 0,
+// n = cu[b] - start), padded to N = max_spec_len + 1 nodes as the native op's chain (parents -1, 0, 1, ...)
+// but with nothing stored for the padding: node c < n reads logits row target_logits_indices[start + c] and
+// draft_probs row start + c, node n the bonus row bonus_logits_indices[b] (q = 0 there); the nodes past n are
+// never visited. Philox's row of node c stays b * N + c, so the draws are the native op's on the padded chain.
+// enabled false: the native op (every pointer below unused).
+struct Chain {
+  bool enabled = false;
+  const void* drafts = nullptr;  // [T] int32 | int64
+  const void* cu = nullptr;      // [B] int32 | int64
+  const void* target = nullptr;  // [T] int32 | int64
+  const void* bonus = nullptr;   // [B] int32 | int64, nullptr with bonus_tokens (the bonus rows never read)
+  const void* bonus_tokens = nullptr;  // [B] int32 | int64: the sampler's bonus, nullptr: ours
+  bool d64 = false, cu64 = false, t64 = false, b64 = false, bt64 = false;
+  int64_t T = 0, R = 0;  // drafts in all, logits rows
+  int B = 0, K = 0;
+};
+
+__device__ __forceinline__ int64_t ld_index(const void* p, bool is64, int64_t i) {
+  return is64 ? static_cast<const int64_t*>(p)[i] : static_cast<int64_t>(static_cast<const int32_t*>(p)[i]);
+}
+
+// Request b's drafts [start, start + n); false (n = 0, start clamped into [0, T]) when cu[b] is outside
+// [start, min(start + K, T)] (= T for the last request) or cu[b - 1] outside [0, T]. lo / hi: the valid range.
+__device__ __forceinline__ bool chain_span(const Chain& ch, int64_t b, int64_t& start, int& n, int64_t& end,
+                                           int64_t& lo, int64_t& hi) {
+  const int64_t prev = b == 0 ? 0 : ld_index(ch.cu, ch.cu64, b - 1);
+  end = ld_index(ch.cu, ch.cu64, b);
+  start = prev < 0 ? 0 : (prev > ch.T ? ch.T : prev);
+  const bool last = b == ch.B - 1;
+  lo = last ? ch.T : start;
+  hi = last ? ch.T : (start + ch.K < ch.T ? start + ch.K : ch.T);
+  const bool ok = end >= lo && end <= hi && prev == start;
+  n = ok ? static_cast<int>(end - start) : 0;
+  return ok;
+}
+
+// The logits row of chain node c (c <= n): in [0, R) (an index outside is reported by row_stats and row 0 read).
+__device__ __forceinline__ int64_t chain_row(const Chain& ch, int64_t b, int64_t start, int n, int c, bool* bad,
+                                             int64_t* value) {
+  const int64_t r = c < n ? ld_index(ch.target, ch.t64, start + c) : ld_index(ch.bonus, ch.b64, b);
+  const bool out = r < 0 || r >= ch.R;
+  if (bad != nullptr) *bad = out;
+  if (value != nullptr) *value = r;
+  return out ? 0 : r;
+}
 
 // p_j(v) from p(v), q(v) after j rejections on the draft_probs path.
 __device__ __forceinline__ double residual_prob(double pv, double qv, const double* inv, int j) {
@@ -117,17 +167,38 @@ __device__ __forceinline__ T block_sum(T v, T* red) {
 // ---- 1. row_stats ----------------------------------------------------------------------------------
 // logits [B * N, V] row stride ld; part_m / part_s [B * N, G] f32, part_a [B * N, G] i32
 // grid: (B * N, G = ceil(V / kChunk))
+// Chain (vLLM's layout): block (b * N + node) reads the node's logits row through the indices; the padding past
+// request b's n drafts (and its bonus row, with the sampler's bonus) returns at once.
 template <typename scalar_t>
 __global__ void __launch_bounds__(kThreads) row_stats_kernel(const scalar_t* __restrict__ logits, int64_t ld,
                                                              int64_t V, int N, const float* __restrict__ temperature,
                                                              float* __restrict__ part_m, int32_t* __restrict__ part_a,
-                                                             float* __restrict__ part_s) {
+                                                             float* __restrict__ part_s, Chain ch = Chain{},
+                                                             int64_t* __restrict__ err = nullptr) {
   const int64_t row = blockIdx.x;
   const int G = gridDim.y;
+  int64_t prow = row;
+  if (ch.enabled) {
+    const int64_t b = row / N;
+    const int node = static_cast<int>(row % N);
+    int64_t start, end, lo, hi;
+    int n;
+    chain_span(ch, b, start, n, end, lo, hi);
+    if (node > n || (node == n && ch.bonus == nullptr)) return;  // never visited, or the sampler's bonus
+    bool bad;
+    int64_t value;
+    prow = chain_row(ch, b, start, n, node, &bad, &value);
+    if (EAGLE3_UNLIKELY(bad)) {
+      if (threadIdx.x == 0 && blockIdx.y == 0) {
+        report_range(err, kOp_vllmRejectionSampling, node < n ? kArgTargetLogitsIndices : kArgBonusLogitsIndices,
+                     value, 0, ch.R - 1, node < n ? start + node : b);
+      }
+    }
+  }
   const float T = temperature[row / N];
   const bool greedy = !(T > 0.0f);
   const float c = greedy ? 0.0f : kLog2e / T;
-  const scalar_t* x = logits + row * ld;
+  const scalar_t* x = logits + prow * ld;
   const int64_t begin = static_cast<int64_t>(blockIdx.y) * kChunk;
   const int64_t end = min(V, begin + kChunk);
   float m = -INFINITY, s = 0.0f;
@@ -203,26 +274,35 @@ __global__ void __launch_bounds__(kThreads) walk_kernel(
     int N, const float* __restrict__ temperature, const int64_t* __restrict__ seed, const int64_t* __restrict__ offset,
     const float* __restrict__ part_m, const int32_t* __restrict__ part_a, const float* __restrict__ part_s, int G,
     float* __restrict__ qt, int64_t* __restrict__ ws_i, double* __restrict__ ws_d, int32_t* __restrict__ accept_nodes,
-    int32_t* __restrict__ accept_len, int64_t* __restrict__ emitted, int64_t* __restrict__ err) {
+    int32_t* __restrict__ accept_len, int64_t* __restrict__ emitted, int64_t* __restrict__ err, Chain ch = Chain{}) {
   extern __shared__ double inv[];  // [N]
   __shared__ double red[kThreads / 32];
   __shared__ double sh_m, sh_Z;
   __shared__ int32_t sh_a;
   __shared__ int sh_next;
   const int64_t b = blockIdx.x;
+  int64_t start = 0;  // chain: this request's drafts [start, start + n_drafts)
+  int n_drafts = N - 1;
+  if (ch.enabled) {
+    int64_t end, lo, hi;
+    if (!chain_span(ch, b, start, n_drafts, end, lo, hi) && threadIdx.x == 0) {
+      report_range(err, kOp_vllmRejectionSampling, kArgCuNumDraftTokens, end, lo, hi, b);
+    }
+  }
   const float T = temperature[b];
   const bool greedy = !(T > 0.0f);
   const double invT = greedy ? 0.0 : 1.0 / static_cast<double>(T);
-  const uint64_t sd = static_cast<uint64_t>(seed[b]), off = static_cast<uint64_t>(offset[b]);
+  const uint64_t sd = static_cast<uint64_t>(seed[b]), off = offset != nullptr ? static_cast<uint64_t>(offset[b]) : 0;
   const bool has_q = draft_probs != nullptr;
   const bool gather = has_q && d2t != nullptr;  // host: without d2t, Vd == V
   int64_t* wi = ws_i + b * (kWsI + N);
   double* wd = ws_d + b * (kWsD + N);
   if constexpr (kDeviceChecks) {  // the walk never needs these checks (see above): they only report
-    if (threadIdx.x == 0 && !(T >= 0.0f)) {
-      report_float(err, kOpVerifySampling, kArgTemperature, T != T ? kKindNaN : kKindNegative, T, b);
+    if (threadIdx.x == 0 && !(T >= 0.0f) && !(ch.enabled && T == -1.0f)) {  // vLLM's old greedy placeholder -1
+      report_float(err, ch.enabled ? kOp_vllmRejectionSampling : kOpVerifySampling, kArgTemperature,
+                   T != T ? kKindNaN : kKindNegative, T, b);
     }
-    for (int j = threadIdx.x; j < N; j += kThreads) {
+    for (int j = threadIdx.x; j < N && !ch.enabled; j += kThreads) {
       const int64_t p = parents[b * N + j], lo = j == 0 ? -1 : 0;  // the root's is -1, others' in [0, j)
       if (p < lo || p > j - 1) report_range(err, kOpVerifySampling, kArgParents, p, lo, j - 1, b, j);
     }
@@ -231,10 +311,13 @@ __global__ void __launch_bounds__(kThreads) walk_kernel(
   if (threadIdx.x == 0) accept_nodes[b * N] = 0;
   while (true) {
     const int64_t row = b * N + c;
-    const scalar_t* lrow = logits + row * ld;
+    const int64_t prow = ch.enabled ? chain_row(ch, b, start, n_drafts, c, nullptr, nullptr) : row;
+    const scalar_t* lrow = logits + prow * ld;
     // q of this row in target ids: with d2t scattered into the scratch row; without, draft_probs' own row (the
-    // value the scatter would have left there: 0 + q exactly), with no pass over V.
-    const prob_t* qsrc = has_q ? draft_probs + row * ldq : nullptr;
+    // value the scatter would have left there: 0 + q exactly), with no pass over V. Chain: draft row start + c
+    // below the last draft; node n has no child, and its q (0) is read only by the race.
+    const int64_t qrow_i = !has_q ? -1 : !ch.enabled ? row : (c < n_drafts ? start + c : -1);
+    const prob_t* qsrc = qrow_i >= 0 ? draft_probs + qrow_i * ldq : nullptr;
     if (gather) {
       float* qrow = qt + b * V;
       for (int64_t v = threadIdx.x; v < V; v += kThreads) qrow[v] = 0.0f;
@@ -267,7 +350,13 @@ __global__ void __launch_bounds__(kThreads) walk_kernel(
       __syncthreads();
     }
     auto q_at = [&](int64_t v) -> float { return gather ? qt[b * V + v] : to_f(qsrc[v]); };
-    if (threadIdx.x == 0) {
+    // the sampler's bonus after every draft accepted: this row's stats are not needed (row_stats skipped it)
+    const bool sampler_bonus = ch.enabled && ch.bonus_tokens != nullptr && c == n_drafts;
+    if (threadIdx.x == 0 && sampler_bonus) {
+      sh_m = 0.0;
+      sh_a = 0;
+      sh_Z = 1.0;
+    } else if (threadIdx.x == 0) {
       float m = -INFINITY;
       int32_t a = 0;
       for (int g = 0; g < G; ++g) {
@@ -298,9 +387,10 @@ __global__ void __launch_bounds__(kThreads) walk_kernel(
     int n_rej = 0, n_R = 0, k = 0;
     double scale = 1.0;  // one-hot path: p_j(v) = p(v) * scale outside R
     int next = -1;
-    for (int j = c + 1; j < N; ++j) {
-      if (parents[b * N + j] != c) continue;
-      const int64_t x = tokens[b * N + j];
+    const int j_end = !ch.enabled ? N : (c < n_drafts ? c + 2 : c + 1);  // chain: node c's one child, c + 1
+    for (int j = c + 1; j < j_end; ++j) {
+      if (!ch.enabled && parents[b * N + j] != c) continue;
+      const int64_t x = ch.enabled ? ld_index(ch.drafts, ch.d64, start + c) : tokens[b * N + j];
       const bool valid = x >= 0 && x < V;
       if (threadIdx.x == 0) {
         double px = 0.0, qx = 1.0;
@@ -358,7 +448,7 @@ __global__ void __launch_bounds__(kThreads) walk_kernel(
       ++depth;
       if (threadIdx.x == 0) {
         accept_nodes[b * N + depth] = c;
-        emitted[b * N + depth - 1] = tokens[b * N + c];
+        emitted[b * N + depth - 1] = ch.enabled ? ld_index(ch.drafts, ch.d64, start + c - 1) : tokens[b * N + c];
       }
       continue;
     }
@@ -369,6 +459,9 @@ __global__ void __launch_bounds__(kThreads) walk_kernel(
       wi[3] = has_q ? n_rej : n_R;
       wi[4] = 0;  // race key
       wi[5] = depth;
+      wi[6] = qrow_i;
+      wi[7] = prow;
+      wi[8] = sampler_bonus;
       wd[0] = m;
       wd[1] = invT;
       wd[2] = Z;
@@ -397,22 +490,24 @@ __global__ void __launch_bounds__(kThreads) race_kernel(const scalar_t* __restri
   const int64_t b = blockIdx.x;
   int64_t* wi = ws_i + b * (kWsI + N);
   const double* wd = ws_d + b * (kWsD + N);
-  if (wi[1]) return;  // greedy: the bonus is the argmax
+  if (wi[1] || wi[8]) return;  // greedy: the bonus is the argmax; or the sampler's bonus is taken
   const int64_t row = wi[0];
   const int n = static_cast<int>(wi[3]);
   const float m = static_cast<float>(wd[0]), c = static_cast<float>(wd[1]);
   const double Z = wd[2];
-  const uint64_t sd = static_cast<uint64_t>(seed[b]), off = static_cast<uint64_t>(offset[b]);
+  const uint64_t sd = static_cast<uint64_t>(seed[b]), off = offset != nullptr ? static_cast<uint64_t>(offset[b]) : 0;
   const uint32_t row_stream = static_cast<uint32_t>(row) | 0x80000000u;
-  const scalar_t* x = logits + row * ld;
-  const q_t* qrow = q != nullptr ? q + (q_by_row ? row : b) * ldq : nullptr;
+  const scalar_t* x = logits + wi[7] * ld;
+  // q_by_row: the final row's draft_probs row (wi[6]; -1: q = 0 there, vLLM's bonus row); else the scratch row
+  const q_t* qrow = q == nullptr ? nullptr : q_by_row ? (wi[6] >= 0 ? q + wi[6] * ldq : nullptr) : q + b * ldq;
+  const bool use_q = q != nullptr;
   const int64_t begin = static_cast<int64_t>(blockIdx.y) * kChunk, end = min(V, begin + kChunk);
   float best = -INFINITY;
   int64_t best_v = -1;
   for (int64_t v = begin + threadIdx.x; v < end; v += kThreads) {
     const float z = (to_f(x[v]) - m) * c;  // log(p(v) * Z)
     float score;
-    if (qrow == nullptr) {
+    if (!use_q) {
       if (best_v >= 0 && z + kMaxNegLogE < best) continue;  // cannot beat this thread's best
       bool excluded = false;
       for (int i = 0; i < n; ++i) excluded |= wi[kWsI + i] == v;
@@ -420,7 +515,7 @@ __global__ void __launch_bounds__(kThreads) race_kernel(const scalar_t* __restri
       const float u = philox_uniform(static_cast<uint32_t>(v), row_stream, off, sd);
       score = z - logf(-logf(u));
     } else {
-      const double pv = residual_prob(static_cast<double>(exp2f(z * kLog2e)) / Z, to_f(qrow[v]), wd + kWsD, n);
+      const double pv = residual_prob(static_cast<double>(exp2f(z * kLog2e)) / Z, qrow ? to_f(qrow[v]) : 0.0, wd + kWsD, n);
       if (!(pv > 0.0)) continue;
       const float lp = static_cast<float>(log(pv));
       if (best_v >= 0 && lp + kMaxNegLogE < best) continue;
@@ -443,14 +538,22 @@ __global__ void __launch_bounds__(kThreads) race_kernel(const scalar_t* __restri
 }
 
 // ---- 4. finish -------------------------------------------------------------------------------------
-__global__ void finish_kernel(int B, int N, int64_t V, const int64_t* __restrict__ ws_i, int64_t* __restrict__ emitted) {
+// out (chain): vLLM's sampled_token_ids [B, N] int32, the emitted row converted (with the sampler's bonus where
+// wi[8] says so); nullptr: the native op.
+__global__ void finish_kernel(int B, int N, int64_t V, const int64_t* __restrict__ ws_i, int64_t* __restrict__ emitted,
+                              Chain ch = Chain{}, int32_t* __restrict__ out = nullptr) {
   const int b = blockIdx.x * blockDim.x + threadIdx.x;
   if (b >= B) return;
   const int64_t* wi = ws_i + static_cast<int64_t>(b) * (kWsI + N);
   const uint64_t key = static_cast<uint64_t>(wi[4]);
   int64_t bonus = (wi[1] || key == 0) ? wi[2] : static_cast<int64_t>(0xFFFFFFFFull - (key & 0xFFFFFFFFull));
   bonus = bonus < 0 ? 0 : (bonus >= V ? V - 1 : bonus);  // NaN rows: still a token id
-  emitted[static_cast<int64_t>(b) * N + wi[5]] = bonus;
+  if (wi[8]) bonus = ld_index(ch.bonus_tokens, ch.bt64, b);
+  int64_t* e = emitted + static_cast<int64_t>(b) * N;
+  e[wi[5]] = bonus;
+  if (out != nullptr) {
+    for (int i = 0; i < N; ++i) out[static_cast<int64_t>(b) * N + i] = static_cast<int32_t>(e[i]);
+  }
 }
 
 void check_floats(const at::Tensor& t, const char* name) {
@@ -462,6 +565,81 @@ void check_floats(const at::Tensor& t, const char* name) {
 void check_same_device(const at::Tensor& t, const char* name, const at::Tensor& like) {
   TORCH_CHECK_VALUE(t.device() == like.device(), name, " must be on the same device as logits (",
                     like.device(), "), got ", t.device());
+}
+
+// The four launches: the native op (ch.enabled false; tokens [B, N], parents [B, N], offset [B]) or vLLM's layout
+// (ch.enabled; tokens, parents nullptr, offset nullptr = 0; out [B, N] int32 receives sampled_token_ids).
+// Arguments checked by the callers.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> run(const at::Tensor& logits, const std::optional<at::Tensor>& draft_probs,
+                                                   const std::optional<at::Tensor>& d2t, const int64_t* tokens,
+                                                   const int32_t* parents, const at::Tensor& temperature,
+                                                   const at::Tensor& seed, const int64_t* offset, int64_t B, int64_t N,
+                                                   int64_t V, int64_t Vd, const Chain& ch, int32_t* out) {
+  const c10::cuda::OptionalCUDAGuard guard(logits.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const int device = logits.get_device();
+  int64_t* err = device_error_word(device);
+  const auto i64 = logits.options().dtype(at::kLong);
+  const auto i32 = logits.options().dtype(at::kInt);
+  at::Tensor accept_nodes = at::empty({B, N}, i32);
+  at::Tensor accept_len = at::empty({B}, i32);
+  at::Tensor emitted = at::empty({B, N}, i64);
+  if (B == 0) return {accept_nodes, accept_len, emitted};
+  const int G = static_cast<int>((V + kChunk - 1) / kChunk);
+  at::Tensor part = at::empty({3, B * N, G}, i32);  // max (f32 bits), argmax, sum (f32 bits)
+  at::Tensor ws_i = at::empty({B, kWsI + N}, i64);
+  at::Tensor ws_d = at::empty({B, kWsD + N}, logits.options().dtype(at::kDouble));
+  at::Tensor qt;
+  if (draft_probs && d2t) qt = at::empty({B, V}, logits.options().dtype(at::kFloat));  // q through d2t
+  float* part_m = reinterpret_cast<float*>(part[0].data_ptr<int32_t>());
+  int32_t* part_a = part[1].data_ptr<int32_t>();
+  float* part_s = reinterpret_cast<float*>(part[2].data_ptr<int32_t>());
+  const int64_t ld = logits.stride(0);
+
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, logits.scalar_type(), "verify_sampling", [&] {
+    using logit_t = scalar_t;
+    const logit_t* lg = logits.data_ptr<logit_t>();
+    row_stats_kernel<logit_t><<<dim3(static_cast<unsigned>(B * N), G), kThreads, 0, stream>>>(
+        lg, ld, V, static_cast<int>(N), temperature.data_ptr<float>(), part_m, part_a, part_s, ch, err);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    const at::ScalarType prob_type = draft_probs ? draft_probs->scalar_type() : at::kFloat;
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, prob_type, "verify_sampling_q", [&] {
+      const scalar_t* dp = draft_probs ? draft_probs->data_ptr<scalar_t>() : nullptr;
+      const size_t smem = static_cast<size_t>(N) * sizeof(double);
+      if (smem > 48 * 1024) {  // not a stream operation: safe while capturing
+        const cudaError_t e = cudaFuncSetAttribute(walk_kernel<logit_t, scalar_t>,
+                                                   cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+        if (e != cudaSuccess) {
+          (void)cudaGetLastError();  // clear it: the refusal below is the error
+          TORCH_CHECK_VALUE(false, ch.enabled ? "max_spec_len + 1 = " : "tokens has N = ", N, " nodes: the walk needs ", smem,
+                            " bytes of shared memory, more than this GPU gives a block (", cudaGetErrorString(e), ")");
+        }
+      }
+      walk_kernel<logit_t, scalar_t><<<static_cast<unsigned>(B), kThreads, smem, stream>>>(
+          lg, ld, V, dp, draft_probs ? draft_probs->stride(0) : 0, Vd, d2t ? d2t->data_ptr<int64_t>() : nullptr,
+          tokens, parents, static_cast<int>(N), temperature.data_ptr<float>(),
+          seed.data_ptr<int64_t>(), offset, part_m, part_a, part_s, G,
+          qt.defined() ? qt.data_ptr<float>() : nullptr, ws_i.data_ptr<int64_t>(), ws_d.data_ptr<double>(),
+          accept_nodes.data_ptr<int32_t>(), accept_len.data_ptr<int32_t>(), emitted.data_ptr<int64_t>(), err, ch);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      const dim3 race_grid(static_cast<unsigned>(B), G);
+      if (draft_probs && !d2t) {  // q in place: the final row of draft_probs
+        race_kernel<logit_t, scalar_t><<<race_grid, kThreads, 0, stream>>>(
+            lg, ld, V, static_cast<int>(N), seed.data_ptr<int64_t>(), offset, dp,
+            draft_probs->stride(0), true, ws_i.data_ptr<int64_t>(), ws_d.data_ptr<double>());
+      } else {  // the scratch rows (d2t), or one-hot q
+        race_kernel<logit_t, float><<<race_grid, kThreads, 0, stream>>>(
+            lg, ld, V, static_cast<int>(N), seed.data_ptr<int64_t>(), offset,
+            qt.defined() ? qt.data_ptr<float>() : nullptr, V, false, ws_i.data_ptr<int64_t>(), ws_d.data_ptr<double>());
+      }
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
+  });
+  finish_kernel<<<static_cast<unsigned>((B + 127) / 128), 128, 0, stream>>>(
+      static_cast<int>(B), static_cast<int>(N), V, ws_i.data_ptr<int64_t>(), emitted.data_ptr<int64_t>(), ch, out);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  after_launch(device, stream);
+  return {accept_nodes, accept_len, emitted};
 }
 
 // logits [B * N, V] (last dim contiguous), draft_probs [B * N, Vd] optional, d2t [Vd] int64 optional,
@@ -529,73 +707,85 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_sampling_cuda(
     TORCH_CHECK_VALUE(t.is_contiguous(), name, " must be contiguous");
   }
 
-  const c10::cuda::OptionalCUDAGuard guard(logits.device());
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  const int device = logits.get_device();
-  int64_t* err = device_error_word(device);
-  const auto i32 = tokens.options().dtype(at::kInt);
-  at::Tensor accept_nodes = at::empty({B, N}, i32);
-  at::Tensor accept_len = at::empty({B}, i32);
-  at::Tensor emitted = at::empty({B, N}, tokens.options());
-  if (B == 0) return {accept_nodes, accept_len, emitted};
-  const int G = static_cast<int>((V + kChunk - 1) / kChunk);
-  at::Tensor part = at::empty({3, B * N, G}, i32);  // max (f32 bits), argmax, sum (f32 bits)
-  at::Tensor ws_i = at::empty({B, kWsI + N}, tokens.options());
-  at::Tensor ws_d = at::empty({B, kWsD + N}, tokens.options().dtype(at::kDouble));
-  at::Tensor qt;
-  if (draft_probs && d2t) qt = at::empty({B, V}, tokens.options().dtype(at::kFloat));  // q through d2t
-  float* part_m = reinterpret_cast<float*>(part[0].data_ptr<int32_t>());
-  int32_t* part_a = part[1].data_ptr<int32_t>();
-  float* part_s = reinterpret_cast<float*>(part[2].data_ptr<int32_t>());
-  const int64_t ld = logits.stride(0);
+  return run(logits, draft_probs, d2t, tokens.data_ptr<int64_t>(), parents.data_ptr<int32_t>(), temperature, seed,
+             offset.data_ptr<int64_t>(), B, N, V, Vd, Chain{}, nullptr);
+}
 
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, logits.scalar_type(), "verify_sampling", [&] {
-    using logit_t = scalar_t;
-    const logit_t* lg = logits.data_ptr<logit_t>();
-    row_stats_kernel<logit_t><<<dim3(static_cast<unsigned>(B * N), G), kThreads, 0, stream>>>(
-        lg, ld, V, static_cast<int>(N), temperature.data_ptr<float>(), part_m, part_a, part_s);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-    const at::ScalarType prob_type = draft_probs ? draft_probs->scalar_type() : at::kFloat;
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, prob_type, "verify_sampling_q", [&] {
-      const scalar_t* dp = draft_probs ? draft_probs->data_ptr<scalar_t>() : nullptr;
-      const size_t smem = static_cast<size_t>(N) * sizeof(double);
-      if (smem > 48 * 1024) {  // not a stream operation: safe while capturing
-        const cudaError_t e = cudaFuncSetAttribute(walk_kernel<logit_t, scalar_t>,
-                                                   cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
-        if (e != cudaSuccess) {
-          (void)cudaGetLastError();  // clear it: the refusal below is the error
-          TORCH_CHECK_VALUE(false, "tokens has N = ", N, " nodes: the walk needs ", smem,
-                            " bytes of shared memory, more than this GPU gives a block (", cudaGetErrorString(e), ")");
-        }
-      }
-      walk_kernel<logit_t, scalar_t><<<static_cast<unsigned>(B), kThreads, smem, stream>>>(
-          lg, ld, V, dp, draft_probs ? draft_probs->stride(0) : 0, Vd, d2t ? d2t->data_ptr<int64_t>() : nullptr,
-          tokens.data_ptr<int64_t>(), parents.data_ptr<int32_t>(), static_cast<int>(N), temperature.data_ptr<float>(),
-          seed.data_ptr<int64_t>(), offset.data_ptr<int64_t>(), part_m, part_a, part_s, G,
-          qt.defined() ? qt.data_ptr<float>() : nullptr, ws_i.data_ptr<int64_t>(), ws_d.data_ptr<double>(),
-          accept_nodes.data_ptr<int32_t>(), accept_len.data_ptr<int32_t>(), emitted.data_ptr<int64_t>(), err);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-      const dim3 race_grid(static_cast<unsigned>(B), G);
-      if (draft_probs && !d2t) {  // q in place: the final row of draft_probs
-        race_kernel<logit_t, scalar_t><<<race_grid, kThreads, 0, stream>>>(
-            lg, ld, V, static_cast<int>(N), seed.data_ptr<int64_t>(), offset.data_ptr<int64_t>(), dp,
-            draft_probs->stride(0), true, ws_i.data_ptr<int64_t>(), ws_d.data_ptr<double>());
-      } else {  // the scratch rows (d2t), or one-hot q
-        race_kernel<logit_t, float><<<race_grid, kThreads, 0, stream>>>(
-            lg, ld, V, static_cast<int>(N), seed.data_ptr<int64_t>(), offset.data_ptr<int64_t>(),
-            qt.defined() ? qt.data_ptr<float>() : nullptr, V, false, ws_i.data_ptr<int64_t>(), ws_d.data_ptr<double>());
-      }
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-    });
-  });
-  finish_kernel<<<static_cast<unsigned>((B + 127) / 128), 128, 0, stream>>>(
-      static_cast<int>(B), static_cast<int>(N), V, ws_i.data_ptr<int64_t>(), emitted.data_ptr<int64_t>());
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  after_launch(device, stream);
-  return {accept_nodes, accept_len, emitted};
+
+// vLLM v1 RejectionSampler's step with random requests on its own tensors (eagle3_ops.compat.vllm, the CUDA path):
+// logits                 [R, V] bf16 | fp16 | fp32 | fp64, last dim contiguous
+// draft_probs            [num_tokens, V] bf16 | fp16 | fp32 | fp64, optional (None: drafts proposed with q = 1)
+// draft_token_ids        [num_tokens] int32 | int64
+// cu_num_draft_tokens    [batch_size] int32 | int64
+// target_logits_indices  [num_tokens] int32 | int64
+// bonus_logits_indices   [batch_size] int32 | int64, or [0] with bonus_token_ids
+// bonus_token_ids        [batch_size] or [batch_size, 1] int32 | int64, optional: the sampler's bonus tokens
+// temperature            [batch_size] fp32 (0 or -1: greedy)
+// seed                   [batch_size] int64: Philox keys (offset 0)
+// returns sampled_token_ids [batch_size, max_spec_len + 1] int32
+at::Tensor vllm_rejection_sampling_cuda(const at::Tensor& logits, const std::optional<at::Tensor>& draft_probs,
+                                        const at::Tensor& draft_token_ids, const at::Tensor& cu_num_draft_tokens,
+                                        const at::Tensor& target_logits_indices, const at::Tensor& bonus_logits_indices,
+                                        const std::optional<at::Tensor>& bonus_token_ids, const at::Tensor& temperature,
+                                        const at::Tensor& seed, int64_t batch_size, int64_t num_tokens,
+                                        int64_t max_spec_len) {
+  const int64_t B = batch_size, T = num_tokens, K = max_spec_len, N = K + 1;
+  const int64_t nb = vllm::layout(logits, draft_token_ids, cu_num_draft_tokens, target_logits_indices,
+                                  bonus_logits_indices, bonus_token_ids, B, T, K);
+  const int64_t V = logits.size(1);
+  TORCH_CHECK_VALUE(T + nb == 0 || logits.size(0) >= 1, "logits must have at least one row");
+  TORCH_CHECK_VALUE(B * N < (int64_t{1} << 31), "batch_size * (max_spec_len + 1) must be < 2**31, got ", B * N);
+  if (draft_probs) {
+    const at::Tensor& dp = *draft_probs;
+    vllm::float_dtype(dp, "draft_probs");
+    if (dp.dim() != 2 || dp.size(0) != T || dp.size(1) != V) {
+      TORCH_CHECK_VALUE(false, "draft_probs must have shape (num_tokens, vocab_size) = (", T, ", ", V, "), got ",
+                        vllm::py_shape(dp));
+    }
+    vllm::same_device(dp, "draft_probs", logits);
+    if (V > 1 && dp.stride(1) != 1) {
+      TORCH_CHECK_VALUE(false, "draft_probs must be contiguous in its last dimension, got strides ", dp.strides());
+    }
+  }
+  if (temperature.scalar_type() != at::kFloat) {
+    TORCH_CHECK_TYPE(false, "sampling_metadata.temperature must have dtype float32, got ",
+                     vllm::dtype_name(temperature.scalar_type()));
+  }
+  vllm::shape1(temperature, "sampling_metadata.temperature", "batch_size", B);
+  vllm::same_device(temperature, "sampling_metadata.temperature", logits);
+  vllm::contiguous(temperature, "sampling_metadata.temperature");
+  CHECK_DTYPE(seed, at::kLong);
+  CHECK_SHAPE(seed, B);
+  vllm::same_device(seed, "seed", logits);
+  vllm::contiguous(seed, "seed");
+
+  Chain ch;
+  ch.enabled = true;
+  ch.drafts = draft_token_ids.data_ptr();
+  ch.d64 = draft_token_ids.scalar_type() == at::kLong;
+  ch.cu = cu_num_draft_tokens.data_ptr();
+  ch.cu64 = cu_num_draft_tokens.scalar_type() == at::kLong;
+  ch.target = target_logits_indices.data_ptr();
+  ch.t64 = target_logits_indices.scalar_type() == at::kLong;
+  ch.bonus = nb > 0 ? bonus_logits_indices.data_ptr() : nullptr;
+  ch.b64 = bonus_logits_indices.scalar_type() == at::kLong;
+  ch.bonus_tokens = bonus_token_ids ? bonus_token_ids->data_ptr() : nullptr;
+  ch.bt64 = bonus_token_ids && bonus_token_ids->scalar_type() == at::kLong;
+  ch.T = T;
+  ch.R = logits.size(0);
+  ch.B = static_cast<int>(B);
+  ch.K = static_cast<int>(K);
+  const c10::cuda::OptionalCUDAGuard guard(logits.device());
+  at::Tensor out = at::empty({B, N}, logits.options().dtype(at::kInt));
+  run(logits, draft_probs, std::nullopt, nullptr, nullptr, temperature, seed, nullptr, B, N, V, V, ch,
+      out.data_ptr<int32_t>());
+  return out;
 }
 
 }  // namespace
 }  // namespace eagle3
 
-TORCH_LIBRARY_IMPL(eagle3, CUDA, m) { m.impl("verify_sampling", &eagle3::verify_sampling_cuda); }
+TORCH_LIBRARY_IMPL(eagle3, CUDA, m) {
+  m.impl("verify_sampling", &eagle3::verify_sampling_cuda);
+  m.impl("_vllm_rejection_sampling", &eagle3::vllm_rejection_sampling_cuda);
+}

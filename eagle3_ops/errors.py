@@ -38,9 +38,10 @@ class Eagle3InputError(IndexError, ValueError):
 
 # Ids as the kernels record them (csrc/include/eagle3/errors.h): id = position + 1.
 OPS = ("capture_aux", "add_rmsnorm_capture", "fc_proj", "build_tree", "tree_attention_mla", "tree_attention",
-       "verify_greedy", "verify_sampling", "kv_accept")
+       "verify_greedy", "verify_sampling", "kv_accept", "_vllm_rejection_greedy", "_vllm_rejection_sampling")
 ARGS = ("rows", "page_table", "prefix_lens", "accept_len", "accept_nodes", "draft_parents", "draft_scores",
-        "parents", "temperature", "d2t", "tree_mask", "kv_scale")
+        "parents", "temperature", "d2t", "tree_mask", "kv_scale", "cu_num_draft_tokens", "target_logits_indices",
+        "bonus_logits_indices")
 KINDS = ("range", "nan", "negative", "not_positive")
 NO_INDEX = -(1 << 63)
 WORDS = 12

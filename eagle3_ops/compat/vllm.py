@@ -24,13 +24,28 @@ rejection, or the bonus token when every draft was accepted), then PLACEHOLDER_T
 
 How it maps onto our ops. A vLLM draft is a chain: node 0 is the last verified token, node i + 1 the i-th
 draft (parent i), and the logits row of node c predicts node c + 1, so the rows of one request (its draft rows
-then its bonus row) are our nodes 0..n in order. With every request at max_spec_len drafts (EAGLE's case)
-vLLM's ``logits`` *is* our ``[B * N, V]`` layout, N = max_spec_len + 1, and goes to the op uncopied. With
-ragged drafts (ngram, chunked prefill, a request at 0 drafts) the rows are gathered once into the padded
-layout (one row copy per padded node, through ``target_logits_indices`` / ``bonus_logits_indices``); a
-padded node carries token -1 below the request's last draft, so it is never accepted and leaves the residual
-as it is. All index work runs on the device from ``cu_num_draft_tokens``: no host sync, fixed shapes for
-fixed ``num_draft_tokens``; the all-greedy path and the unseeded random path can be captured in a CUDA graph.
+then its bonus row) are our nodes 0..n in order.
+
+On CUDA tensors (without ``allowed_token_ids_mask``, ``top_k`` and ``top_p``) a call is ONE C++ op on vLLM's own
+tensors: ``torch.ops.eagle3._vllm_rejection_greedy`` (all greedy: our verify_greedy's two kernels) or
+``_vllm_rejection_sampling`` (our verify_sampling's four), which read the drafts through ``cu_num_draft_tokens``
+and the logits rows through ``target_logits_indices`` / ``bonus_logits_indices`` in place (ragged batches
+included: no row is copied), take the sampler's bonus tokens when a sampler is given (its bonus rows are then
+not read), check every shape, dtype and device in C++ (the messages below, naming vLLM's fields) and write
+vLLM's ``[batch_size, max_spec_len + 1]`` int32 output directly. Launches per call: 2 (greedy), 5 (random: the
+Philox keys' draw, then 4), plus one per seeded generator and the sampler's own. The values only the data shows
+(``cu_num_draft_tokens`` against max_spec_len and num_tokens, the logits indices, negative temperatures other
+than vLLM's -1) are checked on the device into eagle3_ops' error word (eagle3_ops.check_errors() / strict mode
+raise them, naming the op and the argument); a request with a bad ``cu_num_draft_tokens`` entry is taken as
+having no drafts, a bad row index reads row 0. No host sync; fixed shapes for fixed ``num_draft_tokens``; the
+greedy and the unseeded random path can be captured in a CUDA graph.
+
+Elsewhere (CPU tensors, or the mask / top-k / top-p on CUDA) the rows go to the native ops in their ``[B * N, V]``
+layout, N = max_spec_len + 1: with every request at max_spec_len drafts (EAGLE's case) vLLM's ``logits`` *is*
+that layout and goes to the op uncopied; with ragged drafts (ngram, chunked prefill, a request at 0 drafts) the
+rows are gathered once into the padded layout (one row copy per padded node); a padded node carries token -1
+below the request's last draft, so it is never accepted and leaves the residual as it is. The two ops' CPU
+implementations are this path (the reference the CUDA kernels are tested against).
 
 All-greedy batches run ``verify_greedy``; any random request runs ``verify_sampling`` for the whole batch
 (temperature 0 rows are greedy there). The bonus token: with a vLLM ``Sampler`` given to the constructor it is
@@ -63,13 +78,14 @@ vLLM's own sampler for those requests. vLLM's module-level helpers (``sample_rec
 ``generate_uniform_probs``: its torch-generator draws) are not offered. Shapes, dtypes and devices are checked
 first (ValueError / TypeError naming vLLM's field); on CPU tensors the values that only the data shows
 (cu_num_draft_tokens against num_draft_tokens, the logits indices, negative temperatures) are checked too,
-raising eagle3_ops.Eagle3InputError; on CUDA they are trusted (reading them is a host sync). Nothing the
-caller passed is written.
+raising eagle3_ops.Eagle3InputError; on CUDA the fast path's kernels check them into the error word (above),
+the tensor-op path trusts them (reading them is a host sync). Nothing the caller passed is written.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any, Optional, Sequence
 
 import torch
@@ -293,6 +309,49 @@ def _seeds(sm, counts: Sequence[int], B: int, dev, bonus_here: bool) -> Tensor:
     return seed
 
 
+def _tensor_path(metadata, draft_probs, logits, sm, s: _Batch, bonus: Optional[Tensor], constants,
+                 seed: Optional[Tensor] = None) -> Tensor:
+    """The padded [B * N, V] layout on the native ops (module docstring); returns sampled_token_ids [B, K + 1]
+    int32. bonus: the sampler's tokens or None; seed: the Philox keys (None: drawn as _seeds draws them)."""
+    B, K = s.B, s.K
+    if bonus is not None and K == 0:  # no drafts at all: the bonus is the whole output
+        return bonus.reshape(B, 1).to(torch.int32)
+    parents, offset, root = constants(B, K + 1, logits.device)
+    tokens, z, q, n = _layout(metadata, logits, draft_probs, s, root)
+    z = _mask_logits(z, sm, s)
+    if sm.all_greedy:
+        _, accept_len, emitted = torch.ops.eagle3.verify_greedy(z, tokens, parents)
+    else:
+        if seed is None:
+            seed = _seeds(sm, metadata.num_draft_tokens, B, logits.device, bonus is None)
+        temp = torch.where(sm.temperature == _OLD_GREEDY_TEMPERATURE, 0.0, sm.temperature)
+        _, accept_len, emitted = torch.ops.eagle3.verify_sampling(z, q, None, tokens, parents, temp, seed, offset)
+    out = emitted.to(torch.int32)  # accepted drafts, then the recovered / bonus token, then -1
+    if bonus is not None:  # every draft accepted: the slot after them takes the sampler's bonus
+        n_b = torch.full_like(accept_len, K) if n is None else n.to(accept_len.dtype)
+        slot = (torch.arange(K + 1, device=logits.device)[None, :] == n_b[:, None]) & (accept_len == n_b)[:, None]
+        out = torch.where(slot, bonus.reshape(B, 1).to(torch.int32), out)
+    return out
+
+
+def _fast(sm) -> bool:
+    """The C++ ops take the batch: none of the target-logit constraints the tensor-op path applies."""
+    return (getattr(sm, "allowed_token_ids_mask", None) is None and sm.top_k is None and sm.top_p is None)
+
+
+def _host_sizes(metadata) -> tuple[int, int, int]:
+    """(batch_size, num_tokens, max_spec_len) from the host list num_draft_tokens, checked as _check checks it."""
+    counts = metadata.num_draft_tokens
+    if isinstance(counts, Tensor) or not counts or not all(isinstance(n, int) and n >= 0 for n in counts):
+        raise TypeError("metadata.num_draft_tokens must be a non-empty host list of non-negative ints (one per request)")
+    K = max(counts)
+    if getattr(metadata, "max_spec_len", K) != K:
+        raise ValueError(f"metadata.max_spec_len must be max(num_draft_tokens) = {K}, got {metadata.max_spec_len}")
+    if K > MAX_SPEC_LEN:
+        raise ValueError(f"metadata.max_spec_len must be <= MAX_SPEC_LEN = {MAX_SPEC_LEN}, got {K}")
+    return len(counts), sum(counts), K
+
+
 class RejectionSampler(torch.nn.Module):
     """vLLM v1's RejectionSampler on eagle3_ops.verify_greedy / verify_sampling (module docstring: the contract).
 
@@ -340,8 +399,10 @@ class RejectionSampler(torch.nn.Module):
         """Verify every request's drafts; returns SamplerOutput(sampled_token_ids [batch_size, max_spec_len + 1]
         int32: accepted drafts, then the recovered or bonus token, then PLACEHOLDER_TOKEN_ID)."""
         sm = sampling_metadata
+        if isinstance(logits, Tensor) and logits.is_cuda and _OPS and _fast(sm):
+            return self._forward_op(metadata, draft_probs, logits, sm)
         s = _check(metadata, draft_probs, logits, sm)
-        B, K = s.B, s.K
+        B = s.B
         if self.sampler is None and metadata.bonus_logits_indices.shape[0] != B:
             raise ValueError(f"metadata.bonus_logits_indices must have shape (batch_size) = ({B}) with sampler=None: "
                              "the bonus token is then sampled from the bonus rows of logits")
@@ -354,22 +415,40 @@ class RejectionSampler(torch.nn.Module):
             if bonus.numel() != B:
                 raise ValueError(f"sampler(...).sampled_token_ids must have batch_size = {B} entries, got shape "
                                  f"{tuple(bonus.shape)}")
-            if K == 0:  # no drafts at all: the bonus is the whole output
-                return SamplerOutput(bonus.reshape(B, 1).to(torch.int32))
-        parents, offset, root = self._constants(B, K + 1, logits.device)
-        tokens, z, q, n = _layout(metadata, logits, draft_probs, s, root)
-        z = _mask_logits(z, sm, s)
+        return SamplerOutput(_tensor_path(metadata, draft_probs, logits, sm, s, bonus, self._constants))
+
+    def _forward_op(self, metadata, draft_probs, logits, sm) -> SamplerOutput:
+        """CUDA: one C++ op on vLLM's tensors (module docstring); the host-side checks only (the op checks the tensors)."""
+        B, T, K = _host_sizes(metadata)
+        _unsupported(sm)
+        for i in sm.generators:
+            if not 0 <= i < B:
+                raise ValueError(f"sampling_metadata.generators has request index {i}, valid: 0..{B - 1}")
+        dev = logits.device
+        target, bonus_idx = metadata.target_logits_indices, metadata.bonus_logits_indices
+        if not isinstance(target, Tensor) or not isinstance(bonus_idx, Tensor):
+            raise TypeError("metadata.target_logits_indices and metadata.bonus_logits_indices must be Tensors")
+        if target.device.type == "cpu":  # host indices are allowed, as logits[idx] allows them (vLLM's tests)
+            target = target.to(dev, non_blocking=True)
+        if bonus_idx.device.type == "cpu":
+            bonus_idx = bonus_idx.to(dev, non_blocking=True)
+        bonus = None
+        if self.sampler is not None:
+            bonus = self.sampler(logits=logits[bonus_idx], sampling_metadata=sm, predict_bonus_token=True).sampled_token_ids
+        elif bonus_idx.shape[0] != B:
+            raise ValueError(f"metadata.bonus_logits_indices must have shape (batch_size) = ({B}) with sampler=None: "
+                             "the bonus token is then sampled from the bonus rows of logits")
         if sm.all_greedy:
-            _, accept_len, emitted = torch.ops.eagle3.verify_greedy(z, tokens, parents)
+            out = _OPS[0](logits, metadata.draft_token_ids, metadata.cu_num_draft_tokens, target, bonus_idx, bonus,
+                          B, T, K)
         else:
-            seed = _seeds(sm, metadata.num_draft_tokens, B, logits.device, bonus is None)
-            temp = torch.where(sm.temperature == _OLD_GREEDY_TEMPERATURE, 0.0, sm.temperature)
-            _, accept_len, emitted = torch.ops.eagle3.verify_sampling(z, q, None, tokens, parents, temp, seed, offset)
-        out = emitted.to(torch.int32)  # accepted drafts, then the recovered / bonus token, then -1
-        if bonus is not None:  # every draft accepted: the slot after them takes the sampler's bonus
-            n_b = torch.full_like(accept_len, K) if n is None else n.to(accept_len.dtype)
-            slot = (torch.arange(K + 1, device=logits.device)[None, :] == n_b[:, None]) & (accept_len == n_b)[:, None]
-            out = torch.where(slot, bonus.reshape(B, 1).to(torch.int32), out)
+            temp = sm.temperature
+            if isinstance(temp, Tensor) and temp.device == dev:  # the op checks it; the keys' device follows it
+                seed = _seeds(sm, metadata.num_draft_tokens, B, dev, bonus is None)
+            else:
+                seed = torch.zeros(B, dtype=torch.int64, device=dev)  # refused by the op's check of temperature
+            out = _OPS[1](logits, draft_probs, metadata.draft_token_ids, metadata.cu_num_draft_tokens, target,
+                          bonus_idx, bonus, temp, seed, B, T, K)
         return SamplerOutput(out)
 
     @staticmethod
@@ -396,3 +475,108 @@ class RejectionSampler(torch.nn.Module):
             second = logprobs_tensors.filter(valid.flatten()).tolists(second)
         valid[list(discard_req_indices)] = False
         return [row[keep].tolist() for row, keep in zip(rows, valid)], second
+
+
+# ---- the two internal ops (torch.ops.eagle3._vllm_rejection_*, csrc/registration.cpp): their CPU implementation
+# (the tensor-op path above, the reference of the CUDA kernels) and fake (shapes only), registered here -------------
+
+
+def _op_batch(logits, draft_token_ids, cu_num_draft_tokens, bonus_logits_indices, batch_size, num_tokens,
+              max_spec_len):
+    """The metadata the tensor-op path reads, rebuilt from the op's arguments (CPU: the counts from cu)."""
+    cu = cu_num_draft_tokens.long()
+    counts = torch.diff(cu, prepend=cu.new_zeros(1)).tolist() if cu.numel() == batch_size else [0] * batch_size
+    return SimpleNamespace(draft_token_ids=draft_token_ids, num_draft_tokens=counts, max_spec_len=max_spec_len,
+                           cu_num_draft_tokens=cu_num_draft_tokens, bonus_logits_indices=bonus_logits_indices)
+
+
+def _op_sizes(metadata, logits, batch_size, num_tokens, max_spec_len):
+    if len(metadata.num_draft_tokens) != batch_size or sum(metadata.num_draft_tokens) != num_tokens:
+        raise ValueError(f"metadata.cu_num_draft_tokens must have shape (batch_size) = ({batch_size}) and end at "
+                         f"num_tokens = {num_tokens}")
+
+
+def _greedy_cpu(logits, draft_token_ids, cu_num_draft_tokens, target_logits_indices, bonus_logits_indices,
+                bonus_token_ids, batch_size, num_tokens, max_spec_len):
+    meta = _op_batch(logits, draft_token_ids, cu_num_draft_tokens, bonus_logits_indices, batch_size, num_tokens,
+                     max_spec_len)
+    meta.target_logits_indices = target_logits_indices
+    if bonus_token_ids is not None and bonus_logits_indices.shape[0] == 0:
+        meta.bonus_logits_indices = bonus_logits_indices
+    _op_sizes(meta, logits, batch_size, num_tokens, max_spec_len)
+    sm = SimpleNamespace(all_greedy=True, all_random=False, temperature=None, top_k=None, top_p=None, generators={},
+                         allowed_token_ids_mask=None)
+    s = _check(meta, None, logits, sm)
+    return _tensor_path(meta, None, logits, sm, s, bonus_token_ids, _constants_uncached)
+
+
+def _sampling_cpu(logits, draft_probs, draft_token_ids, cu_num_draft_tokens, target_logits_indices,
+                  bonus_logits_indices, bonus_token_ids, temperature, seed, batch_size, num_tokens, max_spec_len):
+    meta = _op_batch(logits, draft_token_ids, cu_num_draft_tokens, bonus_logits_indices, batch_size, num_tokens,
+                     max_spec_len)
+    meta.target_logits_indices = target_logits_indices
+    _op_sizes(meta, logits, batch_size, num_tokens, max_spec_len)
+    sm = SimpleNamespace(all_greedy=False, all_random=False, temperature=temperature, top_k=None, top_p=None,
+                         generators={}, allowed_token_ids_mask=None)
+    s = _check(meta, draft_probs, logits, sm)
+    _validate.tensor(seed, "seed", dtypes=(torch.int64,), shape=(("batch_size", batch_size),), like=logits,
+                     like_name="logits")
+    return _tensor_path(meta, draft_probs, logits, sm, s, bonus_token_ids, _constants_uncached, seed=seed)
+
+
+def _constants_uncached(B: int, N: int, device):
+    parents = (torch.arange(N, dtype=torch.int32, device=device) - 1).expand(B, N).contiguous()
+    return (parents, torch.zeros(B, dtype=torch.int64, device=device),
+            torch.full((B, 1), -1, dtype=torch.int64, device=device))
+
+
+def _greedy_fake(logits, draft_token_ids, cu_num_draft_tokens, target_logits_indices, bonus_logits_indices,
+                 bonus_token_ids, batch_size, num_tokens, max_spec_len):
+    _fake_checks(logits, draft_token_ids, cu_num_draft_tokens, target_logits_indices, batch_size, num_tokens,
+                 max_spec_len)
+    return logits.new_empty((batch_size, max_spec_len + 1), dtype=torch.int32)
+
+
+def _sampling_fake(logits, draft_probs, draft_token_ids, cu_num_draft_tokens, target_logits_indices,
+                   bonus_logits_indices, bonus_token_ids, temperature, seed, batch_size, num_tokens, max_spec_len):
+    _fake_checks(logits, draft_token_ids, cu_num_draft_tokens, target_logits_indices, batch_size, num_tokens,
+                 max_spec_len)
+    if draft_probs is not None:
+        _validate.tensor(draft_probs, "draft_probs", dtypes=_validate.FLOATS,
+                         shape=(("num_tokens", num_tokens), ("vocab_size", logits.shape[1])))
+    _validate.tensor(temperature, "sampling_metadata.temperature", dtypes=(torch.float32,),
+                     shape=(("batch_size", batch_size),))
+    return logits.new_empty((batch_size, max_spec_len + 1), dtype=torch.int32)
+
+
+def _fake_checks(logits, draft_token_ids, cu_num_draft_tokens, target_logits_indices, B, T, K):
+    """Shapes and dtypes only (no values): the C++ op's checks that a fake tensor can answer."""
+    _validate.tensor(logits, "logits", dtypes=_validate.FLOATS, dim=2)
+    _validate.tensor(draft_token_ids, "metadata.draft_token_ids", dtypes=_INDEX, shape=(("num_tokens", T),))
+    _validate.tensor(cu_num_draft_tokens, "metadata.cu_num_draft_tokens", dtypes=_INDEX, shape=(("batch_size", B),))
+    _validate.tensor(target_logits_indices, "metadata.target_logits_indices", dtypes=_INDEX,
+                     shape=(("num_tokens", T),))
+    if not 0 <= K <= MAX_SPEC_LEN:
+        raise ValueError(f"max_spec_len must be in [0, {MAX_SPEC_LEN}], got {K}")
+
+
+def _register() -> tuple:
+    """(greedy, sampling) overloads when this build's _C has their schemas (and their CUDA kernels: else the
+    tensor-op path runs on CUDA too); their CPU and fake implementations registered once."""
+    try:
+        ops = (torch.ops.eagle3._vllm_rejection_greedy.default, torch.ops.eagle3._vllm_rejection_sampling.default)
+    except (AttributeError, RuntimeError):  # a _C from before these schemas
+        return ()
+    lib = torch.library.Library("eagle3", "IMPL")  # noqa: TOR901  (kept alive with the module)
+    _LIBS.append(lib)
+    for name, cpu, fake in (("_vllm_rejection_greedy", _greedy_cpu, _greedy_fake),
+                            ("_vllm_rejection_sampling", _sampling_cpu, _sampling_fake)):
+        lib.impl(name, cpu, "CPU")
+        torch.library.register_fake(f"eagle3::{name}", fake, lib=lib)
+    cuda = all(torch._C._dispatch_has_kernel_for_dispatch_key(f"eagle3::{n}", "CUDA")
+               for n in ("_vllm_rejection_greedy", "_vllm_rejection_sampling"))
+    return ops if cuda else ()
+
+
+_LIBS: list = []
+_OPS = _register()

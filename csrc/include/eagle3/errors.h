@@ -40,6 +40,8 @@ enum ErrorOp : int64_t {
   kOpVerifyGreedy,
   kOpVerifySampling,
   kOpKvAccept,
+  kOp_vllmRejectionGreedy,    // internal ops of eagle3_ops.compat.vllm (csrc/verify_greedy.cu, verify_sampling.cu)
+  kOp_vllmRejectionSampling,
 };
 
 // argument ids: eagle3_ops/errors.py ARGS, in this order
@@ -56,6 +58,9 @@ enum ErrorArg : int64_t {
   kArgD2t,
   kArgTreeMask,
   kArgKvScale,
+  kArgCuNumDraftTokens,
+  kArgTargetLogitsIndices,
+  kArgBonusLogitsIndices,
 };
 
 // what was wrong: an integer outside [lo, hi]; a NaN; a float below zero; a float not finite and > 0
