@@ -7,6 +7,8 @@ the *dequantised* cache (fp8 * kv_scale, exact in float64), with the same bound 
 value is exactly a bf16 / fp16 value and the scale is folded into fp32 factors, so the kernel adds no rounding
 that a bf16 cache does not have. What the quantisation itself costs (fp8 rows against the rows they came from)
 is the storage format's error, not the kernel's: test_quantisation_error_against_the_unquantised_rows bounds it.
+Both CUDA kernels that read an fp8 cache are held to it: the sm90 kernel's fp8 build (the op's route on the H200,
+test_gpu_sm90_*) and mla_decode's Triton kernel (the fallback: the interpreter tests here, test_gpu_against_float64).
 """
 
 from __future__ import annotations
@@ -346,13 +348,68 @@ def test_kernel_refuses_other_kernels(gen):
                               c.prefix_lens, c.tree_mask, c.scale, torch.zeros(1, 2, 1024).half(), None, c.kv_scale)
 
 
+def test_fp8_routing(gen, monkeypatch):
+    """tree_attention_mla_op's choice for an fp8 cache, on CPU with sm90_supported stubbed: the sm90 kernel by
+    default where it serves (kv_scale and config passed on), the Triton kernel for kernel 'mla_decode' or a Triton-only
+    key, a ValueError for kernel 'sm90' where it does not serve."""
+    from eagle3_ops.triton_kernels import tree_attention as ta
+
+    c = fp8_case(gen, N=1, prefixes=[1])
+    out = torch.empty(1, c.NH, c.Dv, dtype=c.dtype)
+    calls = []
+    monkeypatch.setattr(ta, "tree_attention_mla_sm90", lambda *a, kv_scale=None: calls.append(("sm90", a[-1], kv_scale)))
+    monkeypatch.setattr(ta, "_mla_decode_launch", lambda *a, kv_scale=None: calls.append(("triton", a[-1], kv_scale)))
+    args = (c.q, c.k8, c.page_table, c.prefix_lens, c.tree_mask, c.scale, out, None, c.kv_scale)
+    for supported, config, want in [
+            (True, None, ("sm90", {})), (True, dict(splits=3), ("sm90", dict(splits=3))),
+            (True, dict(kernel="sm90", evict_first=True), ("sm90", dict(evict_first=True))),
+            (True, dict(kernel="mla_decode"), ("triton", dict(tma=True))),
+            (True, dict(tma=False), ("triton", dict(tma=False))), (True, dict(BLOCK_N=32), ("triton", dict(tma=True, BLOCK_N=32))),
+            (False, None, ("triton", dict(tma=True))), (False, dict(splits=2), ("triton", dict(tma=True, splits=2)))]:
+        monkeypatch.setattr(ta, "sm90_supported", lambda *a, s=supported: s)
+        calls.clear()
+        ta.tree_attention_mla_op(*args, config=config)
+        assert calls == [(*want, c.kv_scale)], (supported, config, calls)
+    monkeypatch.setattr(ta, "sm90_supported", lambda *a: False)
+    with pytest.raises(ValueError, match="config kernel 'sm90' needs a Hopper GPU"):
+        ta.tree_attention_mla_op(*args, config=dict(kernel="sm90"))
+
+
+def test_sm90_supported_says_no_off_the_gpu(gen):
+    from eagle3_ops.triton_kernels.mla_decode import sm90_supported
+
+    c = quantised(Case(gen, mla=True, prefixes=[3], N=1, kind="chain", page_size=16, NH=8, D=576, Dv=512,
+                       dtype=torch.bfloat16, scale=KIMI_SCALE))
+    assert not sm90_supported(c.q, c.k8, torch.empty(1, 8, 512, dtype=torch.bfloat16), c.page_table, c.tree_mask)
+
+
 # ---- on the H200 ----------------------------------------------------------------------------------------------
 
 
-def gpu_fp8_case(case, NH=64):
+def gpu_fp8_case(case, NH=64, dtype=torch.bfloat16, scale_of_amax=1.0):
     N, prefix, B, page_size, kind = case
     return quantised(GpuCase(zlib.crc32(repr((case, NH)).encode()), B=B, prefix=prefix, N=N, kind=kind,
-                             page_size=page_size, **dict(KIMI_MLA, NH=NH)))
+                             page_size=page_size, dtype=dtype, **dict(KIMI_MLA, NH=NH)), scale_of_amax)
+
+
+def takes_sm90(c) -> bool:
+    """Whether the op routes case c to the sm90 kernel's fp8 build (on the H200 with an sm_90a build: always, at
+    Kimi's widths; the sm90 tests assert it, so that they cannot pass on the Triton kernel instead)."""
+    from eagle3_ops.triton_kernels.mla_decode import sm90_supported
+
+    out = torch.empty(c.q.shape[0], c.NH, c.Dv, dtype=c.dtype, device=c.q.device)
+    return sm90_supported(c.q, c.k8, out, c.page_table, c.tree_mask)
+
+
+def sm90_gpu():
+    """The sm90 kernel's fp8 build is in this build and the device is a Hopper GPU (else its tests skip)."""
+    from eagle3_ops.triton_kernels._device import hopper_kernel
+    from eagle3_ops.triton_kernels.mla_decode import sm90_compiled
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    if not (hopper_kernel(dev, "_tree_attention_mla_sm90") and sm90_compiled(dev)
+            and hopper_kernel(dev, "_tree_attention_mla_sm90_fp8")):
+        pytest.skip("needs a Hopper GPU and a build with csrc/mla_decode_sm90.cu for sm_90a")
 
 
 # (N, prefix, B, page_size, kind) x local heads: the memory-bound rows of issue 23 (N 1 at 64 / 16 / 8 heads,
@@ -366,10 +423,13 @@ GPU_CASES = [((1, 32768, 1, 64, "chain"), 64), ((1, 8192, 8, 64, "chain"), 16), 
 @pytest.mark.parametrize("case, NH", GPU_CASES, ids=[f"NH{h}-N{c[0]}-P{c[1]}-B{c[2]}-ps{c[3]}-{c[4]}"
                                                        for c, h in GPU_CASES])
 def test_gpu_against_float64(case, NH):
+    # the Triton kernel (the fallback where the sm90 kernel does not serve; the op's route on the H200 is the sm90
+    # kernel: test_gpu_sm90_against_float64)
     c = gpu_fp8_case(case, NH)
-    out, lse = run_fp8(c)  # through torch.ops: the registered launcher routes the fp8 cache to mla_decode
+    cfg = dict(kernel="mla_decode")
+    out, lse = run_fp8(c, cfg, kernel=True)
     _check_against(c, out, lse, *c.truth())
-    without, _ = run_fp8(c, with_lse=False)
+    without, _ = run_fp8(c, cfg, with_lse=False, kernel=True)
     assert_equal(without, out, "out without lse")
 
 
@@ -378,7 +438,7 @@ def test_gpu_large_q_does_not_overflow_fp16():
     # bf16 q past fp16's range (|q| ~ 1e5): the kernel's exact power-of-two prescale keeps its fp16 dots finite
     c = gpu_fp8_case((4, 4096, 2, 64, "chain"), 16)
     c.q.mul_(3e4)
-    out, lse = run_fp8(c)
+    out, lse = run_fp8(c, dict(kernel="mla_decode"), kernel=True)  # (the sm90 kernel's: test_gpu_sm90_large_q)
     _check_against(c, out, lse, *c.truth())
 
 
@@ -437,12 +497,129 @@ def test_gpu_bad_scale_poisons_and_bad_arguments_raise():
 
 
 @pytest.mark.gpu
-def test_gpu_sm90_never_takes_an_fp8_cache():
+def test_gpu_sm90_takes_aligned_fp8_caches():
     from eagle3_ops.triton_kernels.mla_decode import sm90_supported
 
+    sm90_gpu()
     c = gpu_fp8_case((1, 64, 1, 64, "chain"), 64)
     out = torch.empty(c.q.shape[0], c.NH, c.Dv, dtype=c.dtype, device="cuda")
-    assert not sm90_supported(c.q, c.k8, out, c.page_table, c.tree_mask)
+    assert sm90_supported(c.q, c.k8, out, c.page_table, c.tree_mask)
+    # rows not 16-byte aligned (the data pointer 8 bytes off): the Triton kernel's, and kernel 'sm90' refuses
+    flat = torch.empty(c.k8.numel() + 8, dtype=torch.uint8, device="cuda")
+    shifted = flat[8:].view(FP8).view(c.k8.shape)
+    shifted.view(torch.uint8).copy_(c.k8.view(torch.uint8))
+    assert not sm90_supported(c.q, shifted, out, c.page_table, c.tree_mask)
+    c.k8 = shifted
+    with pytest.raises(ValueError, match="config kernel 'sm90' needs"):
+        run_fp8(c, dict(kernel="sm90"), kernel=True)
+    got, lse = run_fp8(c)  # and the op still serves it, on the Triton kernel
+    _check_against(c, got, lse, *c.truth())
+
+
+# The sm90 kernel's fp8 build at issue 23's shapes and the edges of its tile code: (N, prefix, B, page_size, kind) x
+# local heads x splits (None: the launcher's rule). Memory-bound rows (N 1 at 64 / 16 / 8 heads, 4-chains at 8 / 16),
+# a 16-node tree at 64 heads, prefix 0 (the tree tile alone), trees starting at a page's last slot (63) and at a page
+# start (64), page sizes 1 / 16 / 64, a prefix of one partial tile, two mask words (N 64), forced splits.
+SM90_CASES = [((1, 32768, 1, 64, "chain"), 64, None), ((1, 32768, 1, 64, "chain"), 16, None),
+              ((1, 32768, 1, 16, "chain"), 8, None), ((1, 8192, 8, 64, "chain"), 16, 1),
+              ((4, 8192, 8, 64, "chain"), 8, None), ((4, 8192, 8, 1, "chain"), 16, None),
+              ((4, 8192, 8, 64, "chain"), 16, 5), ((16, 4096, 8, 16, "bushy"), 64, None),
+              ((16, 4096, 3, 1, "bushy"), 64, 3), ((1, 0, 4, 1, "chain"), 16, None), ((4, 0, 3, 16, "chain"), 64, 2),
+              ((4, 63, 3, 64, "chain"), 64, None), ((4, 64, 3, 16, "chain"), 8, 1), ((16, 10, 2, 64, "bushy"), 8, 1),
+              ((64, 63, 3, 64, "bushy"), 16, None), ((1, 4096, 64, 64, "chain"), 8, None)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case, NH, splits", SM90_CASES,
+                         ids=[f"NH{h}-N{c[0]}-P{c[1]}-B{c[2]}-ps{c[3]}-{c[4]}-s{s}" for c, h, s in SM90_CASES])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_gpu_sm90_against_float64(case, NH, splits, dtype):
+    sm90_gpu()
+    c = gpu_fp8_case(case, NH, dtype)
+    assert takes_sm90(c)
+    cfg = dict(kernel="sm90", **({"splits": splits} if splits else {}))
+    out, lse = run_fp8(c, cfg, kernel=True)
+    _check_against(c, out, lse, *c.truth())
+    without, _ = run_fp8(c, cfg, with_lse=False, kernel=True)
+    assert_equal(without, out, "out without lse")
+    if splits is None:  # the op's own route is this kernel: the same bytes
+        routed, routed_lse = run_fp8(c)
+        assert_equal(routed, out, "out through torch.ops")
+        assert_equal(routed_lse, lse, "lse through torch.ops")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("evict_first", [False, True])
+def test_gpu_sm90_l2_policy_changes_nothing(evict_first):
+    sm90_gpu()
+    c = gpu_fp8_case((1, 8192, 8, 64, "chain"), 16)
+    out, lse = run_fp8(c, dict(kernel="sm90", splits=4, evict_first=evict_first), kernel=True)
+    _check_against(c, out, lse, *c.truth())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("q_scale", [3e4, 1e30])  # |q| past fp16's 65504: the exact power-of-two prescale
+def test_gpu_sm90_large_q(q_scale):
+    sm90_gpu()
+    c = gpu_fp8_case((4, 4096, 2, 64, "chain"), 16)
+    c.q.copy_((c.q.float() * q_scale).bfloat16())
+    out, lse = run_fp8(c, dict(kernel="sm90"), kernel=True)
+    _check_against(c, out, lse, *c.truth())
+
+
+@pytest.mark.gpu
+def test_gpu_sm90_small_scale_uses_subnormals():
+    sm90_gpu()
+    c = gpu_fp8_case((4, 2000, 3, 16, "chain"), 16, scale_of_amax=64.0)
+    assert int((c.k8.float().abs() < 2.0**-6).sum()) > 0  # some subnormal codes in use
+    out, lse = run_fp8(c, dict(kernel="sm90"), kernel=True)
+    _check_against(c, out, lse, *c.truth())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("splits", [1, 3])
+def test_gpu_sm90_graph_replay_with_new_values_and_scale(splits):
+    # as test_gpu_graph_replay_with_new_values_and_scale, with the sm90 kernel named and the split count fixed
+    sm90_gpu()
+    c = gpu_fp8_case((16, 5000, 4, 64, "bushy"), 64)
+    cfg = dict(kernel="sm90", splits=splits)
+    out = torch.empty(c.q.shape[0], c.NH, c.Dv, dtype=c.dtype, device="cuda")
+    lse = torch.empty(c.q.shape[0], c.NH, device="cuda")
+    from eagle3_ops.triton_kernels.tree_attention import tree_attention_mla_op
+
+    graph, _ = capture_graph(lambda: tree_attention_mla_op(c.q, c.k8, c.page_table, c.prefix_lens, c.tree_mask,
+                                                           c.scale, out, lse, c.kv_scale, config=cfg))
+
+    def new_cache(g):
+        c.kv_scale.copy_(c.kv_scale * 3)
+        c.k8.copy_(fp8_quantize(torch.randn(c.k8.shape, generator=g, device="cuda") * 50, torch.tensor(1.0).cuda()))
+        c.k_cache = fp8_dequantize(c.k8, c.kv_scale, torch.float64)
+
+    replayed = replay_with_new_values(c, graph, out, lse, new_cache)
+    eager = run_fp8(c, cfg, kernel=True)
+    assert_equal(replayed[0], eager[0], "out replayed vs eager")
+    assert_equal(replayed[1], eager[1], "lse replayed vs eager")
+    _check_against(c, *eager, *c.truth())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("splits", [1, 2])
+def test_gpu_sm90_bad_values_poison_only_their_request(splits):
+    sm90_gpu()
+    c = gpu_fp8_case((7, 300, 3, 16, "bushy"), 64)
+    check_bad_values_poison_only_their_request(c, lambda: run_fp8(c, dict(kernel="sm90", splits=splits), kernel=True))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("value", [0.0, -1.0, float("inf"), float("nan")])
+def test_gpu_sm90_bad_scale_poisons_everything(value):
+    sm90_gpu()
+    c = gpu_fp8_case((4, 100, 2, 16, "chain"), 16)
+    c.kv_scale.fill_(value)
+    out, lse = run_fp8(c, dict(kernel="sm90", splits=2), kernel=True)
+    assert torch.isnan(out).all() and torch.isnan(lse).all()
+    with pytest.raises(Eagle3InputError, match=BAD_SCALE.format(re.escape(repr(value)))):
+        eagle3_ops.check_errors()
 
 
 @pytest.mark.gpu
