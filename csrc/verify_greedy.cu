@@ -201,7 +201,7 @@ __device__ __forceinline__ void warp_argmax(acc_t& val, int& idx) {
 // kVector: 16-byte loads (row starts 16-byte aligned, V % kVec == 0); else one element at a time.
 // Rows: logical row r reads logits row r (the native op), or with kIndexed the row vLLM's indices name: r < n_a
 // reads row rows_a[r] (target_logits_indices), else rows_b[r - n_a] (bonus_logits_indices); an index outside
-// [0, R) is reported (op, arg_a / arg_b) and its slice left at (-inf, INT_MAX), matching no token.
+// [0, R) is reported (op, arg_a / arg_b) and its slices left at (-inf, 0): that row's argmax is token 0.
 struct RowIndex {
   const void* a = nullptr;  // int32 | int64 [n_a]
   const void* b = nullptr;  // int32 | int64 [rows - n_a]
@@ -235,7 +235,7 @@ __global__ void __launch_bounds__(kThreads) argmax_partial_kernel(const scalar_t
     if (EAGLE3_UNLIKELY(row < 0 || row >= ri.R)) {
       if (threadIdx.x == 0) {
         if (s == 0) report_range(ri.err, ri.op, in_a ? ri.arg_a : ri.arg_b, row, 0, ri.R - 1, in_a ? lrow : lrow - ri.n_a);
-        partial[blockIdx.x] = Partial<acc_t>{static_cast<acc_t>(-INFINITY), INT_MAX};
+        partial[blockIdx.x] = Partial<acc_t>{static_cast<acc_t>(-INFINITY), 0};  // token 0: still a token id
       }
       return;
     }
@@ -407,8 +407,9 @@ __global__ void __launch_bounds__(kWalkThreads) walk_kernel(const Partial<acc_t>
 // partial   [(T + nb) * S]  phase 1's slices
 // drafts    [T]  int32 | int64     cu [B] int32 | int64     bonus_tokens [B] int32 | int64 or nullptr
 // out       [B, K + 1] int32: accepted drafts, then the argmax at the first mismatch or the bonus, then -1
-// err       the device error word: cu_num_draft_tokens[b] outside [start, min(start + K, T)] (= T for the
-//           last request) is reported and the request taken as having no drafts (only its bonus slot written)
+// err       the device error word: cu_num_draft_tokens[b] outside [start, min(start + K, T)] (the last request:
+//           [T, min(start + K, T)]), or cu[b - 1] outside [0, T], is reported and the request taken as having no
+//           drafts (its first slot the bonus row's argmax or the sampler's bonus, -1 after)
 // grid: B blocks of kWalkThreads; a programmatic dependent of phase 1 where available.
 template <typename acc_t>
 __global__ void __launch_bounds__(kWalkThreads) chain_walk_kernel(const Partial<acc_t>* __restrict__ partial, int S,
@@ -426,8 +427,8 @@ __global__ void __launch_bounds__(kWalkThreads) chain_walk_kernel(const Partial<
     const int64_t prev = b == 0 ? 0 : load_index(cu, cu64, b - 1);
     const int64_t end = load_index(cu, cu64, b);
     const int64_t start = prev < 0 ? 0 : (prev > T ? T : prev);
-    const int64_t hi = b == gridDim.x - 1 ? T : (start + K < T ? start + K : T);
-    const int64_t lo = b == gridDim.x - 1 ? T : start;
+    const int64_t hi = start + K < T ? start + K : T;
+    const int64_t lo = b == gridDim.x - 1 ? T : start;  // the last request ends at num_tokens
     int n = static_cast<int>(end - start);
     if (EAGLE3_UNLIKELY(end < lo || end > hi || prev != start)) {
       report_range(err, kOp_vllmRejectionGreedy, kArgCuNumDraftTokens, end, lo, hi, b);

@@ -120,23 +120,28 @@ __device__ __forceinline__ int64_t ld_index(const void* p, bool is64, int64_t i)
 }
 
 // Request b's drafts [start, start + n); false (n = 0, start clamped into [0, T]) when cu[b] is outside
-// [start, min(start + K, T)] (= T for the last request) or cu[b - 1] outside [0, T]. lo / hi: the valid range.
+// [lo, hi] = [start, min(start + K, T)] ([T, min(start + K, T)] for the last request) or cu[b - 1] outside [0, T].
 __device__ __forceinline__ bool chain_span(const Chain& ch, int64_t b, int64_t& start, int& n, int64_t& end,
                                            int64_t& lo, int64_t& hi) {
   const int64_t prev = b == 0 ? 0 : ld_index(ch.cu, ch.cu64, b - 1);
   end = ld_index(ch.cu, ch.cu64, b);
   start = prev < 0 ? 0 : (prev > ch.T ? ch.T : prev);
-  const bool last = b == ch.B - 1;
-  lo = last ? ch.T : start;
-  hi = last ? ch.T : (start + ch.K < ch.T ? start + ch.K : ch.T);
+  lo = b == ch.B - 1 ? ch.T : start;  // the last request ends at num_tokens
+  hi = start + ch.K < ch.T ? start + ch.K : ch.T;
   const bool ok = end >= lo && end <= hi && prev == start;
   n = ok ? static_cast<int>(end - start) : 0;
   return ok;
 }
 
-// The logits row of chain node c (c <= n): in [0, R) (an index outside is reported by row_stats and row 0 read).
+// The logits row of chain node c (c <= n): in [0, R) (an index outside is reported by row_stats and row 0 read;
+// row 0 also stands for node n's absent bonus row with the sampler's bonus, never read then).
 __device__ __forceinline__ int64_t chain_row(const Chain& ch, int64_t b, int64_t start, int n, int c, bool* bad,
                                              int64_t* value) {
+  if (c >= n && ch.bonus == nullptr) {  // the sampler's bonus: no bonus row, none read
+    if (bad != nullptr) *bad = false;
+    if (value != nullptr) *value = 0;
+    return 0;
+  }
   const int64_t r = c < n ? ld_index(ch.target, ch.t64, start + c) : ld_index(ch.bonus, ch.b64, b);
   const bool out = r < 0 || r >= ch.R;
   if (bad != nullptr) *bad = out;

@@ -7,6 +7,8 @@ CUDA tensors, against the native op, and under CUDA-graph replay (-m gpu)."""
 
 from __future__ import annotations
 
+import re
+
 from types import SimpleNamespace
 
 import numpy as np
@@ -469,8 +471,9 @@ def test_gpu_host_indices_as_vllms_test_passes_them():
     assert_equal(out_of(RejectionSampler(), meta, logits, sampling_metadata()), want)
 
 
-def _native_sampling(meta, logits, probs, temperature):
-    """The same step done by hand on the native op: the padded chain, Philox keys from the same generator."""
+def _native_sampling(meta, logits, probs, temperature, seed=None):
+    """The same step done by hand on the native op: the padded chain, Philox keys from the same generator (or
+    the given ones)."""
     B, K, dev = len(meta.num_draft_tokens), meta.max_spec_len, logits.device
     N = K + 1
     tokens = torch.full((B, N), -1, dtype=torch.int64, device=dev)
@@ -484,7 +487,7 @@ def _native_sampling(meta, logits, probs, temperature):
             q[b * N:b * N + n] = probs[i:i + n]
         i += n
     parents = (torch.arange(N, dtype=torch.int32, device=dev) - 1).repeat(B, 1)
-    seed = torch.empty(B, dtype=torch.int64, device=dev).random_()
+    seed = torch.empty(B, dtype=torch.int64, device=dev).random_() if seed is None else seed
     offset = torch.zeros(B, dtype=torch.int64, device=dev)
     _, _, emitted = torch.ops.eagle3.verify_sampling(logits[rows.view(-1)], q, None, tokens, parents, temperature,
                                                      seed, offset)
@@ -506,7 +509,10 @@ def test_sampling_matches_the_native_op(device, counts, with_probs):
     torch.manual_seed(3)  # seeds the CUDA default generators too
     got = out_of(RejectionSampler(), meta, logits, sampling_metadata(temp), probs)
     torch.manual_seed(3)
-    assert_equal(got, _native_sampling(meta, logits, probs, temp))
+    want = _native_sampling(meta, logits, probs, temp)
+    # CUDA with draft_probs: the native op's extra pass over the padded node may move a bonus draw (see
+    # test_gpu_sampling_op_matches_the_native_op); the CPU path is the native op itself
+    assert_agree(got.cpu(), want.cpu(), counts, loose_bonus=with_probs and device == "cuda")
 
 
 @pytest.mark.gpu
@@ -558,3 +564,292 @@ def test_one_sampler_across_batch_shapes():
         meta, logits = case(drafts, rows)
         assert_equal(out_of(rs, meta, logits, sampling_metadata(torch.zeros(len(drafts)))),
                      torch.tensor(expected, dtype=torch.int32))
+
+
+# ---- the internal ops (torch.ops.eagle3._vllm_rejection_*): CPU = the tensor-op path, fakes, tracing -----------
+
+_GREEDY_OP = getattr(torch.ops.eagle3, "_vllm_rejection_greedy", None)
+_SAMPLING_OP = getattr(torch.ops.eagle3, "_vllm_rejection_sampling", None)
+needs_ops = pytest.mark.skipif(_GREEDY_OP is None, reason="this _C predates the _vllm_rejection_* schemas")
+
+COUNTS = {
+    "uniform": [3] * 8,
+    "ragged": [4, 0, 2, 4, 1, 0, 3, 4],
+    "none": [0, 0, 0],
+    "B1": [5],
+    "B1-empty": [0],
+    "bigB": [(7 * i) % 5 for i in range(300)],  # 0..4 drafts, every count present
+}
+
+
+def _op_args(meta, logits, bonus=None):
+    T = int(meta.draft_token_ids.shape[0])
+    B = len(meta.num_draft_tokens)
+    return (logits, meta.draft_token_ids, meta.cu_num_draft_tokens, meta.target_logits_indices,
+            meta.bonus_logits_indices, bonus, B, T, meta.max_spec_len)
+
+
+def _sampling_args(meta, logits, probs, temp, seed, bonus=None):
+    g = _op_args(meta, logits, bonus)
+    return (g[0], probs, *g[1:6], temp, seed, *g[6:])
+
+
+@needs_ops
+@pytest.mark.parametrize("shape", list(COUNTS))
+@pytest.mark.parametrize("bonus_from", ["op", "sampler", "sampler-no-rows"])
+def test_greedy_op_is_the_sampler_on_cpu(shape, bonus_from):
+    """The op with vLLM's arguments (ragged, zero drafts, B 1, B 300) = RejectionSampler's output; the sampler's
+    bonus replaces ours only after full acceptance; without bonus rows ([0] indices) it is all the op needs."""
+    counts = COUNTS[shape]
+    meta, logits, _ = _batch(counts, 57, dtype=torch.float32, seed=len(counts), device="cpu")
+    B = len(counts)
+    bonus = None if bonus_from == "op" else torch.arange(1000, 1000 + B, dtype=torch.int64).view(B, 1)
+    want = out_of(RejectionSampler(None if bonus is None else FixedSampler(bonus)), meta, logits, sampling_metadata())
+    if bonus_from == "sampler-no-rows":
+        meta.bonus_logits_indices = torch.zeros(0, dtype=torch.int32)
+    got = _GREEDY_OP(*_op_args(meta, logits, bonus))
+    assert got.dtype == torch.int32 and got.shape == (B, meta.max_spec_len + 1)
+    assert_equal(got, want)
+    if bonus is not None:  # the bonus slot of every fully accepted request, and no other slot, is the sampler's
+        n = torch.tensor(counts)
+        assert_equal((got >= 1000).sum(1), (got[torch.arange(B), n] >= 1000).long())
+
+
+@needs_ops
+def test_greedy_op_at_kimi_vocabulary_on_cpu():
+    meta, logits, _ = _batch([3, 0, 1], 163840, dtype=torch.float32, seed=4, device="cpu")
+    assert_equal(_GREEDY_OP(*_op_args(meta, logits)), out_of(RejectionSampler(), meta, logits, sampling_metadata()))
+
+
+@needs_ops
+@pytest.mark.parametrize("shape", ["uniform", "ragged", "B1", "none"])
+@pytest.mark.parametrize("with_probs", [False, True])
+def test_sampling_op_is_the_native_op_on_cpu(shape, with_probs):
+    """The sampling op's CPU implementation with explicit Philox keys = the native op on the padded chain."""
+    counts = COUNTS[shape]
+    meta, logits, probs = _batch(counts, 61, dtype=torch.float32, seed=9, device="cpu")
+    probs = probs if with_probs else None
+    B = len(counts)
+    temp = torch.tensor([0.0, 1.0, 0.7, -1.0, 1.3][:B] * (B // 5 + 1))[:B].contiguous()
+    seed = torch.arange(17, 17 + B, dtype=torch.int64)
+    got = _SAMPLING_OP(*_sampling_args(meta, logits, probs, temp, seed))
+    torch.manual_seed(0)
+    want = _native_sampling(meta, logits, probs, torch.where(temp == -1, 0.0, temp), seed=seed)
+    assert_equal(got, want)
+
+
+def _sample_op_inputs():
+    meta, logits, probs = _batch([2, 0, 3], 40, dtype=torch.float32, seed=1, device="cpu")
+    temp = torch.tensor([1.0, 0.0, 0.5])
+    seed = torch.tensor([1, 2, 3])
+    return meta, logits, probs, temp, seed
+
+
+@needs_ops
+def test_ops_opcheck_and_fake_tensors():
+    """opcheck (schema, fake = real shapes, no aliasing) on CPU, and FakeTensor tracing without data."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    meta, logits, probs, temp, seed = _sample_op_inputs()
+    torch.library.opcheck(_GREEDY_OP.default, _op_args(meta, logits))
+    torch.library.opcheck(_SAMPLING_OP.default, _sampling_args(meta, logits, probs, temp, seed))
+    with FakeTensorMode() as mode:
+        f = lambda t: mode.from_tensor(t)  # noqa: E731
+        fmeta = SimpleNamespace(**{k: f(v) if isinstance(v, torch.Tensor) else v for k, v in vars(meta).items()})
+        out = _GREEDY_OP(*_op_args(fmeta, f(logits)))
+        assert out.shape == (3, 4) and out.dtype == torch.int32
+        out = _SAMPLING_OP(*_sampling_args(fmeta, f(logits), f(probs), f(temp), f(seed)))
+        assert out.shape == (3, 4) and out.dtype == torch.int32
+        with pytest.raises(ValueError, match=r"metadata.draft_token_ids must have shape \(num_tokens\) = \(4\)"):
+            _GREEDY_OP(*_op_args(fmeta, f(logits))[:-2], 4, 3)
+
+
+@needs_ops
+def test_ops_trace_under_torch_compile():
+    meta, logits, probs, temp, seed = _sample_op_inputs()
+
+    def step(lg, d, cu, t, b, p, tp, sd):
+        return _GREEDY_OP(lg, d, cu, t, b, None, 3, 5, 3), _SAMPLING_OP(lg, p, d, cu, t, b, None, tp, sd, 3, 5, 3)
+
+    args = (logits, meta.draft_token_ids, meta.cu_num_draft_tokens, meta.target_logits_indices,
+            meta.bonus_logits_indices, probs, temp, seed)
+    got = torch.compile(step, backend="eager", fullgraph=True)(*args)
+    for a, b in zip(got, step(*args)):
+        assert_equal(a, b)
+
+
+# ---- the internal ops on CUDA: against their CPU implementation, bad input, the error word, launches, graphs -----
+
+
+@pytest.mark.gpu
+@needs_ops
+@pytest.mark.parametrize("shape", list(COUNTS))
+@pytest.mark.parametrize("V", [111, 32000, 163840])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("bonus_from", ["op", "sampler", "sampler-no-rows"])
+def test_gpu_greedy_op_matches_cpu(shape, V, dtype, bonus_from):
+    """The CUDA kernels read vLLM's flat logits in place: equal to the CPU implementation (the padded
+    gather on the reference op), with the output poisoned first by a previous call's garbage."""
+    if shape == "bigB" and V == 163840:
+        pytest.skip("B 300 at V 163840 holds 1200 rows: covered at V 32000")
+    meta, logits, _ = _batch(COUNTS[shape], V, dtype=dtype, seed=V % 97)
+    B = len(COUNTS[shape])
+    bonus = None if bonus_from == "op" else torch.randint(0, V, (B, 1), device="cuda")
+    if bonus_from == "sampler-no-rows":
+        meta.bonus_logits_indices = torch.zeros(0, dtype=torch.int32, device="cuda")
+    got = _GREEDY_OP(*_op_args(meta, logits, bonus))
+    want = _GREEDY_OP(*_op_args(_cpu(meta), logits.cpu(), None if bonus is None else bonus.cpu()))
+    assert_equal(got.cpu(), want)
+
+
+@pytest.mark.gpu
+@needs_ops
+@pytest.mark.parametrize("shape", ["uniform", "ragged", "B1", "none", "bigB"])
+@pytest.mark.parametrize("with_probs", [False, True])
+@pytest.mark.parametrize("bonus_from", ["op", "sampler-no-rows"])
+def test_gpu_sampling_op_matches_the_native_op(shape, with_probs, bonus_from):
+    """Kimi's vocabulary, greedy / random / vLLM's -1 requests mixed: the chain mode draws the native op's
+    Philox numbers on the padded chain, so the outputs agree; with draft_probs the native op's extra residual
+    pass over the padded node after a fully accepted chain (a renormalisation by ~1) may move a bonus draw,
+    so those slots are compared only in distribution (the chi-square tests)."""
+    counts = COUNTS[shape]
+    V = 163840 if shape != "bigB" else 32000
+    meta, logits, probs = _batch(counts, V, seed=5)
+    probs = probs if with_probs else None
+    B = len(counts)
+    temp = torch.tensor(([0.0, 1.0, 0.7, -1.0, 1.3] * (B // 5 + 1))[:B], device="cuda")
+    seed = torch.randint(0, 2**62, (B,), device="cuda")
+    bonus = None
+    rows = meta.bonus_logits_indices.clone()
+    if bonus_from == "sampler-no-rows":
+        bonus = torch.randint(0, V, (B,), device="cuda")
+        meta.bonus_logits_indices = torch.zeros(0, dtype=torch.int32, device="cuda")
+    got = _SAMPLING_OP(*_sampling_args(meta, logits, probs, temp, seed, bonus)).cpu()
+    meta.bonus_logits_indices = rows
+    want = _native_sampling(meta, logits, probs, torch.where(temp == -1, 0.0, temp), seed=seed).cpu()
+    assert_agree(got, want, counts, loose_bonus=with_probs or bonus is not None)
+    if bonus is not None:  # the sampler's token in the bonus slot of every fully accepted request
+        full = (want != P).sum(1) - 1 == torch.tensor(counts)
+        slot = got[torch.arange(B), torch.tensor(counts)]
+        assert_equal(slot[full], bonus.cpu().to(torch.int32)[full])
+
+
+def assert_agree(got, want, counts, loose_bonus):
+    """got == want, except (loose_bonus) in the bonus slot of the requests that accepted every draft."""
+    n = torch.tensor(counts)
+    full = (want != P).sum(1) - 1 == n  # want: accepted drafts, one more token, then -1
+    loose = (torch.arange(want.shape[1])[None, :] == n[:, None]) & full[:, None] & loose_bonus
+    assert_equal(torch.where(loose, P, got), torch.where(loose, P, want))
+
+
+def _cuda(meta):
+    return SimpleNamespace(**{k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in vars(meta).items()})
+
+
+# The rows of BAD that the CUDA path refuses on the host, as the CPU path words them; the values only the data
+# shows go to the device error word (test_gpu_values_go_to_the_error_word).
+_HOST_BAD = [b for b in BAD if b[2] is not Eagle3InputError]
+
+
+@pytest.mark.gpu
+@needs_ops
+@pytest.mark.parametrize("what,change,err,text", _HOST_BAD, ids=[b[0] for b in _HOST_BAD])
+def test_gpu_bad_input_is_refused_as_on_cpu(what, change, err, text):
+    meta, logits, sm, probs = _good()
+    meta, logits, sm, probs = change(_cuda(meta), logits.cuda(), _cuda(sm), probs.cuda())
+    if what == "indices on another device":
+        text = "metadata.bonus_logits_indices must be on logits' device (cuda:0) or the CPU, got meta"
+    before = [t.clone() for t in (logits, probs, meta.draft_token_ids)]
+    with pytest.raises(err) as e:
+        RejectionSampler()(meta, probs, logits, sm)
+    assert text in str(e.value), str(e.value)
+    for b, a in zip(before, (logits, probs, meta.draft_token_ids)):
+        assert_equal(a, b, "input after a refused call")
+
+
+@pytest.mark.gpu
+@needs_ops
+@pytest.mark.parametrize("greedy", [True, False], ids=["greedy", "random"])
+@pytest.mark.parametrize("fault", ["cu", "cu-last", "target", "bonus", "temperature"])
+def test_gpu_values_go_to_the_error_word(greedy, fault):
+    """No host sync in the call: a bad value is recorded (op, argument, index, value, valid range), the call
+    still writes every output slot in bounds, and check_errors / strict mode raise it."""
+    if fault == "temperature" and greedy:
+        pytest.skip("greedy batches read no temperature")
+    meta, logits, _ = _batch([2, 1, 2], 1000, seed=3)
+    op_name = "_vllm_rejection_greedy" if greedy else "_vllm_rejection_sampling"
+    temp = torch.tensor([1.0, -1.0, 0.5], device="cuda")  # -1: vLLM's old greedy placeholder, valid
+    if fault == "cu":
+        meta.cu_num_draft_tokens = torch.tensor([3, 3, 5], dtype=torch.int32, device="cuda")  # 3 > max_spec_len 2
+        want = f"{op_name}: cu_num_draft_tokens[0] = 3 is out of range (valid: 0..2)"
+    elif fault == "cu-last":
+        meta.cu_num_draft_tokens = torch.tensor([2, 3, 4], dtype=torch.int32, device="cuda")  # ends before 5
+        want = f"{op_name}: cu_num_draft_tokens[2] = 4 is out of range (valid: 5..5)"
+    elif fault == "target":
+        meta.target_logits_indices[1] = 99
+        want = f"{op_name}: target_logits_indices[1] = 99 is out of range (valid: 0..7)"
+    elif fault == "bonus":
+        meta.bonus_logits_indices[2] = -4
+        want = f"{op_name}: bonus_logits_indices[2] = -4 is out of range (valid: 0..7)"
+    else:
+        temp[1] = -0.5
+        want = f"{op_name}: temperature[1] = -0.5 must be >= 0"
+    sm = sampling_metadata() if greedy else sampling_metadata(temp)
+    eagle3_ops.check_errors()  # clear
+    out = out_of(RejectionSampler(), meta, logits, sm)
+    with pytest.raises(Eagle3InputError, match=re.escape(want)):
+        eagle3_ops.check_errors()
+    assert out.shape == (3, 3) and bool(((out >= -1) & (out < 1000)).all()), out  # every slot a token or -1
+    eagle3_ops.set_strict(True)
+    try:
+        with pytest.raises(Eagle3InputError, match=re.escape(want)):
+            out_of(RejectionSampler(), meta, logits, sm)
+    finally:
+        eagle3_ops.set_strict(False)
+
+
+@pytest.mark.gpu
+@needs_ops
+@pytest.mark.parametrize("mode", ["greedy", "random", "random+probs"])
+def test_gpu_launches_per_call(mode):
+    """Kernels per call on the CUDA path (the profiler's count): greedy 2 (argmax slices, walk), random 5 (the
+    Philox keys' draw, row stats, walk, race, finish); the ragged layout adds none."""
+    from torch.profiler import ProfilerActivity, profile
+
+    meta, logits, probs = _batch([4, 0, 2, 4, 1, 0, 3, 4], 32000)
+    sm = sampling_metadata() if mode == "greedy" else sampling_metadata(torch.ones(8, device="cuda"))
+    probs = probs if mode == "random+probs" else None
+    rs = RejectionSampler()
+    out_of(rs, meta, logits, sm, probs)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        out_of(rs, meta, logits, sm, probs)
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA and "emcpy" not in e.name
+               and "emset" not in e.name]
+    assert len(kernels) == (2 if mode == "greedy" else 5), [e.name for e in kernels]
+
+
+@pytest.mark.gpu
+@needs_ops
+@pytest.mark.parametrize("greedy", [True, False], ids=["greedy", "random"])
+def test_gpu_ragged_graph_replay_matches_eager(greedy):
+    """The ragged fast path in one CUDA graph: new drafts, logits and cu_num_draft_tokens (the same counts
+    regrouped) written in place, replayed; equal to an eager call on those values."""
+    def batch(seed, counts):
+        meta, logits, _ = _batch(counts, 32000, seed=seed)
+        if not greedy:
+            logits = torch.full_like(logits, -60.0).scatter_(1, logits.float().argmax(-1, keepdim=True), 0.0)
+        return meta, logits
+
+    counts = [4, 0, 2, 4, 1, 0, 3, 4]
+    (meta, logits), (new_meta, new_logits) = batch(1, counts), batch(2, counts[::-1])
+    sm = sampling_metadata() if greedy else sampling_metadata(torch.ones(8, device="cuda"))
+    rs = RejectionSampler()
+    graph, out = capture_graph(lambda: out_of(rs, meta, logits, sm))
+    for name in ("draft_token_ids", "cu_num_draft_tokens", "target_logits_indices", "bonus_logits_indices"):
+        getattr(meta, name).copy_(getattr(new_meta, name))
+    logits.copy_(new_logits)
+    graph.replay()
+    new_meta.num_draft_tokens = counts[::-1]
+    assert_equal(out, out_of(rs, new_meta, new_logits, sm))

@@ -34,8 +34,9 @@ included: no row is copied), take the sampler's bonus tokens when a sampler is g
 not read), check every shape, dtype and device in C++ (the messages below, naming vLLM's fields) and write
 vLLM's ``[batch_size, max_spec_len + 1]`` int32 output directly. Launches per call: 2 (greedy), 5 (random: the
 Philox keys' draw, then 4), plus one per seeded generator and the sampler's own. The values only the data shows
-(``cu_num_draft_tokens`` against max_spec_len and num_tokens, the logits indices, negative temperatures other
-than vLLM's -1) are checked on the device into eagle3_ops' error word (eagle3_ops.check_errors() / strict mode
+(``cu_num_draft_tokens`` non-decreasing by at most max_spec_len and ending at num_tokens - not against the host's
+``num_draft_tokens``, which would take a sync -, the logits indices in [0, logits rows), negative temperatures
+other than vLLM's -1) are checked on the device into eagle3_ops' error word (eagle3_ops.check_errors() / strict mode
 raise them, naming the op and the argument); a request with a bad ``cu_num_draft_tokens`` entry is taken as
 having no drafts, a bad row index reads row 0. No host sync; fixed shapes for fixed ``num_draft_tokens``; the
 greedy and the unseeded random path can be captured in a CUDA graph.
@@ -428,6 +429,9 @@ class RejectionSampler(torch.nn.Module):
         target, bonus_idx = metadata.target_logits_indices, metadata.bonus_logits_indices
         if not isinstance(target, Tensor) or not isinstance(bonus_idx, Tensor):
             raise TypeError("metadata.target_logits_indices and metadata.bonus_logits_indices must be Tensors")
+        for name, idx in (("target_logits_indices", target), ("bonus_logits_indices", bonus_idx)):
+            if idx.device != dev and idx.device.type != "cpu":
+                raise ValueError(f"metadata.{name} must be on logits' device ({dev}) or the CPU, got {idx.device}")
         if target.device.type == "cpu":  # host indices are allowed, as logits[idx] allows them (vLLM's tests)
             target = target.to(dev, non_blocking=True)
         if bonus_idx.device.type == "cpu":
