@@ -1,10 +1,15 @@
 """vLLM's rejection sampler entry at Kimi vocabulary (V = 163840, bf16 logits), in one run:
 
     compat   eagle3_ops.compat.vllm.RejectionSampler()(metadata, draft_probs, logits, sampling_metadata):
-             vLLM's inputs (flat draft ids, cu_num_draft_tokens, logits rows request-major); the layout
-             adaptation, then one native op; the bonus token from our op (sampler=None)
+             vLLM's inputs (flat draft ids, cu_num_draft_tokens, logits rows request-major), on CUDA one C++
+             op on them (torch.ops.eagle3._vllm_rejection_greedy / _sampling: the rows read in place through
+             the indices, ragged batches included; 2 kernels greedy, 5 random); the bonus token from our op
+             (sampler=None)
+    compat-tensor  the same call with kernels="tensor": the tensor-op path (the layout adapted by torch ops,
+             ragged rows gathered, then the native op), the path before those C++ ops
     eagle3   the native op alone on inputs already in our [B, N] layout (ragged shapes: the padded logits
-             prepared outside the timing): what the compat layer costs is compat - eagle3
+             prepared outside the timing, B * N rows where vLLM's layout has num_tokens + B): what the compat
+             layer costs is compat - eagle3
     torch    what vLLM's rejection sampler does, restated as plain vectorised PyTorch (its own kernels are
              Triton and vLLM does not load here): the target rows gathered and cast to fp32, temperature,
              an fp32 softmax of every target row, greedy argmax or the accept test p / q >= u with one
@@ -118,7 +123,7 @@ def torch_rejection(meta, logits, probs, sm, bonus):
     return torch.where(col == accepted[:, None], last[:, None], out).to(torch.int32)
 
 
-@pytest.mark.parametrize("provider", ["compat", "eagle3", "torch"])
+@pytest.mark.parametrize("provider", ["compat", "compat-tensor", "eagle3", "torch"])
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_compat_vllm(benchmark, recorder, provider, mode, shape):
@@ -128,8 +133,8 @@ def test_compat_vllm(benchmark, recorder, provider, mode, shape):
     g = torch.Generator(device="cuda").manual_seed(0)
     nbytes = (sum(counts) + B) * V * 2 + (sum(counts) * V * 4 if mode == "random+probs" else 0)
     sets = [vllm_inputs(counts, mode, g) for _ in range(rotation(nbytes))]
-    rs = RejectionSampler()
-    if provider == "compat":
+    rs = RejectionSampler(kernels="tensor" if provider == "compat-tensor" else "auto")
+    if provider.startswith("compat"):
         calls = [lambda s=s: rs(s[0], s[2], s[1], s[3]) for s in sets]
     elif provider == "eagle3":
         prepared = [native_inputs(*s[:4]) for s in sets]

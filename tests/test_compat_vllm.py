@@ -853,3 +853,28 @@ def test_gpu_ragged_graph_replay_matches_eager(greedy):
     graph.replay()
     new_meta.num_draft_tokens = counts[::-1]
     assert_equal(out, out_of(rs, new_meta, new_logits, sm))
+
+
+def test_kernels_argument():
+    with pytest.raises(ValueError, match="kernels must be 'auto' or 'tensor'"):
+        RejectionSampler(kernels="triton")
+    drafts, rows, expected = GREEDY_CASES[5]
+    meta, logits = case(drafts, rows)
+    assert_equal(out_of(RejectionSampler(kernels="tensor"), meta, logits, sampling_metadata()),
+                 torch.tensor(expected, dtype=torch.int32))
+
+
+@pytest.mark.gpu
+@needs_ops
+@pytest.mark.parametrize("counts", [[3] * 64, [4, 0, 2, 4, 1, 0, 3, 4] * 8], ids=["uniform", "ragged"])
+@pytest.mark.parametrize("greedy", [True, False], ids=["greedy", "random"])
+def test_gpu_op_path_equals_the_tensor_path(counts, greedy):
+    """The C++ ops (kernels="auto") and the tensor-op path before them (kernels="tensor") give the same output,
+    random requests included (the same Philox keys from the same generator, no draft_probs)."""
+    meta, logits, _ = _batch(counts, 163840, seed=8)
+    sm = sampling_metadata() if greedy else sampling_metadata(
+        torch.tensor([1.0, 0.0, 0.7, -1.0] * (len(counts) // 4), device="cuda"))
+    torch.manual_seed(1)
+    got = out_of(RejectionSampler(), meta, logits, sm)
+    torch.manual_seed(1)
+    assert_equal(got, out_of(RejectionSampler(kernels="tensor"), meta, logits, sm))

@@ -370,10 +370,17 @@ class RejectionSampler(torch.nn.Module):
         "fly" and "synthetic", which change the accept rule, raise NotImplementedError naming the field.
     device : torch.device, optional
         Accepted for vLLM's signature; every tensor follows ``logits``' device.
+    kernels : str, keyword-only
+        "auto" (default): CUDA tensors go to the C++ ops on vLLM's layout where they apply (module docstring);
+        "tensor": always the tensor-op path on the native ops (the path before those ops; for benchmarks).
     """
 
-    def __init__(self, sampler: Optional[Any] = None, spec_config: Optional[Any] = None, device: Any = None):
+    def __init__(self, sampler: Optional[Any] = None, spec_config: Optional[Any] = None, device: Any = None, *,
+                 kernels: str = "auto"):
         super().__init__()
+        if kernels not in ("auto", "tensor"):
+            raise ValueError(f"kernels must be 'auto' or 'tensor', got {kernels!r}")
+        self._ops = _OPS if kernels == "auto" else ()
         method = getattr(spec_config, "rejection_sample_method", "standard")
         if method in _REFUSED_METHODS:
             raise NotImplementedError(f"spec_config.rejection_sample_method = {method!r}: "
@@ -400,7 +407,7 @@ class RejectionSampler(torch.nn.Module):
         """Verify every request's drafts; returns SamplerOutput(sampled_token_ids [batch_size, max_spec_len + 1]
         int32: accepted drafts, then the recovered or bonus token, then PLACEHOLDER_TOKEN_ID)."""
         sm = sampling_metadata
-        if isinstance(logits, Tensor) and logits.is_cuda and _OPS and _fast(sm):
+        if self._ops and isinstance(logits, Tensor) and logits.is_cuda and _fast(sm):
             return self._forward_op(metadata, draft_probs, logits, sm)
         s = _check(metadata, draft_probs, logits, sm)
         B = s.B
@@ -443,7 +450,7 @@ class RejectionSampler(torch.nn.Module):
             raise ValueError(f"metadata.bonus_logits_indices must have shape (batch_size) = ({B}) with sampler=None: "
                              "the bonus token is then sampled from the bonus rows of logits")
         if sm.all_greedy:
-            out = _OPS[0](logits, metadata.draft_token_ids, metadata.cu_num_draft_tokens, target, bonus_idx, bonus,
+            out = self._ops[0](logits, metadata.draft_token_ids, metadata.cu_num_draft_tokens, target, bonus_idx, bonus,
                           B, T, K)
         else:
             temp = sm.temperature
@@ -451,7 +458,7 @@ class RejectionSampler(torch.nn.Module):
                 seed = _seeds(sm, metadata.num_draft_tokens, B, dev, bonus is None)
             else:
                 seed = torch.zeros(B, dtype=torch.int64, device=dev)  # refused by the op's check of temperature
-            out = _OPS[1](logits, draft_probs, metadata.draft_token_ids, metadata.cu_num_draft_tokens, target,
+            out = self._ops[1](logits, draft_probs, metadata.draft_token_ids, metadata.cu_num_draft_tokens, target,
                           bonus_idx, bonus, temp, seed, B, T, K)
         return SamplerOutput(out)
 
