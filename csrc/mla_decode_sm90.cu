@@ -478,7 +478,11 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
             const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&v[e]));
-            amax = fmaxf(amax, fmaxf(fabsf(f.x), fabsf(f.y)));  // (NaN is dropped: it stays NaN in fp16)
+            // the finite values only: a NaN or an infinity stays what it is in fp16 (as the reference has it) and
+            // sets no shift, so the block's other rows keep their exact conversion
+            const float ax = fabsf(f.x) <= 3.402823466e38f ? fabsf(f.x) : 0.f;
+            const float ay = fabsf(f.y) <= 3.402823466e38f ? fabsf(f.y) : 0.f;
+            amax = fmaxf(amax, fmaxf(ax, ay));
           }
         }
 #pragma unroll
@@ -487,7 +491,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
         __syncthreads();
 #pragma unroll
         for (int w = 0; w < kThreads / 32; ++w) amax = fmaxf(amax, s_alpha[w]);
-        if (amax >= 32768.f && amax <= 3.402823466e38f) {  // (an inf in q stays inf, as the reference has it)
+        if (amax >= 32768.f) {
           const uint32_t bits = __float_as_uint(amax);
           const int ceil_log2 = static_cast<int>((bits >> 23) & 0xffu) - 127 + ((bits & 0x7fffffu) != 0u);
           shift = ceil_log2 - 15;  // amax * 2^-shift <= 2^15

@@ -568,6 +568,19 @@ def test_gpu_sm90_large_q(q_scale):
 
 
 @pytest.mark.gpu
+def test_gpu_sm90_inf_in_q_leaves_the_blocks_other_rows_exact():
+    # One block (4 nodes x 16 heads): an inf in node 0's head 0, |q| ~ 3e4 (past fp16) in node 1. The infinity sets no
+    # prescale of its own, so the other rows of the block are converted exactly and still meet the rule.
+    sm90_gpu()
+    c = gpu_fp8_case((4, 3000, 2, 64, "chain"), 16)
+    c.q[1].copy_((c.q[1].float() * 3e4).bfloat16())
+    c.q[0, 0, 5] = float("inf")
+    out, lse = run_fp8(c, dict(kernel="sm90"), kernel=True)
+    ref_out, ref_lse = c.truth()
+    _check_against(c, out, lse, ref_out, ref_lse, rows=slice(1, None))
+
+
+@pytest.mark.gpu
 def test_gpu_sm90_small_scale_uses_subnormals():
     sm90_gpu()
     c = gpu_fp8_case((4, 2000, 3, 16, "chain"), 16, scale_of_amax=64.0)
