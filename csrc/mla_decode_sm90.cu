@@ -853,7 +853,7 @@ bool sm90a_compiled(int device) {
 void check_args(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& page_table,
                 const at::Tensor& prefix_lens, const at::Tensor& tree_mask, double scale, const at::Tensor& out,
                 const std::optional<at::Tensor>& lse, const at::Tensor& part_out, const at::Tensor& part_lse,
-                int64_t num_splits, const at::Tensor* kv_scale = nullptr) {
+                int64_t num_splits, const at::Tensor* kv_scale_or_null = nullptr) {
   TORCH_CHECK_TYPE(q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf,
                    "q must have dtype bfloat16 | float16, got ", q.scalar_type());
   CHECK_CUDA(q);
@@ -862,13 +862,14 @@ void check_args(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tenso
   const int64_t B = tree_mask.size(0), N = tree_mask.size(1), W = tree_mask.size(2), G = q.size(1);
   CHECK_SHAPE(q, B * N, G, kDim);
   CHECK_LAST_DIM_CONTIGUOUS(q);
-  CHECK_DTYPE(kv_cache, kv_scale != nullptr ? at::kFloat8_e4m3fn : q.scalar_type());
+  CHECK_DTYPE(kv_cache, kv_scale_or_null != nullptr ? at::kFloat8_e4m3fn : q.scalar_type());
   CHECK_DIM(kv_cache, 3);
-  if (kv_scale != nullptr) {
-    CHECK_DTYPE((*kv_scale), at::kFloat);
-    TORCH_CHECK_VALUE(kv_scale->numel() == 1 && kv_scale->dim() <= 1, "kv_scale must have shape [] or [1], got ",
-                      kv_scale->sizes());
-    CHECK_SAME_DEVICE((*kv_scale), q);
+  if (kv_scale_or_null != nullptr) {
+    const at::Tensor& kv_scale = *kv_scale_or_null;
+    CHECK_DTYPE(kv_scale, at::kFloat);
+    TORCH_CHECK_VALUE(kv_scale.numel() == 1 && kv_scale.dim() <= 1, "kv_scale must have shape [] or [1], got ",
+                      kv_scale.sizes());
+    CHECK_SAME_DEVICE(kv_scale, q);
   }
   CHECK_SHAPE(kv_cache, kv_cache.size(0), kv_cache.size(1), kDim);
   CHECK_LAST_DIM_CONTIGUOUS(kv_cache);

@@ -549,6 +549,29 @@ def test_gpu_sm90_against_float64(case, NH, splits, dtype):
 
 
 @pytest.mark.gpu
+def test_gpu_sm90_fp8_op_checks_its_arguments():
+    # the internal op checks what its launcher does not (the public op's checks come first: _validate)
+    sm90_gpu()
+    c = gpu_fp8_case((4, 100, 2, 16, "chain"), 64)
+    out = torch.empty(c.q.shape[0], 64, 512, dtype=c.dtype, device="cuda")
+    po, plse = torch.empty(2, 2, 4 * 64, 512, device="cuda"), torch.empty(2, 2, 4 * 64, device="cuda")
+    op = torch.ops.eagle3._tree_attention_mla_sm90_fp8
+    common = (c.page_table, c.prefix_lens, c.tree_mask, c.scale, out, None, po, plse, 2)
+    op(c.q, c.k8, c.kv_scale, *common)  # as given: no error
+    with pytest.raises(TypeError, match="kv_cache must have dtype"):
+        op(c.q, c.k8.view(torch.uint8), c.kv_scale, *common)
+    with pytest.raises(TypeError, match="kv_scale must have dtype"):
+        op(c.q, c.k8, c.kv_scale.double(), *common)
+    with pytest.raises(ValueError, match=re.escape("kv_scale must have shape [] or [1]")):
+        op(c.q, c.k8, c.kv_scale.repeat(2), *common)
+    with pytest.raises(ValueError, match="kv_scale must be on the same device"):
+        op(c.q, c.k8, c.kv_scale.cpu(), *common)
+    with pytest.raises(ValueError, match="kv_cache must have 16-byte aligned rows"):
+        shifted = torch.empty(c.k8.numel() + 8, dtype=torch.uint8, device="cuda")[8:].view(FP8).view(c.k8.shape)
+        op(c.q, shifted, c.kv_scale, *common)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("evict_first", [False, True])
 def test_gpu_sm90_l2_policy_changes_nothing(evict_first):
     sm90_gpu()
