@@ -234,7 +234,9 @@ __global__ void __launch_bounds__(kThreads) argmax_partial_kernel(const scalar_t
     row = in_a ? load_index(ri.a, ri.a64, lrow) : load_index(ri.b, ri.b64, lrow - ri.n_a);
     if (EAGLE3_UNLIKELY(row < 0 || row >= ri.R)) {
       if (threadIdx.x == 0) {
-        if (s == 0) report_range(ri.err, ri.op, in_a ? ri.arg_a : ri.arg_b, row, 0, ri.R - 1, in_a ? lrow : lrow - ri.n_a);
+        if (s == 0) {
+          report_range(ri.err, ri.op, in_a ? ri.arg_a : ri.arg_b, row, 0, ri.R - 1, in_a ? lrow : lrow - ri.n_a);
+        }
         partial[blockIdx.x] = Partial<acc_t>{static_cast<acc_t>(-INFINITY), 0};  // token 0: still a token id
       }
       return;

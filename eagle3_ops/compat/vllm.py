@@ -38,7 +38,9 @@ Philox keys' draw, then 4), plus one per seeded generator and the sampler's own.
 ``num_draft_tokens``, which would take a sync -, the logits indices in [0, logits rows), negative temperatures
 other than vLLM's -1) are checked on the device into eagle3_ops' error word (eagle3_ops.check_errors() / strict mode
 raise them, naming the op and the argument); a request with a bad ``cu_num_draft_tokens`` entry is taken as
-having no drafts, a bad row index reads row 0. No host sync; fixed shapes for fixed ``num_draft_tokens``; the
+having no drafts, a bad row index reads row 0 (greedy: that row's argmax is token 0). The sampler (when given)
+and the Philox keys' draw run before the op's checks, so a call refused there may have advanced the
+generators; the CPU path checks everything first. No host sync; fixed shapes for fixed ``num_draft_tokens``; the
 greedy and the unseeded random path can be captured in a CUDA graph.
 
 Elsewhere (CPU tensors, or the mask / top-k / top-p on CUDA) the rows go to the native ops in their ``[B * N, V]``
@@ -426,7 +428,8 @@ class RejectionSampler(torch.nn.Module):
         return SamplerOutput(_tensor_path(metadata, draft_probs, logits, sm, s, bonus, self._constants))
 
     def _forward_op(self, metadata, draft_probs, logits, sm) -> SamplerOutput:
-        """CUDA: one C++ op on vLLM's tensors (module docstring); the host-side checks only (the op checks the tensors)."""
+        """CUDA: one C++ op on vLLM's tensors (module docstring); only the host-side checks here (the op checks the
+        tensors)."""
         B, T, K = _host_sizes(metadata)
         _unsupported(sm)
         for i in sm.generators:
@@ -445,21 +448,24 @@ class RejectionSampler(torch.nn.Module):
             bonus_idx = bonus_idx.to(dev, non_blocking=True)
         bonus = None
         if self.sampler is not None:
-            bonus = self.sampler(logits=logits[bonus_idx], sampling_metadata=sm, predict_bonus_token=True).sampled_token_ids
+            bonus = self.sampler(logits=logits[bonus_idx], sampling_metadata=sm,
+                                 predict_bonus_token=True).sampled_token_ids
         elif bonus_idx.shape[0] != B:
             raise ValueError(f"metadata.bonus_logits_indices must have shape (batch_size) = ({B}) with sampler=None: "
                              "the bonus token is then sampled from the bonus rows of logits")
         if sm.all_greedy:
-            out = self._ops[0](logits, metadata.draft_token_ids, metadata.cu_num_draft_tokens, target, bonus_idx, bonus,
-                          B, T, K)
+            out = self._ops[0](logits, metadata.draft_token_ids, metadata.cu_num_draft_tokens, target, bonus_idx,
+                               bonus, B, T, K)
         else:
             temp = sm.temperature
-            if isinstance(temp, Tensor) and temp.device == dev:  # the op checks it; the keys' device follows it
+            if not isinstance(temp, Tensor):
+                raise TypeError(f"sampling_metadata.temperature must be a Tensor, got {type(temp).__name__}")
+            if temp.device == dev:  # the op checks it; the keys' device follows it
                 seed = _seeds(sm, metadata.num_draft_tokens, B, dev, bonus is None)
             else:
                 seed = torch.zeros(B, dtype=torch.int64, device=dev)  # refused by the op's check of temperature
             out = self._ops[1](logits, draft_probs, metadata.draft_token_ids, metadata.cu_num_draft_tokens, target,
-                          bonus_idx, bonus, temp, seed, B, T, K)
+                               bonus_idx, bonus, temp, seed, B, T, K)
         return SamplerOutput(out)
 
     @staticmethod
