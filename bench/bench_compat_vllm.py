@@ -155,6 +155,30 @@ def test_compat_vllm(benchmark, recorder, provider, mode, shape):
     recorder.add("compat_vllm/eager", f"B={B} {shape} {mode} V={V}", provider, eager_time_us(calls, 40), nbytes)
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_kernel_breakdown(capsys, mode):
+    """Where a compat call's device time goes, per kernel (torch.profiler, 10 calls on one uniform input set):
+    what to work on next (the native sampling kernels with draft_probs are slower than the PyTorch path)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    meta, logits, probs, sm, _ = vllm_inputs(SHAPES["uniform"], mode, g)
+    rs = RejectionSampler()
+    for _ in range(3):
+        rs(meta, probs, logits, sm)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(10):
+            rs(meta, probs, logits, sm)
+        torch.cuda.synchronize()
+    rows = [(e.key, e.count, e.device_time_total / e.count) for e in prof.key_averages()
+            if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time_total > 0]  # kernels, not ops
+    with capsys.disabled():
+        print(f"\ncompat_vllm {mode} B={B} uniform V={V}: kernels per call, device us per launch")
+        for key, count, us in sorted(rows, key=lambda r: -r[1] * r[2]):
+            print(f"  {us:9.2f} us  x{count // 10:<3} {key[:110]}")
+
+
 def test_zz_ratios(recorder, capsys):
     """The done-when table: compat against the native op and against vLLM's path restated in PyTorch."""
     print_ratios(recorder, capsys, {"compat_vllm": "eagle3"}, "compat_vllm_ratios", torch_of=lambda p: "torch")
