@@ -584,12 +584,13 @@ def _register() -> tuple:
         ops = (torch.ops.eagle3._vllm_rejection_greedy.default, torch.ops.eagle3._vllm_rejection_sampling.default)
     except (AttributeError, RuntimeError):  # a _C from before these schemas
         return ()
-    lib = torch.library.Library("eagle3", "IMPL")  # noqa: TOR901  (kept alive with the module)
-    _LIBS.append(lib)
-    for name, cpu, fake in (("_vllm_rejection_greedy", _greedy_cpu, _greedy_fake),
-                            ("_vllm_rejection_sampling", _sampling_cpu, _sampling_fake)):
-        lib.impl(name, cpu, "CPU")
-        torch.library.register_fake(f"eagle3::{name}", fake, lib=lib)
+    if not torch._C._dispatch_has_kernel_for_dispatch_key("eagle3::_vllm_rejection_greedy", "CPU"):  # once
+        lib = torch.library.Library("eagle3", "IMPL")  # noqa: TOR901  (kept alive with the module)
+        _LIBS.append(lib)
+        for name, cpu, fake in (("_vllm_rejection_greedy", _greedy_cpu, _greedy_fake),
+                                ("_vllm_rejection_sampling", _sampling_cpu, _sampling_fake)):
+            lib.impl(name, cpu, "CPU")
+            torch.library.register_fake(f"eagle3::{name}", fake, lib=lib)
     cuda = all(torch._C._dispatch_has_kernel_for_dispatch_key(f"eagle3::{n}", "CUDA")
                for n in ("_vllm_rejection_greedy", "_vllm_rejection_sampling"))
     return ops if cuda else ()
