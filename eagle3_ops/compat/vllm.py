@@ -68,6 +68,10 @@ Randomness: what is equal and what is bit-identical.
   default generator, offset 0. The accept rule is the same (vLLM accepts when p / q >= u, we when u * q < p;
   they differ only on a null set), the recovered token is a draw from normalize(max(p - q, 0)) (without
   draft_probs, from p with the draft's probability removed) on both sides, and the bonus from p.
+* The CUDA op and the tensor-op path draw the same Philox numbers (the padded chain's rows), so they give the
+  same tokens, except that with draft_probs a request that accepted every draft takes its bonus draw without
+  the tensor path's residual pass over the padded node (a renormalisation by a mass within rounding of 1),
+  which can move that one draw where two scores are within rounding of each other.
 * One documented difference: a draft whose own draft probability is 0 (impossible when it was drawn from
   draft_probs) is always rejected by vLLM and accepted with probability min(1, p / q) = 1 here.
 * Draft ids outside [0, vocab_size) are never accepted (vLLM would read past the row).
