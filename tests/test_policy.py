@@ -158,8 +158,8 @@ def test_model_by_hand():
     # depth 1: request 0's rejection over 2/3 at 4, (4 x 2/3 + 0) / 5 = 8/15, its own none
     a, c, al = pol.posterior(1)
     assert (a, c) == pytest.approx((2, 1)) and al[:2] == pytest.approx([2 / 3, 8 / 15])
-    # confidence 0.5 at depth 1 against a mean 1 + 0.2 (0.5 - 1) = 0.9: factor 0.5 / 0.9
-    q1 = 8 / 15 * 0.5 / 0.9
+    # confidence 0.5 at depth 1 against a mean 1 + 0.2 (0.5 - 1) = 0.9: factor (0.5 / 0.9) ** (1/2), the default
+    q1 = 8 / 15 * math.sqrt(0.5 / 0.9)
     mean = 1 + 2 / 3 + 2 / 3 * q1
     assert pol.expected_tokens(0, 2) == pytest.approx(mean) and pol.expected_tokens(1, 2) == pytest.approx(mean)
     var = 1 + 3 * 2 / 3 + 5 * 2 / 3 * q1 - mean ** 2  # E[X^2] - E[X]^2: P(X >= m) weighs m^2 - (m - 1)^2
@@ -457,6 +457,48 @@ def test_simulation_follows_the_loop(pair, p):
     assert stats.decisions == sim["decisions"] and stats.resumes == sim["resumes"]
 
 
+
+def test_confidence_is_damped():
+    """The drafter's confidence factor enters as (c / m) ** confidence: 1/2 by default (the square root), 0 ignores
+    it, 1 takes it whole; a negative exponent is refused. Why 1/2: the shipped pair's 20 held-out prompts in the
+    terms of CPU_TABLES (`.venv/bin/python tests/test_policy.py heldout B CONFIDENCE`): docs/e2e.md."""
+    costs = {PLAIN: 1.0, "resume/8": 0.1, "resume/64": 0.1, "1/1/2": 1.5}
+    for g, want in [(0.5, math.sqrt(0.25 / 0.85)), (0.0, 1.0), (1.0, 0.25 / 0.85)]:
+        pol = AdaptivePolicy(steps=(1,), confidence=g)
+        pol.start(1, costs, pol.shapes(SpecConfig()), 61)
+        pol.launched(pol._specs[0], None)
+        # d_1 read at probability 0.25: the running mean 1 + 0.2 (0.25 - 1) = 0.85
+        pol.observe(pol._specs[0], [True], [1], [[math.log(0.25)]], None, counts=[3])
+        assert pol.factors(0)[0] == pytest.approx(want)
+    assert AdaptivePolicy().confidence == 0.5
+    with pytest.raises(ValueError, match="confidence >= 0"):
+        AdaptivePolicy(confidence=-1.0)
+
+
+def test_cpu_cost_table_takes_turns_and_the_least():
+    """On the CPU the start-up cost table times every graph once a pass, COST_REPS passes, and keeps each one's
+    least time (a load burst falls on every shape alike, and only ever slows a round down); on CUDA each graph's
+    median of its own replays (RoundGraph.measure), as before."""
+    from eagle3_ops.engine.adaptive import measure_costs
+
+    order = []
+
+    class Fake:
+        def __init__(self, name, times):
+            self.name, self.times = name, list(times)
+
+        def measure(self, reps):
+            order.append((self.name, reps))
+            return self.times.pop(0) if reps == 1 else sorted(self.times)[len(self.times) // 2]
+
+    graphs = {"plain": Fake("plain", [3.0, 1.0, 2.0]), "1/1/2": Fake("1/1/2", [5.0, 9.0, 4.0])}
+    assert measure_costs(graphs, 3, cuda=False) == {"plain": 1.0, "1/1/2": 4.0}
+    assert order == [("plain", 1), ("1/1/2", 1)] * 3
+    order.clear()
+    graphs = {"plain": Fake("plain", [3.0, 1.0, 2.0]), "1/1/2": Fake("1/1/2", [5.0, 9.0, 4.0])}
+    assert measure_costs(graphs, 3, cuda=True) == {"plain": 2.0, "1/1/2": 5.0}
+    assert order == [("plain", 3), ("1/1/2", 3)]
+
 def simulated_table(seeds: int = 32, max_new: int = 61, make=AdaptivePolicy) -> list[tuple]:
     """docs/e2e.md's simulated table: per H200 table and acceptance length, mean over `seeds` of adaptive's
     tokens/s over plain's, and over the best of plain and the fixed chains 1, 2, 3, 5 (the same seeds' draws),
@@ -477,7 +519,58 @@ def simulated_table(seeds: int = 32, max_new: int = 61, make=AdaptivePolicy) -> 
     return rows
 
 
-if __name__ == "__main__":  # .venv/bin/python tests/test_policy.py: the simulated table, as docs/e2e.md gives it
+# Cost tables the shipped pair's adaptive runs measured at start-up on this session's shared 2-core VM (128
+# tokens, float32, eager, 1 thread; ms; each graph's median of 5 rounds, the measurement before measure_costs): B 20
+# one run's, B 4 each entry's least of two runs'. On the CPU a round's cost grows with B x N.
+CPU_TABLES = {
+    20: {"plain": 47.02, "resume/8": 10.32, "resume/64": 28.44, "1/1/2": 62.91, "2/1/3": 74.2, "3/1/4": 85.28,
+         "4/1/5": 98.07, "5/1/6": 111.87},
+    4: {"plain": 17.47, "resume/8": 3.07, "resume/64": 6.75, "1/1/2": 22.36, "2/1/3": 24.94, "3/1/4": 27.88,
+        "4/1/5": 32.03, "5/1/6": 34.96},
+}
+
+
+def heldout_table_time(B: int, costs_ms: dict, **policy_kw) -> tuple[float, float, dict]:
+    """The shipped pair on its 20 held-out prompts in groups of B (128 tokens, float32, eager): the adaptive
+    policy deciding from the given cost table, and fixed 3/1/4, each run's time in that table's terms (the
+    decisions' costs summed, resumes at resume/8; fixed: its rounds x T(3/1/4)), so the comparison is free of this
+    machine's timing noise. Returns (fixed seconds, adaptive seconds, the adaptive decisions); both outputs are
+    checked against plain greedy."""
+    from eagle3_ops import data
+    from eagle3_ops.cli import _load_pair
+
+    target, drafter, _ = _load_pair("byte-small", "cpu", torch.float32)
+    enc = [data.encode(p) for p in data.load_heldout_prompts()[:20]]
+    n = min(len(e) for e in enc)
+    prompts = torch.stack([e[-n:] for e in enc])
+    costs = {k: v / 1e3 for k, v in costs_ms.items()}
+    fixed = adaptive = 0.0
+    decisions = {}
+    for i in range(0, len(prompts), B):
+        grp = prompts[i:i + B]
+        ref, _ = generate_plain(target, grp, 128)
+        f, sf = generate_speculative(target, drafter, grp, 128, SpecConfig(steps=3, topk=1, num_tokens=4))
+        a, sa = generate_speculative(target, drafter, grp, 128, SpecConfig(),
+                                     policy=AdaptivePolicy(costs=costs, **policy_kw))
+        assert torch.equal(f, ref) and torch.equal(a, ref)
+        fixed += sf.rounds * costs["3/1/4"]
+        adaptive += sum(c * costs[k] for k, c in sa.decisions.items()) + sa.resumes * costs["resume/8"]
+        for k, c in sa.decisions.items():
+            decisions[k] = decisions.get(k, 0) + c
+    return fixed, adaptive, decisions
+
+
+if __name__ == "__main__":
+    # .venv/bin/python tests/test_policy.py: the simulated table, as docs/e2e.md gives it;
+    # .venv/bin/python tests/test_policy.py heldout B CONFIDENCE: heldout_table_time on CPU_TABLES[B]
+    import sys
+
+    if sys.argv[1:2] == ["heldout"]:
+        B, g = int(sys.argv[2]), float(sys.argv[3])
+        fixed, adaptive, decisions = heldout_table_time(B, CPU_TABLES[B], confidence=g)
+        print(f"B {B} confidence {g}: fixed 3/1/4 {fixed:.3f} s, adaptive {adaptive:.3f} s in CPU_TABLES[{B}]'s terms: "
+              f"adaptive / fixed {fixed / adaptive:.3f} (speed); decisions {decisions}")
+        sys.exit()
     rows = simulated_table()
     print("| table | " + " | ".join(f"L {L:g}" for L in LENGTHS) + " |\n|---|" + "---|" * len(LENGTHS))
     for key, full in TABLES:

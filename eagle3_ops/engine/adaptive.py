@@ -46,7 +46,7 @@ from .graphs import RoundGraph
 
 PLAIN = "plain"
 
-COST_REPS = 5  # timed rounds per graph in the start-up cost table (the median)
+COST_REPS = 5  # timed rounds per graph in the start-up cost table (the median on CUDA, the least on the CPU)
 SHORT_RESUME = 8  # the small resume's rows: a short plain stretch's catch-up costs little even where rows do (CPU)
 
 
@@ -159,6 +159,20 @@ class _Copied:
         return self.buf.tolist()
 
 
+def measure_costs(graphs: dict, reps: int, cuda: bool) -> dict:
+    """The cost table {name: seconds a round} of prepared graphs. CUDA: each graph's median of `reps` replays
+    (RoundGraph.measure). CPU: `reps` passes over all the graphs in turn, each graph's least time kept: on a
+    CPU shared with other work a burst of load only slows a round down, and taken in turn it falls on every
+    shape alike instead of on the one being timed."""
+    if cuda:
+        return {name: g.measure(reps) for name, g in graphs.items()}
+    times = {name: [] for name in graphs}
+    for _ in range(reps):
+        for name, g in graphs.items():
+            times[name].append(g.measure(1))
+    return {name: min(t) for name, t in times.items()}
+
+
 def schedule(policy, B: int, max_new: int, R: int, launch, stale: int, progress=None) -> dict:
     """The host side of a policy's run, shared by run_policy and simulate: choose, launch (the resume first when
     due), read the snapshots and feed them to the policy, until every request has max_new tokens.
@@ -224,7 +238,7 @@ def run_policy(loop, policy, shapes, spec, start, prefill_seconds, prefill_times
         g.prepare()
     graph_memory = torch.cuda.memory_reserved(dev) - reserved if cuda else 0
     fixed = getattr(policy, "fixed_costs", None)  # a table given: nothing to measure
-    costs = dict(fixed) if fixed is not None else {name: g.measure(COST_REPS) for name, g in pg.graphs.items()}
+    costs = dict(fixed) if fixed is not None else measure_costs(pg.graphs, COST_REPS, cuda)
     policy.start(B, costs, shapes, max_new)
     setup = time.perf_counter() - t0
     ring = [torch.zeros(pg.snap.shape, dtype=pg.snap.dtype, pin_memory=cuda) for _ in range(3)]
@@ -288,4 +302,4 @@ def simulate(policy, costs: dict, B: int, max_new: int, p: float, seed: int = 0,
     return dict(run, seconds=clock[0], tok_s=B * (max_new - 1) / clock[0])
 
 
-__all__ = ["PLAIN", "label", "resume_label", "resume_sizes", "run_policy", "schedule", "simulate"]
+__all__ = ["PLAIN", "label", "measure_costs", "resume_label", "resume_sizes", "run_policy", "schedule", "simulate"]

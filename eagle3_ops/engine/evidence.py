@@ -19,9 +19,13 @@ is expected to emit X_b(S) tokens, P(X_b >= s + 1) = prod_{j<s} q_bj, q_bj = min
   given the draft before it (exp of the step in the chain's cumulative log-probability) as the last round that
   drafted depth j read it, m_bj the running mean of those readings. A draft the drafter is surer of than usual
   is expected to be accepted more often than the running rate says, and less when it is unsure (the ORACLE's
-  confidence is always 1: the factor is 1). Each round that does not read c_bj (plain rounds, shorter chains)
-  it relaxes halfway to m_bj, so one low reading does not keep a request in plain decoding until the next
-  resume reads d_1 again.
+  confidence is always 1: the factor is 1). The factor enters damped, (c_bj / m_bj) ** `confidence` (default
+  1/2): at full strength (1) one low reading of a straggling request's d_1 made the shipped pair's B 20 batch
+  decode plain rounds at 0.9 acceptance and take 51 rounds to fixed 3/1/4's 48 (0.961x 3/1/4 in one measured
+  cost table's terms; 1.007x at 1/2, 0.998x at 0, 1.030x / 1.029x at B 4: tests/test_policy.py's docstring of
+  test_confidence_is_damped gives the command). Each round that does not read c_bj (plain rounds, shorter
+  chains) it relaxes halfway to m_bj, so one low reading does not keep a request in plain decoding until the
+  next resume reads d_1 again.
 """
 
 from __future__ import annotations
@@ -35,8 +39,8 @@ RELAX = 0.5  # a round without a reading keeps this part of the last reading's d
 class Evidence:
     """Per request b and depth j the decayed counts of drafts accepted (num) and tested (den), the confidence
     readings (conf) and their running mean (mean), and the estimates made of them. The policy sets prior,
-    prior_weight, request_weight, depth_weight, forget, B, depth and observed, and provides _left(b), the tokens
-    b has left."""
+    prior_weight, request_weight, depth_weight, forget, confidence, B, depth and observed, and provides _left(b),
+    the tokens b has left."""
 
     def reset_evidence(self, B: int, depth: int) -> None:
         self.num = [[0.0] * depth for _ in range(B)]  # accepted drafts per depth (decayed)
@@ -44,6 +48,11 @@ class Evidence:
         self.conf = [[1.0] * depth for _ in range(B)]  # c_bj, last read (relaxed toward mean while not read)
         self.mean = [[1.0] * depth for _ in range(B)]  # c_bj's running mean
         self.tested = 0  # drafts verification tested (every draft before them accepted), over the run
+        self.changed()
+
+    def changed(self) -> None:
+        """The evidence changed: drop what was computed from it (totals, spread_weight, alphas)."""
+        self._totals = None  # totals() of the evidence as it is
         self._spread = (-1, math.inf)  # (observed, spread_weight) cached per evidence
         self._alphas = {}  # alphas(b) of the evidence as it is (cleared where it changes)
 
@@ -51,8 +60,10 @@ class Evidence:
 
     def totals(self) -> tuple[list[float], list[float]]:
         """Per depth, the batch's accepted and tested drafts (decayed), every request's summed."""
-        return [sum(n[d] for n in self.num) for d in range(self.depth)], \
-            [sum(n[d] for n in self.den) for d in range(self.depth)]
+        if self._totals is None:
+            self._totals = ([sum(n[d] for n in self.num) for d in range(self.depth)],
+                            [sum(n[d] for n in self.den) for d in range(self.depth)])
+        return self._totals
 
     def posterior(self, b: int, totals=None) -> tuple[float, float, list[float]]:
         """Request b's Beta(a, c) posterior of its first draft's acceptance and its per-depth point estimates
@@ -115,8 +126,8 @@ class Evidence:
         return self.alphas(b)[j]
 
     def factors(self, b: int) -> list[float]:
-        """The confidence factor c_bj / m_bj per depth (1 for the ORACLE)."""
-        return [self.conf[b][j] / max(self.mean[b][j], 1e-6) for j in range(self.depth)]
+        """The confidence factor (c_bj / m_bj) ** confidence per depth (1 for the ORACLE)."""
+        return [(self.conf[b][j] / max(self.mean[b][j], 1e-6)) ** self.confidence for j in range(self.depth)]
 
     @staticmethod
     def survival(alphas, factors, n: int) -> list[float]:
@@ -150,7 +161,7 @@ class Evidence:
     def record(self, spec, active, accept_len, scores, d1_logprob) -> None:
         """A round's outcome into the evidence: the decay, the confidence readings (the chain's step
         log-probabilities, or d_1's after a resume), and per request the drafts tested and accepted."""
-        self._alphas = {}
+        self.changed()
         for b in range(self.B):
             self.num[b] = [x * self.forget for x in self.num[b]]
             self.den[b] = [x * self.forget for x in self.den[b]]

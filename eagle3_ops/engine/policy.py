@@ -189,23 +189,28 @@ class AdaptivePolicy(Evidence, Policy):
         plain rounds' time, on top of one dearest round's excess.
     lookahead : bool
         Value a probe by what its outcome teaches (explore) where the posterior alone says plain.
+    exact : bool
+        At B 1, runs of at most EXACT_HORIZON tokens decided by ChainDP (engine/chain_dp.py).
+    confidence : float
+        The exponent of the drafter's confidence factor, (c_bj / m_bj) ** confidence (engine/evidence.py): 0
+        ignores the drafter's confidence, 1 takes it at face value.
     """
 
     def __init__(self, steps: Sequence[int] = (1, 2, 3, 4, 5), prior: float = 0.5, prior_weight: float = 1.0,
                  forget: float = 0.995, resume_rows: int = 64, costs: Optional[dict] = None, budget: float = 0.01,
                  request_weight: Optional[float] = None, depth_weight: float = 4.0, lookahead: bool = True,
-                 exact: bool = True):
+                 exact: bool = True, confidence: float = 0.5):
         if not steps or min(steps) < 1:
             raise ValueError(f"steps must be chain lengths >= 1, got {list(steps)}")
         if not (0 < prior <= 1 and prior_weight > 0 and 0 < forget <= 1 and resume_rows >= 1 and budget >= 0
-                and (request_weight is None or request_weight > 0) and depth_weight > 0):
+                and (request_weight is None or request_weight > 0) and depth_weight > 0 and confidence >= 0):
             raise ValueError(f"need 0 < prior <= 1, prior_weight > 0, 0 < forget <= 1, resume_rows >= 1, budget >= 0, "
-                             f"request_weight > 0, depth_weight > 0; got {prior}, {prior_weight}, {forget}, "
-                             f"{resume_rows}, {budget}, {request_weight}, {depth_weight}")
+                             f"request_weight > 0, depth_weight > 0, confidence >= 0; got {prior}, {prior_weight}, "
+                             f"{forget}, {resume_rows}, {budget}, {request_weight}, {depth_weight}, {confidence}")
         self.steps, self.fixed_costs = sorted(set(int(s) for s in steps)), costs
         self.prior, self.prior_weight, self.forget, self.resume_rows = prior, prior_weight, forget, resume_rows
         self.budget, self.request_weight, self.depth_weight = budget, request_weight, depth_weight
-        self.lookahead, self.exact = lookahead, exact
+        self.lookahead, self.exact, self.confidence = lookahead, exact, confidence
         self.observed = 0
 
     def shapes(self, spec: SpecConfig) -> list[SpecConfig]:
@@ -375,11 +380,11 @@ class AdaptivePolicy(Evidence, Policy):
         saved = [self.den[b][0] for b in range(self.B)]
         for b in range(self.B):
             self.den[b][0] += bool(active[b])
-        self._alphas, self._spread = {}, (-1, math.inf)
+        self.changed()
         self.need_outcome = self._best(active, 0) is None
         for b in range(self.B):
             self.den[b][0] = saved[b]
-        self._alphas, self._spread = {}, (-1, math.inf)
+        self.changed()
         self.need_outcome |= not self.affordable(best, lag, self.round_cost(best, 0) - self.t0)
         return best
 
