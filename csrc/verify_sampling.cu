@@ -272,7 +272,8 @@ __global__ void __launch_bounds__(kThreads) row_stats_kernel(const scalar_t* __r
 // outputs accept_nodes [B, N] i32, accept_len [B] i32, emitted [B, N] i64 (bonus slot left to finish)
 // err: the device error word
 // grid: B; dynamic shared memory: N doubles (1 / residual mass per rejection)
-template <typename scalar_t, typename prob_t>
+// kChain: vLLM's layout (ch); a template argument so that the native op's build carries none of its registers.
+template <typename scalar_t, typename prob_t, bool kChain>
 __global__ void __launch_bounds__(kThreads) walk_kernel(
     const scalar_t* __restrict__ logits, int64_t ld, int64_t V, const prob_t* __restrict__ draft_probs, int64_t ldq,
     int64_t Vd, const int64_t* __restrict__ d2t, const int64_t* __restrict__ tokens, const int32_t* __restrict__ parents,
@@ -288,7 +289,7 @@ __global__ void __launch_bounds__(kThreads) walk_kernel(
   const int64_t b = blockIdx.x;
   int64_t start = 0;  // chain: this request's drafts [start, start + n_drafts)
   int n_drafts = N - 1;
-  if (ch.enabled) {
+  if (kChain) {
     int64_t end, lo, hi;
     if (!chain_span(ch, b, start, n_drafts, end, lo, hi) && threadIdx.x == 0) {
       report_range(err, kOp_vllmRejectionSampling, kArgCuNumDraftTokens, end, lo, hi, b);
@@ -303,11 +304,11 @@ __global__ void __launch_bounds__(kThreads) walk_kernel(
   int64_t* wi = ws_i + b * (kWsI + N);
   double* wd = ws_d + b * (kWsD + N);
   if constexpr (kDeviceChecks) {  // the walk never needs these checks (see above): they only report
-    if (threadIdx.x == 0 && !(T >= 0.0f) && !(ch.enabled && T == -1.0f)) {  // vLLM's old greedy placeholder -1
-      report_float(err, ch.enabled ? kOp_vllmRejectionSampling : kOpVerifySampling, kArgTemperature,
+    if (threadIdx.x == 0 && !(T >= 0.0f) && !(kChain && T == -1.0f)) {  // vLLM's old greedy placeholder -1
+      report_float(err, kChain ? kOp_vllmRejectionSampling : kOpVerifySampling, kArgTemperature,
                    T != T ? kKindNaN : kKindNegative, T, b);
     }
-    for (int j = threadIdx.x; j < N && !ch.enabled; j += kThreads) {
+    for (int j = threadIdx.x; j < N && !kChain; j += kThreads) {
       const int64_t p = parents[b * N + j], lo = j == 0 ? -1 : 0;  // the root's is -1, others' in [0, j)
       if (p < lo || p > j - 1) report_range(err, kOpVerifySampling, kArgParents, p, lo, j - 1, b, j);
     }
@@ -316,12 +317,12 @@ __global__ void __launch_bounds__(kThreads) walk_kernel(
   if (threadIdx.x == 0) accept_nodes[b * N] = 0;
   while (true) {
     const int64_t row = b * N + c;
-    const int64_t prow = ch.enabled ? chain_row(ch, b, start, n_drafts, c, nullptr, nullptr) : row;
+    const int64_t prow = kChain ? chain_row(ch, b, start, n_drafts, c, nullptr, nullptr) : row;
     const scalar_t* lrow = logits + prow * ld;
     // q of this row in target ids: with d2t scattered into the scratch row; without, draft_probs' own row (the
     // value the scatter would have left there: 0 + q exactly), with no pass over V. Chain: draft row start + c
     // below the last draft; node n has no child, and its q (0) is read only by the race.
-    const int64_t qrow_i = !has_q ? -1 : !ch.enabled ? row : (c < n_drafts ? start + c : -1);
+    const int64_t qrow_i = !has_q ? -1 : !kChain ? row : (c < n_drafts ? start + c : -1);
     const prob_t* qsrc = qrow_i >= 0 ? draft_probs + qrow_i * ldq : nullptr;
     if (gather) {
       float* qrow = qt + b * V;
@@ -356,7 +357,7 @@ __global__ void __launch_bounds__(kThreads) walk_kernel(
     }
     auto q_at = [&](int64_t v) -> float { return gather ? qt[b * V + v] : to_f(qsrc[v]); };
     // the sampler's bonus after every draft accepted: this row's stats are not needed (row_stats skipped it)
-    const bool sampler_bonus = ch.enabled && ch.bonus_tokens != nullptr && c == n_drafts;
+    const bool sampler_bonus = kChain && ch.bonus_tokens != nullptr && c == n_drafts;
     if (threadIdx.x == 0 && sampler_bonus) {
       sh_m = 0.0;
       sh_a = 0;
@@ -392,10 +393,10 @@ __global__ void __launch_bounds__(kThreads) walk_kernel(
     int n_rej = 0, n_R = 0, k = 0;
     double scale = 1.0;  // one-hot path: p_j(v) = p(v) * scale outside R
     int next = -1;
-    const int j_end = !ch.enabled ? N : (c < n_drafts ? c + 2 : c + 1);  // chain: node c's one child, c + 1
+    const int j_end = !kChain ? N : (c < n_drafts ? c + 2 : c + 1);  // chain: node c's one child, c + 1
     for (int j = c + 1; j < j_end; ++j) {
-      if (!ch.enabled && parents[b * N + j] != c) continue;
-      const int64_t x = ch.enabled ? ld_index(ch.drafts, ch.d64, start + c) : tokens[b * N + j];
+      if (!kChain && parents[b * N + j] != c) continue;
+      const int64_t x = kChain ? ld_index(ch.drafts, ch.d64, start + c) : tokens[b * N + j];
       const bool valid = x >= 0 && x < V;
       if (threadIdx.x == 0) {
         double px = 0.0, qx = 1.0;
@@ -453,7 +454,7 @@ __global__ void __launch_bounds__(kThreads) walk_kernel(
       ++depth;
       if (threadIdx.x == 0) {
         accept_nodes[b * N + depth] = c;
-        emitted[b * N + depth - 1] = ch.enabled ? ld_index(ch.drafts, ch.d64, start + c - 1) : tokens[b * N + c];
+        emitted[b * N + depth - 1] = kChain ? ld_index(ch.drafts, ch.d64, start + c - 1) : tokens[b * N + c];
       }
       continue;
     }
@@ -611,22 +612,30 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> run(const at::Tensor& logits, con
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, prob_type, "verify_sampling_q", [&] {
       const scalar_t* dp = draft_probs ? draft_probs->data_ptr<scalar_t>() : nullptr;
       const size_t smem = static_cast<size_t>(N) * sizeof(double);
-      if (smem > 48 * 1024) {  // not a stream operation: safe while capturing
-        const cudaError_t e = cudaFuncSetAttribute(walk_kernel<logit_t, scalar_t>,
-                                                   cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
-        if (e != cudaSuccess) {
-          (void)cudaGetLastError();  // clear it: the refusal below is the error
-          TORCH_CHECK_VALUE(false, ch.enabled ? "max_spec_len + 1 = " : "tokens has N = ", N, " nodes: the walk needs ", smem,
-                            " bytes of shared memory, more than this GPU gives a block (", cudaGetErrorString(e), ")");
+      auto walk = [&](auto kernel) {
+        if (smem > 48 * 1024) {  // not a stream operation: safe while capturing
+          const cudaError_t e =
+              cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+          if (e != cudaSuccess) {
+            (void)cudaGetLastError();  // clear it: the refusal below is the error
+            TORCH_CHECK_VALUE(false, ch.enabled ? "max_spec_len + 1 = " : "tokens has N = ", N,
+                              " nodes: the walk needs ", smem, " bytes of shared memory, more than this GPU gives a ",
+                              "block (", cudaGetErrorString(e), ")");
+          }
         }
+        kernel<<<static_cast<unsigned>(B), kThreads, smem, stream>>>(
+            lg, ld, V, dp, draft_probs ? draft_probs->stride(0) : 0, Vd, d2t ? d2t->data_ptr<int64_t>() : nullptr,
+            tokens, parents, static_cast<int>(N), temperature.data_ptr<float>(),
+            seed.data_ptr<int64_t>(), offset, part_m, part_a, part_s, G,
+            qt.defined() ? qt.data_ptr<float>() : nullptr, ws_i.data_ptr<int64_t>(), ws_d.data_ptr<double>(),
+            accept_nodes.data_ptr<int32_t>(), accept_len.data_ptr<int32_t>(), emitted.data_ptr<int64_t>(), err, ch);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      };
+      if (ch.enabled) {
+        walk(walk_kernel<logit_t, scalar_t, true>);
+      } else {
+        walk(walk_kernel<logit_t, scalar_t, false>);
       }
-      walk_kernel<logit_t, scalar_t><<<static_cast<unsigned>(B), kThreads, smem, stream>>>(
-          lg, ld, V, dp, draft_probs ? draft_probs->stride(0) : 0, Vd, d2t ? d2t->data_ptr<int64_t>() : nullptr,
-          tokens, parents, static_cast<int>(N), temperature.data_ptr<float>(),
-          seed.data_ptr<int64_t>(), offset, part_m, part_a, part_s, G,
-          qt.defined() ? qt.data_ptr<float>() : nullptr, ws_i.data_ptr<int64_t>(), ws_d.data_ptr<double>(),
-          accept_nodes.data_ptr<int32_t>(), accept_len.data_ptr<int32_t>(), emitted.data_ptr<int64_t>(), err, ch);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
       const dim3 race_grid(static_cast<unsigned>(B), G);
       if (draft_probs && !d2t) {  // q in place: the final row of draft_probs
         race_kernel<logit_t, scalar_t><<<race_grid, kThreads, 0, stream>>>(
