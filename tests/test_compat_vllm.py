@@ -860,9 +860,21 @@ def test_gpu_ragged_graph_replay_matches_eager(greedy):
     assert_equal(out, out_of(rs, new_meta, new_logits, sm))
 
 
-def test_kernels_argument():
+@pytest.fixture(autouse=True)
+def _cpp_ops(monkeypatch):
+    """The C++ ops are opt-in (EAGLE3_VLLM_KERNELS, until they have run on the H200): these tests hold them to
+    the tensor-op path, so every RejectionSampler built without kernels= takes them here."""
+    monkeypatch.setenv("EAGLE3_VLLM_KERNELS", "auto")
+
+
+def test_kernels_argument(monkeypatch):
     with pytest.raises(ValueError, match="kernels must be 'auto' or 'tensor'"):
         RejectionSampler(kernels="triton")
+    monkeypatch.delenv("EAGLE3_VLLM_KERNELS")
+    assert RejectionSampler()._ops == ()  # the default: the tensor-op path
+    monkeypatch.setenv("EAGLE3_VLLM_KERNELS", "bogus")
+    with pytest.raises(ValueError, match="kernels must be 'auto' or 'tensor'"):
+        RejectionSampler()
     drafts, rows, expected = GREEDY_CASES[5]
     meta, logits = case(drafts, rows)
     assert_equal(out_of(RejectionSampler(kernels="tensor"), meta, logits, sampling_metadata()),

@@ -91,6 +91,7 @@ the tensor-op path trusts them (reading them is a host sync). Nothing the caller
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any, Optional, Sequence
@@ -377,15 +378,19 @@ class RejectionSampler(torch.nn.Module):
     device : torch.device, optional
         Accepted for vLLM's signature; every tensor follows ``logits``' device.
     kernels : str, keyword-only
-        "auto" (default): CUDA tensors go to the C++ ops on vLLM's layout where they apply (module docstring);
-        "tensor": always the tensor-op path on the native ops (the path before those ops; for benchmarks).
+        "auto": CUDA tensors go to the C++ ops on vLLM's layout where they apply (module docstring);
+        "tensor": always the tensor-op path on the native ops (the path measured on the H200 at d4d8c6d).
+        None (default): $EAGLE3_VLLM_KERNELS, else "tensor": the C++ ops are opt-in until they have run on the
+        H200 (written 2026-12-03, after that session's device time was spent).
     """
 
     def __init__(self, sampler: Optional[Any] = None, spec_config: Optional[Any] = None, device: Any = None, *,
-                 kernels: str = "auto"):
+                 kernels: Optional[str] = None):
         super().__init__()
+        if kernels is None:
+            kernels = os.environ.get("EAGLE3_VLLM_KERNELS", "") or "tensor"
         if kernels not in ("auto", "tensor"):
-            raise ValueError(f"kernels must be 'auto' or 'tensor', got {kernels!r}")
+            raise ValueError(f"kernels must be 'auto' or 'tensor' (the argument, else $EAGLE3_VLLM_KERNELS), got {kernels!r}")
         self._ops = _OPS if kernels == "auto" else ()
         method = getattr(spec_config, "rejection_sample_method", "standard")
         if method in _REFUSED_METHODS:
