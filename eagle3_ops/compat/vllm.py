@@ -390,7 +390,8 @@ class RejectionSampler(torch.nn.Module):
         if kernels is None:
             kernels = os.environ.get("EAGLE3_VLLM_KERNELS", "") or "tensor"
         if kernels not in ("auto", "tensor"):
-            raise ValueError(f"kernels must be 'auto' or 'tensor' (the argument, else $EAGLE3_VLLM_KERNELS), got {kernels!r}")
+            raise ValueError(f"kernels must be 'auto' or 'tensor' (the argument, else $EAGLE3_VLLM_KERNELS), "
+                             f"got {kernels!r}")
         self._ops = _OPS if kernels == "auto" else ()
         method = getattr(spec_config, "rejection_sample_method", "standard")
         if method in _REFUSED_METHODS:
