@@ -41,7 +41,7 @@ chains.
 
 B 1: exact (ChainDP, engine/chain_dp.py, `exact`). One request's run of at most EXACT_HORIZON tokens is decided
 by dynamic programming over the request's Beta posterior of its acceptance, solved once at start; every
-decision waits for the newest round's snapshot (need_outcome), as each depends on the last outcome.
+speculative decision waits for the newest round's snapshot (need_outcome), as each depends on the last outcome.
 
 What a probe teaches elsewhere (explore, `lookahead`: B > 1, or runs past EXACT_HORIZON). The argmax above values
 the present evidence only: after a rejected probe it picks plain, and plain rounds teach nothing, so one unlucky
@@ -89,10 +89,12 @@ argues for, not by a cheap one the in-flight worst case left room for.
 The decisions are made at the loop's sync point between rounds, from a snapshot each round writes on the
 device (counts, accepted drafts, the chain's cumulative log-probabilities) and the host reads through pinned
 memory: on CUDA one round stale where need_outcome is not set (the host decides round r + 1 while round r runs,
-from round r - 1's snapshot), so the device does not wait for those decisions; where it is set (plain rounds,
-probes, ChainDP's every round) the device idles for the host's read, decision and launch between two rounds
-(not measured yet: the H200 run's tokens/s include it; the simulations do not); nothing inside a round graph
-syncs.
+from round r - 1's snapshot), so the device does not wait for those decisions; where it is set (probes,
+ChainDP's speculative rounds) the device idles for the host's read, decision and launch between two rounds (the
+simulations do not count it). A plain decision never sets it (a plain round teaches nothing of acceptance): on the
+H200 at 9bf26fc, where every plain decision still waited, the batch of 8 decoded plain at 0.75-0.84x plain
+decoding's rate (about 1.1 ms idle per 5.2 ms round; bench/results/policy_9bf26fc_h200/). Nothing inside a round
+graph syncs.
 """
 
 from __future__ import annotations
@@ -367,6 +369,12 @@ class AdaptivePolicy(Evidence, Policy):
         return spec if spec is None or self.affordable(spec, lag) else None
 
     def choose(self, active, lag):
+        spec = self._choose(active, lag)
+        if spec is None:  # a plain round teaches nothing of acceptance: the host decides the next while it runs
+            self.need_outcome = False
+        return spec
+
+    def _choose(self, active, lag):
         self.need_outcome = True
         if self.dp is not None and self.remaining[0] > 0:
             return self.choose_exact(lag)
