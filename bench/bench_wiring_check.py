@@ -16,7 +16,7 @@ of the off runs: the noise), the check's own span inside the graph (the "check" 
 launches a round (count_kernels on one eager CheckRun.observe at the round's shapes: Triton launches, torch ops
 that run a kernel, host syncs). --impl torch times the torch code that the kernels replaced beside them; an
 impl with ":inline" runs the update on the round's stream (WiringCheck.overlap=False) instead of the side stream
-(where the "check" span is only its enqueueing on the round's stream).
+(where the round has no "check" span: it runs beside the round, untimed).
 Synthesised weights: the drafter predicts nothing, which changes no shape or launch of a round. Rows go to
 --json, else $EAGLE3_BENCH_OUT/wiring_check.json, else ./wiring_check.json.
 """
