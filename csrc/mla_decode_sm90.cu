@@ -669,11 +669,25 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
         const float m_use = m_new == -INFINITY ? 0.f : m_new;  // a row that has seen nothing stays at 0
         alpha[h] = fast_exp2(m_run[h] - m_use);
         m_run[h] = m_new;
+        // The FFMA below takes the exact product of a score and the scale and subtracts the rounded max: for the
+        // row's largest score that leaves the max's rounding error, up to half its ulp, in the exponent. Past
+        // 2^15 in log2 units (|q| ~ 1e30, or scores no trained model makes) that error reaches 2^-9 and grows to
+        // overflow (fp16 P) or to every probability flushed (l = 0, out NaN); there the scores are rounded first,
+        // exactly as the max was, so the largest gives exp2(0) = 1. A compare and a branch per row otherwise.
+        float q_use = qk_scale;
+        if (fabsf(m_use) >= 32768.f) {
+#pragma unroll
+          for (int j = 0; j < 8; ++j) {
+            s[4 * j + 2 * h] = __fmul_rn(s[4 * j + 2 * h], qk_scale);
+            s[4 * j + 2 * h + 1] = __fmul_rn(s[4 * j + 2 * h + 1], qk_scale);
+          }
+          q_use = 1.f;
+        }
         float sum = 0.f;
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
-          const float p0 = fast_exp2(fmaf(s[4 * j + 2 * h], qk_scale, -m_use));
-          const float p1 = fast_exp2(fmaf(s[4 * j + 2 * h + 1], qk_scale, -m_use));
+          const float p0 = fast_exp2(fmaf(s[4 * j + 2 * h], q_use, -m_use));
+          const float p1 = fast_exp2(fmaf(s[4 * j + 2 * h + 1], q_use, -m_use));
           sum += p0 + p1;
           const int r = r0 + 8 * h;
           *reinterpret_cast<uint32_t*>(p_tile + sm90::swizzle128(r, j) + quad * 4) = Pack2<MT>::pack(p0, p1);

@@ -822,6 +822,19 @@ def test_gpu_sm90_against_float64(case, evict_first):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("q_scale", [3e4, 1e30])
+def test_gpu_sm90_large_q(q_scale):
+    # Scores past 2^15 in log2 units: the softmax's FFMA (exact product minus the rounded max) would put the max's
+    # rounding error, up to half its ulp, into every exponent: out NaN at |q| ~ 1e30 (seen on the H200 at 95d786a
+    # in the fp8 build, whose softmax is this one).
+    skip_unless_sm90_kernel()
+    c = GpuCase(11, B=4, prefix=4096, N=2, kind="chain", page_size=64, **dict(KIMI_MLA, NH=16))
+    c.q.copy_((c.q.float() * q_scale).to(c.dtype))
+    out, lse = _kernel(c, config=dict(kernel="sm90"))
+    _check_against(c, out, lse, *c.truth())
+
+
+@pytest.mark.gpu
 def test_gpu_sm90_is_the_hopper_default():
     # bf16 at Kimi's widths on a Hopper GPU must not fall back to the Triton kernel silently.
     from eagle3_ops.triton_kernels.mla_decode import sm90_supported
