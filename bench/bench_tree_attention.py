@@ -23,7 +23,8 @@ counted at one a dim. Every MLA shape has it; FP8_SHAPES adds issue 23's memory-
 local heads, 4-token chains at 8 / 16; B1 P32768, B8 P8192, B64 P4096: models mla, mla-16, mla-8) with
 providers eagle3, eagle3.triton, eagle3.fp8 and eagle3.fp8.triton only. The table ends with each shape's fp8 speed-up over eagle3
 (bf16). eagle3.fp8 is the op's route (the Triton fp8 kernel by default; EAGLE3_MLA_FP8_SM90=1 routes to the sm90
-kernel's fp8 build, and adds provider eagle3.fp8.sm90: that build, config kernel sm90), eagle3.fp8.triton the Triton fp8 kernel on
+kernel's fp8 build, and adds providers eagle3.fp8.sm90: that build, config kernel sm90, its default tile schedule
+(fp8_schedule regs), and eagle3.fp8.sm90.inplace: its first schedule), eagle3.fp8.triton the Triton fp8 kernel on
 the same inputs. EAGLE3_TREE_SWEEP=1 adds fp8 tile variants (eagle3.fp8:<config>, Triton). The lead's fp8 run:
 EAGLE3_TREE_PROVIDERS="eagle3,eagle3.fp8" EAGLE3_TREE_SHAPES="mla* N1,mla-* N4 chain" (patterns: see _kept).
 EAGLE3_TREE_SWEEP=1 also times tile configurations of the Triton kernel (provider eagle3:<config>).
@@ -203,6 +204,7 @@ def _providers(model, B, P, N, tree_kind="bushy"):
                      "eagle3.fp8.triton": fp8(dict(kernel="mla_decode"))}
         if FP8_SM90:
             providers["eagle3.fp8.sm90"] = fp8(dict(kernel="sm90"))
+            providers["eagle3.fp8.sm90.inplace"] = fp8(dict(kernel="sm90", fp8_schedule="inplace"))
         if os.environ.get("EAGLE3_TREE_SWEEP") == "1":
             for cfg in FP8_SWEEP:
                 providers["eagle3.fp8:" + ",".join(f"{k}={v}" for k, v in cfg.items())] = fp8(cfg)
@@ -214,6 +216,7 @@ def _providers(model, B, P, N, tree_kind="bushy"):
         providers["eagle3.fp8"] = eagle3_fp8
         if FP8_SM90:
             providers["eagle3.fp8.sm90"] = fp8(dict(kernel="sm90"))
+            providers["eagle3.fp8.sm90.inplace"] = fp8(dict(kernel="sm90", fp8_schedule="inplace"))
         providers["eagle3.fp8.triton"] = fp8(dict(kernel="mla_decode"))
     if B * (P + N) * NH * (Dk + Dv) * 2 <= 16e9:  # SDPA's math path repeats the KV heads for every query head
         providers["torch.sdpa"] = sdpa

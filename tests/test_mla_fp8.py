@@ -542,17 +542,18 @@ SM90_CASES = [((1, 32768, 1, 64, "chain"), 64, None), ((1, 32768, 1, 64, "chain"
 @pytest.mark.parametrize("case, NH, splits", SM90_CASES,
                          ids=[f"NH{h}-N{c[0]}-P{c[1]}-B{c[2]}-ps{c[3]}-{c[4]}-s{s}" for c, h, s in SM90_CASES])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_gpu_sm90_against_float64(case, NH, splits, dtype, monkeypatch):
+@pytest.mark.parametrize("schedule", [None, "inplace"])  # None: the launcher's default, "regs"
+def test_gpu_sm90_against_float64(case, NH, splits, dtype, schedule, monkeypatch):
     sm90_gpu()
     monkeypatch.setenv("EAGLE3_MLA_FP8_SM90", "1")  # the op's route to it (opt-in until it has run on the H200)
     c = gpu_fp8_case(case, NH, dtype)
     assert takes_sm90(c)
-    cfg = dict(kernel="sm90", **({"splits": splits} if splits else {}))
+    cfg = dict(kernel="sm90", **({"splits": splits} if splits else {}), **({"fp8_schedule": schedule} if schedule else {}))
     out, lse = run_fp8(c, cfg, kernel=True)
     _check_against(c, out, lse, *c.truth())
     without, _ = run_fp8(c, cfg, with_lse=False, kernel=True)
     assert_equal(without, out, "out without lse")
-    if splits is None:  # the op's own route is this kernel: the same bytes
+    if splits is None and schedule is None:  # the op's own route is this kernel: the same bytes
         routed, routed_lse = run_fp8(c)
         assert_equal(routed, out, "out through torch.ops")
         assert_equal(routed_lse, lse, "lse through torch.ops")
@@ -568,6 +569,8 @@ def test_gpu_sm90_fp8_op_checks_its_arguments():
     op = torch.ops.eagle3._tree_attention_mla_sm90_fp8
     common = (c.page_table, c.prefix_lens, c.tree_mask, c.scale, out, None, po, plse, 2)
     op(c.q, c.k8, c.kv_scale, *common)  # as given: no error
+    with pytest.raises(ValueError, match="schedule must be 0"):
+        op(c.q, c.k8, c.kv_scale, *common, False, 2)
     with pytest.raises(TypeError, match="kv_cache must have dtype"):
         op(c.q, c.k8.view(torch.uint8), c.kv_scale, *common)
     with pytest.raises(TypeError, match="kv_scale must have dtype"):
@@ -650,10 +653,12 @@ def test_gpu_sm90_graph_replay_with_new_values_and_scale(splits):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("splits", [1, 2])
-def test_gpu_sm90_bad_values_poison_only_their_request(splits):
+@pytest.mark.parametrize("schedule", ["regs", "inplace"])
+def test_gpu_sm90_bad_values_poison_only_their_request(splits, schedule):
     sm90_gpu()
     c = gpu_fp8_case((7, 300, 3, 16, "bushy"), 64)
-    check_bad_values_poison_only_their_request(c, lambda: run_fp8(c, dict(kernel="sm90", splits=splits), kernel=True))
+    cfg = dict(kernel="sm90", splits=splits, fp8_schedule=schedule)
+    check_bad_values_poison_only_their_request(c, lambda: run_fp8(c, cfg, kernel=True))
 
 
 @pytest.mark.gpu

@@ -510,6 +510,10 @@ def sm90_supported(q: Tensor, kv_cache: Tensor, out: Tensor, page_table: Tensor,
             and out.stride(2) == 1 and out.data_ptr() % 4 == 0)
 
 
+# the sm90 kernel's fp8 tile schedules (config fp8_schedule): the op's schedule argument
+FP8_SCHEDULES = {"inplace": 0, "regs": 1}
+
+
 def tree_attention_mla_sm90(q: Tensor, kv_cache: Tensor, page_table: Tensor, prefix_lens: Tensor,
                             tree_mask: Tensor, scale: float, out: Tensor, lse: Optional[Tensor], config: dict,
                             kv_scale: Optional[Tensor] = None) -> None:
@@ -526,7 +530,9 @@ def tree_attention_mla_sm90(q: Tensor, kv_cache: Tensor, page_table: Tensor, pre
     results/mla_sm90_cluster_h200.log; 2-byte split partials and bulk-copied partials, mla_sm90_early_h200.log; the
     merge as a CUDA kernel, launched plainly or by PDL, mla_sm90_merge_h200.log.)
     kv_scale: an fp8 e4m3 cache's [] / [1] fp32 scale (tree_attention.tree_attention_mla_op): the kernel's fp8 build,
-    _tree_attention_mla_sm90_fp8 (docs/kernels/tree_attention_mla_fp8.md), same splits and merge."""
+    _tree_attention_mla_sm90_fp8 (docs/kernels/tree_attention_mla_fp8.md), same splits and merge; config fp8_schedule
+    picks its tile schedule (FP8_SCHEDULES): "regs" (the default: the tiles' bytes staged in registers) or "inplace"
+    (the first build: cp.async'ed into the stage and converted in place)."""
     B, N, _ = tree_mask.shape
     G = q.shape[1]
     rows = N * G
@@ -542,8 +548,11 @@ def tree_attention_mla_sm90(q: Tensor, kv_cache: Tensor, page_table: Tensor, pre
         po = plse = out.new_empty((0,), dtype=torch.float32)
     evict_first = bool(config.get("evict_first", splits > 1))
     if kv_scale is not None:
+        schedule = config.get("fp8_schedule", "regs")
+        if schedule not in FP8_SCHEDULES:
+            raise ValueError(f"config fp8_schedule must be one of {sorted(FP8_SCHEDULES)}, got {schedule!r}")
         torch.ops.eagle3._tree_attention_mla_sm90_fp8(q, kv_cache, kv_scale, page_table, prefix_lens, tree_mask, scale,
-                                                      out, lse, po, plse, splits, evict_first)
+                                                      out, lse, po, plse, splits, evict_first, FP8_SCHEDULES[schedule])
     else:
         torch.ops.eagle3._tree_attention_mla_sm90(q, kv_cache, page_table, prefix_lens, tree_mask, scale, out, lse,
                                                   po, plse, splits, evict_first)
