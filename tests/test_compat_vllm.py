@@ -862,16 +862,19 @@ def test_gpu_ragged_graph_replay_matches_eager(greedy):
 
 @pytest.fixture(autouse=True)
 def _cpp_ops(monkeypatch):
-    """The C++ ops are opt-in (EAGLE3_VLLM_KERNELS, until they have run on the H200): these tests hold them to
-    the tensor-op path, so every RejectionSampler built without kernels= takes them here."""
-    monkeypatch.setenv("EAGLE3_VLLM_KERNELS", "auto")
+    """Every RejectionSampler built without kernels= takes the C++ ops here (the default) whatever the caller's
+    environment says; the tests hold them to the tensor-op path."""
+    monkeypatch.delenv("EAGLE3_VLLM_KERNELS", raising=False)
 
 
 def test_kernels_argument(monkeypatch):
     with pytest.raises(ValueError, match="kernels must be 'auto' or 'tensor'"):
         RejectionSampler(kernels="triton")
-    monkeypatch.delenv("EAGLE3_VLLM_KERNELS")
-    assert RejectionSampler()._ops == ()  # the default: the tensor-op path
+    from eagle3_ops.compat import vllm as module
+
+    assert RejectionSampler()._ops == module._OPS  # the default: the C++ ops where this build has their kernels
+    monkeypatch.setenv("EAGLE3_VLLM_KERNELS", "tensor")
+    assert RejectionSampler()._ops == ()
     monkeypatch.setenv("EAGLE3_VLLM_KERNELS", "bogus")
     with pytest.raises(ValueError, match="kernels must be 'auto' or 'tensor'"):
         RejectionSampler()
