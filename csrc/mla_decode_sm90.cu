@@ -518,10 +518,15 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
       int shift = 0;
       if constexpr (std::is_same_v<T, __nv_bfloat16>) {
         // bf16 q -> fp16 in place, exact in fp16's normal range; a block whose Q holds |q| >= 2^15 is first scaled
-        // by 2^-shift (exact), folded back into qk_scale, so nothing overflows fp16 (the Triton fp8 path's rule)
+        // by 2^-shift (exact), folded back into qk_scale, so nothing overflows fp16 (the Triton fp8 path's rule).
+        // Only the block's rows of q are visited: the rows past them were zero-filled, and bf16 0 is fp16 0 (a
+        // 16-byte unit u of Q is row (u % 512) / 8 of column chunk u / 512; 16 of 64 rows at 16 heads, N 1).
+        const int q_rows = rows_total - m_block * kRows;  // (> 0; more than kRows in all but the last block)
+        auto q_unit_used = [&](int u) { return (u % (kChunkBytes / 16)) / 8 < q_rows; };
         float amax = 0.f;
 #pragma unroll
         for (int k = 0; k < kTileBytes / 16 / kThreads; ++k) {
+          if (!q_unit_used(tid + kThreads * k)) continue;
           uint32_t v[4];
           lds128(s_q + (tid + kThreads * k) * 16, v);
 #pragma unroll
@@ -548,6 +553,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
         const float down = __uint_as_float(static_cast<uint32_t>(127 - shift) << 23);  // 2^-shift
 #pragma unroll
         for (int k = 0; k < kTileBytes / 16 / kThreads; ++k) {
+          if (!q_unit_used(tid + kThreads * k)) continue;
           const uint32_t addr = s_q + (tid + kThreads * k) * 16;
           uint32_t v[4], h[4];
           lds128(addr, v);
