@@ -436,8 +436,9 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
   // shared memory holds raw bytes and a tile's bytes are in flight while both stages are in use. Tile t + 1 is
   // converted from them into the stage of tile t - 1 at the start of iteration t - as soon as that stage is free
   // (barrier 4), beside warpgroup 0's Q K^T of tile t - and each piece's registers are refilled with tile t + 2's
-  // piece right after it is converted, so that tile's loads stream out during the conversion. Tile 0 comes by
-  // cp.async into the upper half of stage 1 (free in the prologue; f8_issue's layout) and is converted into stage 0.
+  // piece right after it is converted (ptxas places the 18 loads after the conversion's last store: sm_90a SASS),
+  // so that tile's bytes have the rest of the iteration to land. Tile 0 comes by cp.async into the upper half of
+  // stage 1 (free in the prologue; f8_issue's layout) and is converted into stage 0.
   uint32_t f8_regs[2 * kChunks][4];
   auto f8_ld = [&](int k, const KT* src) {  // piece k = 2 c + i of the tile whose row sources are src
     const KT* a = src != nullptr ? src + (k / 2) * 64 + fj * 16 : kv;
