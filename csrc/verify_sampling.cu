@@ -88,10 +88,12 @@ __device__ __forceinline__ uint32_t ordered(float x) {
 // Per-request state handed from walk to race and finish.
 //   ws_i [B, 10 + N] int64: final row (Philox's), greedy, argmax of the final row, |R| or rejections, race key,
 //                         accept_len, the final row's q row (-1: q = 0 there), the final row's logits row, the
-//                         sampler's bonus taken (1: race skipped), -, then R (one-hot path: rejected tokens)
+//                         sampler's bonus taken (1: race skipped), the smallest d2t index out of range
+//                         (kNoBadD2t: none; finish reports it), then R (one-hot path: rejected tokens)
 //   ws_d [B, 4 + N] f64:  max of the final row, 1 / T, Z (sum exp((l - max) / T)), -, then per rejection
 //                         1 / residual mass (0: that rejection left p unchanged) (draft_probs path)
 constexpr int kWsI = 10, kWsD = 4;
+constexpr int64_t kNoBadD2t = INT64_MAX;  // ws_i[b, 9]: no d2t entry out of range seen by request b's walk
 // The walk keeps one double per node in dynamic shared memory: 128 KB at the cap, past the 48 KB a launch
 // gets by default (N > 6144), so the launcher raises the kernel's limit (the cap as verify_greedy's).
 constexpr int64_t kMaxNodes = 16384;
@@ -169,17 +171,50 @@ __device__ __forceinline__ T block_sum(T v, T* red) {
   return total;
 }
 
+// The checks that only report (the walk never needs them: a bad temperature samples greedily, a bad parent is
+// never visited, a bad cu entry leaves the request no drafts), made by row_stats' first block of each row
+// (blockIdx.y 0, thread 0) after its stores. The walk, whose passes over V are the draft_probs path's hot loop,
+// carries no check code at all: it compiles to the same SASS with and without EAGLE3_DEVICE_CHECKS (issue 21: with
+// its checks inlined the draft_probs path measured 1.12x the checks-off build on the H200 at 9bf26fc), and
+// row_stats' loop keeps its instructions (227 on sm_90a either way).
+// Node 0's block: temperature[b] (vLLM's old greedy placeholder -1 allowed in chain mode) and, chain mode,
+// cu_num_draft_tokens[b]; native op, every node's block: parents[b, node] (the root's -1, others' in [0, node)).
+__device__ __forceinline__ void report_row(int64_t* err, int64_t row, int N, const float* temperature,
+                                        const int32_t* parents, const Chain& ch) {
+  const int64_t b = row / N;
+  const int node = static_cast<int>(row % N);
+  if (node == 0) {
+    const float T = temperature[b];
+    if (!(T >= 0.0f) && !(ch.enabled && T == -1.0f)) {
+      report_float(err, ch.enabled ? kOp_vllmRejectionSampling : kOpVerifySampling, kArgTemperature,
+                   T != T ? kKindNaN : kKindNegative, T, b);
+    }
+  }
+  if (ch.enabled) {
+    int64_t start, end, lo, hi;
+    int n;
+    if (node == 0 && !chain_span(ch, b, start, n, end, lo, hi)) {
+      report_range(err, kOp_vllmRejectionSampling, kArgCuNumDraftTokens, end, lo, hi, b);
+    }
+  } else if (parents != nullptr) {
+    const int64_t p = parents[row], lo = node == 0 ? -1 : 0;
+    if (p < lo || p > node - 1) report_range(err, kOpVerifySampling, kArgParents, p, lo, node - 1, b, node);
+  }
+}
+
 // ---- 1. row_stats ----------------------------------------------------------------------------------
 // logits [B * N, V] row stride ld; part_m / part_s [B * N, G] f32, part_a [B * N, G] i32
 // grid: (B * N, G = ceil(V / kChunk))
 // Chain (vLLM's layout): block (b * N + node) reads the node's logits row through the indices; the padding past
 // request b's n drafts (and its bonus row, with the sampler's bonus) returns at once.
+// parents [B, N] int32 (native op; nullptr in chain mode), err: only for report_row and the chain's row indices.
 template <typename scalar_t>
 __global__ void __launch_bounds__(kThreads) row_stats_kernel(const scalar_t* __restrict__ logits, int64_t ld,
                                                              int64_t V, int N, const float* __restrict__ temperature,
                                                              float* __restrict__ part_m, int32_t* __restrict__ part_a,
                                                              float* __restrict__ part_s, Chain ch = Chain{},
-                                                             int64_t* __restrict__ err = nullptr) {
+                                                             int64_t* __restrict__ err = nullptr,
+                                                             const int32_t* __restrict__ parents = nullptr) {
   const int64_t row = blockIdx.x;
   const int G = gridDim.y;
   int64_t prow = row;
@@ -189,7 +224,12 @@ __global__ void __launch_bounds__(kThreads) row_stats_kernel(const scalar_t* __r
     int64_t start, end, lo, hi;
     int n;
     chain_span(ch, b, start, n, end, lo, hi);
-    if (node > n || (node == n && ch.bonus == nullptr)) return;  // never visited, or the sampler's bonus
+    if (node > n || (node == n && ch.bonus == nullptr)) {  // never visited, or the sampler's bonus
+      if constexpr (kDeviceChecks) {
+        if (threadIdx.x == 0 && blockIdx.y == 0) report_row(err, row, N, temperature, parents, ch);
+      }
+      return;
+    }
     bool bad;
     int64_t value;
     prow = chain_row(ch, b, start, n, node, &bad, &value);
@@ -263,6 +303,9 @@ __global__ void __launch_bounds__(kThreads) row_stats_kernel(const scalar_t* __r
     part_m[row * G + blockIdx.y] = m;
     part_a[row * G + blockIdx.y] = a;
     part_s[row * G + blockIdx.y] = s;
+    if constexpr (kDeviceChecks) {
+      if (blockIdx.y == 0) report_row(err, row, N, temperature, parents, ch);
+    }
   }
 }
 
@@ -270,7 +313,7 @@ __global__ void __launch_bounds__(kThreads) row_stats_kernel(const scalar_t* __r
 // tokens [B, N] int64, parents [B, N] int32, draft_probs [B * N, Vd] row stride ldq (nullptr: one-hot),
 // d2t [Vd] int64 (nullptr: identity), qt [B, V] f32 scratch (draft_probs with d2t only; nullptr otherwise)
 // outputs accept_nodes [B, N] i32, accept_len [B] i32, emitted [B, N] i64 (bonus slot left to finish)
-// err: the device error word
+// err: unused (the walk reports nothing: see report_row and finish)
 // grid: B; dynamic shared memory: N doubles (1 / residual mass per rejection)
 // kChain: vLLM's layout (ch); a template argument so that the native op's build carries none of its registers.
 template <typename scalar_t, typename prob_t, bool kChain>
@@ -289,11 +332,9 @@ __global__ void __launch_bounds__(kThreads) walk_kernel(
   const int64_t b = blockIdx.x;
   int64_t start = 0;  // chain: this request's drafts [start, start + n_drafts)
   int n_drafts = N - 1;
-  if (kChain) {
+  if (kChain) {  // a bad cu entry (n_drafts 0) is reported by row_stats (report_row)
     int64_t end, lo, hi;
-    if (!chain_span(ch, b, start, n_drafts, end, lo, hi) && threadIdx.x == 0) {
-      report_range(err, kOp_vllmRejectionSampling, kArgCuNumDraftTokens, end, lo, hi, b);
-    }
+    chain_span(ch, b, start, n_drafts, end, lo, hi);
   }
   const float T = temperature[b];
   const bool greedy = !(T > 0.0f);
@@ -303,18 +344,13 @@ __global__ void __launch_bounds__(kThreads) walk_kernel(
   const bool gather = has_q && d2t != nullptr;  // host: without d2t, Vd == V
   int64_t* wi = ws_i + b * (kWsI + N);
   double* wd = ws_d + b * (kWsD + N);
-  if constexpr (kDeviceChecks) {  // the walk never needs these checks (see above): they only report
-    if (threadIdx.x == 0 && !(T >= 0.0f) && !(kChain && T == -1.0f)) {  // vLLM's old greedy placeholder -1
-      report_float(err, kChain ? kOp_vllmRejectionSampling : kOpVerifySampling, kArgTemperature,
-                   T != T ? kKindNaN : kKindNegative, T, b);
-    }
-    for (int j = threadIdx.x; j < N && !kChain; j += kThreads) {
-      const int64_t p = parents[b * N + j], lo = j == 0 ? -1 : 0;  // the root's is -1, others' in [0, j)
-      if (p < lo || p > j - 1) report_range(err, kOpVerifySampling, kArgParents, p, lo, j - 1, b, j);
-    }
-  }
+  // No check code here in either build: temperature, parents and cu are reported by row_stats (report_row), a
+  // bad d2t entry's index goes to wi[9] (the smallest, atomicMin) and finish reports it.
   int c = 0, depth = 0;
-  if (threadIdx.x == 0) accept_nodes[b * N] = 0;
+  if (threadIdx.x == 0) {
+    accept_nodes[b * N] = 0;
+    wi[9] = kNoBadD2t;  // before the gather's __syncthreads, so before any atomicMin below
+  }
   while (true) {
     const int64_t row = b * N + c;
     const int64_t prow = kChain ? chain_row(ch, b, start, n_drafts, c, nullptr, nullptr) : row;
@@ -328,7 +364,7 @@ __global__ void __launch_bounds__(kThreads) walk_kernel(
       float* qrow = qt + b * V;
       for (int64_t v = threadIdx.x; v < V; v += kThreads) qrow[v] = 0.0f;
       __syncthreads();
-      int64_t bad_d = -1, bad_o = 0;  // this thread's first d2t entry out of range, reported after the loop
+      int64_t bad_d = -1;  // this thread's first d2t entry out of range, recorded after the loop
       for (int64_t d0 = threadIdx.x; d0 < Vd; d0 += 4 * kThreads) {
         int64_t o[4];
         float q[4];
@@ -346,13 +382,10 @@ __global__ void __launch_bounds__(kThreads) walk_kernel(
             atomicAdd(qrow + d + o[u], q[u]);
           } else if (bad_d < 0) {
             bad_d = d;
-            bad_o = o[u];
           }
         }
       }
-      if (EAGLE3_UNLIKELY(bad_d >= 0)) {
-        report_range(err, kOpVerifySampling, kArgD2t, bad_o, -bad_d, V - 1 - bad_d, bad_d);
-      }
+      if (EAGLE3_UNLIKELY(bad_d >= 0)) atomicMin(reinterpret_cast<long long*>(wi + 9), static_cast<long long>(bad_d));
       __syncthreads();
     }
     auto q_at = [&](int64_t v) -> float { return gather ? qt[b * V + v] : to_f(qsrc[v]); };
@@ -545,12 +578,20 @@ __global__ void __launch_bounds__(kThreads) race_kernel(const scalar_t* __restri
 
 // ---- 4. finish -------------------------------------------------------------------------------------
 // out (chain): vLLM's sampled_token_ids [B, N] int32, the emitted row converted (with the sampler's bonus where
-// wi[8] says so); nullptr: the native op.
+// wi[8] says so); nullptr: the native op. d2t [Vd] (nullptr: none): the walk's smallest bad index (wi[9]) is
+// reported here, with d2t's entry re-read.
 __global__ void finish_kernel(int B, int N, int64_t V, const int64_t* __restrict__ ws_i, int64_t* __restrict__ emitted,
-                              Chain ch = Chain{}, int32_t* __restrict__ out = nullptr) {
+                              Chain ch = Chain{}, int32_t* __restrict__ out = nullptr,
+                              const int64_t* __restrict__ d2t = nullptr, int64_t* __restrict__ err = nullptr) {
   const int b = blockIdx.x * blockDim.x + threadIdx.x;
   if (b >= B) return;
   const int64_t* wi = ws_i + static_cast<int64_t>(b) * (kWsI + N);
+  if constexpr (kDeviceChecks) {
+    if (d2t != nullptr && wi[9] != kNoBadD2t) {
+      const int64_t d = wi[9];
+      report_range(err, kOpVerifySampling, kArgD2t, d2t[d], -d, V - 1 - d, d);
+    }
+  }
   const uint64_t key = static_cast<uint64_t>(wi[4]);
   int64_t bonus = (wi[1] || key == 0) ? wi[2] : static_cast<int64_t>(0xFFFFFFFFull - (key & 0xFFFFFFFFull));
   bonus = bonus < 0 ? 0 : (bonus >= V ? V - 1 : bonus);  // NaN rows: still a token id
@@ -606,7 +647,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> run(const at::Tensor& logits, con
     using logit_t = scalar_t;
     const logit_t* lg = logits.data_ptr<logit_t>();
     row_stats_kernel<logit_t><<<dim3(static_cast<unsigned>(B * N), G), kThreads, 0, stream>>>(
-        lg, ld, V, static_cast<int>(N), temperature.data_ptr<float>(), part_m, part_a, part_s, ch, err);
+        lg, ld, V, static_cast<int>(N), temperature.data_ptr<float>(), part_m, part_a, part_s, ch, err, parents);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     const at::ScalarType prob_type = draft_probs ? draft_probs->scalar_type() : at::kFloat;
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, prob_type, "verify_sampling_q", [&] {
@@ -650,7 +691,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> run(const at::Tensor& logits, con
     });
   });
   finish_kernel<<<static_cast<unsigned>((B + 127) / 128), 128, 0, stream>>>(
-      static_cast<int>(B), static_cast<int>(N), V, ws_i.data_ptr<int64_t>(), emitted.data_ptr<int64_t>(), ch, out);
+      static_cast<int>(B), static_cast<int>(N), V, ws_i.data_ptr<int64_t>(), emitted.data_ptr<int64_t>(), ch, out,
+      d2t ? d2t->data_ptr<int64_t>() : nullptr, err);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   after_launch(device, stream);
   return {accept_nodes, accept_len, emitted};
