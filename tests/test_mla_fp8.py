@@ -384,6 +384,32 @@ def test_fp8_routing(gen, monkeypatch):
         ta.tree_attention_mla_op(*args, config=dict(kernel="sm90"))
 
 
+def test_sm90_fp8_schedule_is_checked(gen, monkeypatch):
+    # the sm90 launcher's fp8 tile schedules (config fp8_schedule) and the op argument each names; a bad name is a
+    # ValueError before any launch (the op stubbed: a CPU run never reaches the kernel)
+    from eagle3_ops.triton_kernels import mla_decode as md
+
+    assert md.FP8_SCHEDULES == {"inplace": 0, "regs": 1}
+    c = quantised(Case(gen, mla=True, prefixes=[3], N=1, kind="chain", page_size=16, NH=8, D=576, Dv=512,
+                       dtype=torch.bfloat16, scale=KIMI_SCALE))
+    out = torch.empty(1, 8, 512, dtype=torch.bfloat16)
+    calls = []
+
+    class Ops:
+        def _tree_attention_mla_sm90_fp8(self, *a):
+            calls.append(a[-1])
+
+    monkeypatch.setattr(md.torch.ops, "eagle3", Ops())
+    args = (c.q, c.k8, c.page_table, c.prefix_lens, c.tree_mask, c.scale, out, None)
+    for cfg, want in ((dict(splits=1), 1), (dict(splits=1, fp8_schedule="regs"), 1),
+                      (dict(splits=1, fp8_schedule="inplace"), 0)):
+        md.tree_attention_mla_sm90(*args, cfg, kv_scale=c.kv_scale)
+        assert calls.pop() == want
+    with pytest.raises(ValueError, match="config fp8_schedule must be one of"):
+        md.tree_attention_mla_sm90(*args, dict(splits=1, fp8_schedule="ring"), kv_scale=c.kv_scale)
+    assert not calls
+
+
 def test_sm90_supported_says_no_off_the_gpu(gen):
     from eagle3_ops.triton_kernels.mla_decode import sm90_supported
 
