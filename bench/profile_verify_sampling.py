@@ -7,11 +7,14 @@ run it in both builds of bench/device_checks.sh, the checkout and /tmp/eagle3_no
 """
 
 import argparse
+import os
+import sys
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-import eagle3_ops  # noqa: F401  (registers torch.ops.eagle3)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's build
+import eagle3_ops  # noqa: E402  (registers torch.ops.eagle3)
 
 B, K, V = 64, 3, 163840
 N = K + 1
