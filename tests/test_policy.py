@@ -458,6 +458,79 @@ def test_simulation_follows_the_loop(pair, p):
 
 
 
+# the cost table the H200 run at 95d786a measured at B 1 prefix 4096 (ms; bench/results/policy_95d786a_h200/)
+RUN_95D786A_B1_4096 = {"plain": 2.2585, "resume/8": 0.9653, "resume/64": 1.1572, "1/1/2": 3.7234, "2/1/3": 5.0110,
+                       "3/1/4": 6.2199, "4/1/5": 7.4570, "5/1/6": 8.7198}
+
+
+class AlwaysWaits(AdaptivePolicy):
+    """ChainDP's decisions as before 95d786a's follow-up: every speculative one waits for the newest round."""
+
+    def choose_exact(self, lag):
+        spec = self.dp.decide(int(self.remaining[0]), lag > 0, *self.seen)
+        self.need_outcome = True
+        return spec if spec is None or self.affordable(spec, lag) else None
+
+
+def test_chain_dp_q_and_outcomes():
+    """ChainDP.q of the decision it makes is its value V, of any other decision no less; outcomes' probabilities
+    sum to 1 and cut at the tokens left."""
+    costs = h200_costs((1, 4096))
+    pol = AdaptivePolicy(costs=costs)
+    pol.start(1, costs, pol.shapes(SpecConfig()), 61)
+    dp = pol.dp
+    for st in [(60, False, 0, 0), (40, False, 12, 1), (30, True, 3, 4), (3, False, 20, 0), (1, False, 5, 5)]:
+        best = dp.decide(*st)
+        assert dp.q(*st, best) == pytest.approx(dp.value(*st), rel=1e-12)
+        assert all(dp.q(*st, s) >= dp.value(*st) - 1e-12 for s in [None] + pol._specs)
+        for s in [None] + pol._specs:
+            out = dp.outcomes(*st, s)
+            assert sum(pr for pr, _ in out) == pytest.approx(1.0)
+            assert all(0 <= nxt[0] < st[0] for _, nxt in out)
+
+
+@pytest.mark.parametrize("L", [2.4, 3.0, 4.0])
+def test_chain_dp_waits_only_where_the_outcome_pays(L):
+    """At B 1 ChainDP's decision waits for the newest round's snapshot (the device idle for the host's read,
+    decision and launch: `wait`) only where deciding blind is expected to cost more. With wait 0 every decision is
+    ChainDP's own after the read (the decisions of every seed those of the policy that always waits, fewer waits:
+    where the decisions after every outcome agree); at the default (0.1 ms) on the H200's B 1 4096 table of the
+    95d786a run, with each wait charged in simulate, at least as fast over 32 seeds, and at L 4 (p = 1) 3 waits a
+    run instead of 12."""
+    costs = {k: v / 1e3 for k, v in RUN_95D786A_B1_4096.items()}
+    p = p_for_acceptance_length(L, 3)
+    old, same, new = [], [], []
+    for seed in range(32):
+        o = simulate(AlwaysWaits(costs=costs), costs, 1, 61, p, seed=seed, wait=1e-4)
+        z = simulate(AdaptivePolicy(costs=costs, wait=0.0), costs, 1, 61, p, seed=seed, wait=1e-4)
+        assert z["decisions"] == o["decisions"] and z["waits"] <= o["waits"], seed
+        old.append(o), same.append(z), new.append(simulate(AdaptivePolicy(costs=costs), costs, 1, 61, p, seed=seed,
+                                                            wait=1e-4))
+    mean = {k: sum(r["tok_s"] for r in v) / len(v) for k, v in [("old", old), ("new", new)]}
+    assert mean["new"] >= mean["old"], mean
+    assert sum(r["waits"] for r in new) < sum(r["waits"] for r in old)
+    if L == 4.0:
+        assert {r["waits"] for r in old} == {12} and {r["waits"] for r in new} == {3}
+
+
+def test_simulate_common_draws():
+    """simulate(common=True): one draw per (request, token position), so fixed shapes meet the same easy and hard
+    tokens; at p 0 and 1 as the default; the accept rate still p (a position's draft tested at most once)."""
+    costs = h200_costs((8, 4096))
+    for p in (0.0, 1.0):
+        for s in (1, 3):
+            fx = FixedPolicy(steps=s, topk=1, num_tokens=s + 1)
+            a, b = simulate(fx, costs, 8, 61, p, seed=2), simulate(fx, costs, 8, 61, p, seed=2, common=True)
+            assert a["decisions"] == b["decisions"] and a["accepted"] == b["accepted"]
+    p = p_for_acceptance_length(2.4, 3)
+    drafted = accepted = 0
+    for seed in range(8):
+        r = simulate(FixedPolicy(steps=3, topk=1, num_tokens=4), costs, 8, 201, p, seed=seed, common=True)
+        drafted, accepted = drafted + r["drafted"], accepted + r["accepted"]
+    # chains of 3 at p: accepted / drafted = (p + p^2 + p^3) / 3 over full rounds (the run's end cuts a little)
+    assert accepted / drafted == pytest.approx((p + p * p + p ** 3) / 3, abs=0.03)
+
+
 def test_confidence_is_damped():
     """The drafter's confidence factor enters as (c / m) ** confidence: 1/2 by default (the square root), 0 ignores
     it, 1 takes it whole; a negative exponent is refused. Why 1/2: the shipped pair's 20 held-out prompts in the

@@ -187,10 +187,11 @@ def schedule(policy, B: int, max_new: int, R: int, launch, stale: int, progress=
     holds through them). Returns the counters DecodeStats takes."""
     inflight: deque = deque()  # (spec or None, resumed, handle)
     count, decisions, rounds, resumes, lag, settled = [1] * B, Counter(), 0, 0, 0, 0
-    drafted = accepted = 0
+    drafted = accepted = waits = 0
 
     def settle(keep: int) -> None:
-        nonlocal drafted, accepted, settled
+        nonlocal drafted, accepted, settled, waits
+        waits += keep == 0 and len(inflight) > 0 and stale > 0  # the newest round read: the device idles for the host
         while len(inflight) > keep:
             s, resumed, handle = inflight.popleft()
             rows = handle.read()
@@ -224,7 +225,8 @@ def schedule(policy, B: int, max_new: int, R: int, launch, stale: int, progress=
             settle(0)
         if progress is not None:
             progress(min(count))
-    return dict(rounds=rounds, decisions=dict(decisions), resumes=resumes, drafted=drafted, accepted=accepted)
+    return dict(rounds=rounds, decisions=dict(decisions), resumes=resumes, drafted=drafted, accepted=accepted,
+                waits=waits)
 
 
 def run_policy(loop, policy, shapes, spec, start, prefill_seconds, prefill_times, progress):
@@ -264,6 +266,7 @@ def run_policy(loop, policy, shapes, spec, start, prefill_seconds, prefill_times
     if cuda:
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start
+    run.pop("waits")  # (simulate's; DecodeStats has no field for it yet)
     stats = DecodeStats(tokens=B * max_new, seconds=seconds, accept_hist=loop.hist.tolist(),
                         prefill_seconds=prefill_seconds, prefill_times=prefill_times, batch=B,
                         setup_seconds=setup, costs=costs, graph_memory=graph_memory,
@@ -271,19 +274,26 @@ def run_policy(loop, policy, shapes, spec, start, prefill_seconds, prefill_times
     return loop.out[:, :max_new], stats
 
 
-def simulate(policy, costs: dict, B: int, max_new: int, p: float, seed: int = 0, stale: int = 1) -> dict:
+def simulate(policy, costs: dict, B: int, max_new: int, p: float, seed: int = 0, stale: int = 1,
+             common: bool = False, wait: float = 0.0) -> dict:
     """The policy's decisions and the run's time in the cost table's terms, with the ORACLE's acceptance drawn on
     the host instead of decoded: each tested draft accepted with probability p (so a chain of S drafts accepts its
     first k with probability p^k (1 - p), as the ORACLE's do), the drafter's confidence 1 (the ORACLE's), every
     round scheduled as run_policy schedules it (schedule(): the same reads before the same decisions, `stale` 1 as
-    on CUDA). seconds: the sum of the launched rounds' and resumes' costs. Returns dict(seconds, tok_s,
-    decisions, rounds, resumes, drafted, accepted)."""
+    on CUDA). common: the draws are per (request, token position), one each, so every policy run with the same
+    seed meets the same easy and hard tokens (common random numbers; a position's draft is tested at most once:
+    a rejected one is replaced by the target's token, an untested one is drafted again next round); otherwise one
+    stream of draws in the order the rounds test drafts (the default, the tables of docs/e2e.md). seconds: the sum
+    of the launched rounds' and resumes' costs, plus `wait` for each time the host read the newest round before
+    launching the next (waits: the device idles for the read, the decision and the launch). Returns dict(seconds,
+    tok_s, decisions, rounds, resumes, drafted, accepted, waits)."""
     from .decode import SpecConfig
 
     rng = random.Random(seed)
     shapes = policy.shapes(SpecConfig())
     policy.start(B, costs, shapes, max_new)
     S = max(s.steps for s in shapes)
+    keep = [[rng.random() < p for _ in range(max_new + S)] for _ in range(B)] if common else None
     count, clock = [1] * B, [0.0]
 
     def launch(s, resume):
@@ -292,13 +302,14 @@ def simulate(policy, costs: dict, B: int, max_new: int, p: float, seed: int = 0,
         for b in range(B):
             a = 0
             if count[b] < max_new:
-                while s is not None and a < s.steps and rng.random() < p:
+                while s is not None and a < s.steps and (keep[b][count[b] + a] if common else rng.random() < p):
                     a += 1
                 count[b] = min(max_new, count[b] + a + 1)
             rows.append([count[b], a] + [0.0] * S)
         return _Ready(rows)
 
     run = schedule(policy, B, max_new, policy.resume_rows, launch, stale)
+    clock[0] += wait * run["waits"]
     return dict(run, seconds=clock[0], tok_s=B * (max_new - 1) / clock[0])
 
 

@@ -7,8 +7,9 @@ cost table is): the depths share the request's acceptance alpha ~ Beta(w prior +
 last token over every outcome the posterior predicts. So a probe is worth what it teaches over the tokens left,
 a chain is lengthened as the evidence for it grows, and the end of the run is planned (one token left: plain).
 It is Bayes-optimal for that model and prior; the per-depth estimates and the confidence factors (engine/evidence.py) do
-not enter it (the ORACLE has neither; a real drafter's deeper drafts do worse than the model says). Every decision
-waits for the newest round's snapshot (need_outcome), as each depends on the last outcome.
+not enter it (the ORACLE has neither; a real drafter's deeper drafts do worse than the model says). V assumes each
+decision is made after the last round's outcome; the policy decides blind to it where that is expected to cost
+less than waiting for it (value, outcomes and q: AdaptivePolicy.choose_exact).
 
 """
 
@@ -59,7 +60,31 @@ class ChainDP:
                     best = np.where(better, q, best)
                     pick = np.where(better, np.int8(i), pick)
                 V[l, g], self.choice[l, g] = best, pick
-        self.V, self.horizon = V, horizon
+        self.V, self.horizon, self.M = V, horizon, M
+        self.costs, self.resume, self.t0 = costs, resume, t0
+
+    def value(self, left: int, lag: bool, s: int, f: int) -> float:
+        """V: the expected time to the last token from this state, deciding optimally (each decision after the
+        last round's outcome)."""
+        return float(self.V[left, int(lag), s, f]) if left > 0 else 0.0
+
+    def outcomes(self, left: int, lag: bool, s: int, f: int, spec) -> list:
+        """[(probability, (left, lag, s, f) after the round)] of a round of `spec` (None: plain) from this state:
+        a chain of n = min(S, left - 1) drafts accepts its first k and rejects the next (k < n) with probability
+        E[alpha^k] - E[alpha^(k+1)], all n with E[alpha^n], alpha the posterior (n <= 0: one token, as plain)."""
+        if spec is None:
+            return [(1.0, (left - 1, True, s, f))]
+        n = min(spec.steps, left - 1)
+        if n <= 0:
+            return [(1.0, (left - 1, False, s, f))]
+        out = [(float(self.M[k][s, f] - self.M[k + 1][s, f]), (left - k - 1, False, s + k, f + 1)) for k in range(n)]
+        return out + [(float(self.M[n][s, f]), (left - n - 1, False, s + n, f))]
+
+    def q(self, left: int, lag: bool, s: int, f: int, spec) -> float:
+        """The expected time to the last token if this round is `spec` (None: plain) and every later decision is
+        optimal (V)."""
+        cost = self.t0 if spec is None else self.costs[label(spec)] + lag * self.resume
+        return cost + sum(pr * self.value(*st) for pr, st in self.outcomes(left, lag, s, f, spec))
 
     def decide(self, left: int, lag: bool, s: int, f: int):
         """The decision (a spec or None) at `left` tokens, after plain rounds or not, s / f drafts accepted /

@@ -40,8 +40,14 @@ A tree candidate (topk > 1) is valued as its top-1 chain, a lower bound on its g
 chains.
 
 B 1: exact (ChainDP, engine/chain_dp.py, `exact`). One request's run of at most EXACT_HORIZON tokens is decided
-by dynamic programming over the request's Beta posterior of its acceptance, solved once at start; every
-speculative decision waits for the newest round's snapshot (need_outcome), as each depends on the last outcome.
+by dynamic programming over the request's Beta posterior of its acceptance, solved once at start. A decision
+waits for the newest round's snapshot (need_outcome) only where deciding blind to that round's outcome is expected
+to cost more than the device's idle time for the read (`wait`, a constant): where ChainDP's decisions after every
+outcome agree the next is made while the round runs; where they differ, the candidate of the least expected time
+over the outcomes (ChainDP.q) is made blind when it is within `wait` of deciding after the read (choose_exact; on the
+H200's 95d786a table at p = 1, 3 waits a 61-token run instead of 12). Before 95d786a's follow-up every speculative
+decision waited: on the H200 at 95d786a its B 1 runs took 1.4-4.6% longer than their decisions' cost table (about
+0.1 ms idle a round).
 
 What a probe teaches elsewhere (explore, `lookahead`: B > 1, or runs past EXACT_HORIZON). The argmax above values
 the present evidence only: after a rejected probe it picks plain, and plain rounds teach nothing, so one unlucky
@@ -90,8 +96,8 @@ The decisions are made at the loop's sync point between rounds, from a snapshot 
 device (counts, accepted drafts, the chain's cumulative log-probabilities) and the host reads through pinned
 memory: on CUDA one round stale where need_outcome is not set (the host decides round r + 1 while round r runs,
 from round r - 1's snapshot), so the device does not wait for those decisions; where it is set (probes,
-ChainDP's speculative rounds) the device idles for the host's read, decision and launch between two rounds (the
-simulations do not count it). A plain decision never sets it (a plain round teaches nothing of acceptance): on the
+ChainDP's rounds whose outcome the next decision needs) the device idles for the host's read, decision and launch
+between two rounds (adaptive.simulate counts the waits and charges `wait` seconds each if given one). A plain decision never sets it (a plain round teaches nothing of acceptance): on the
 H200 at 9bf26fc, where every plain decision still waited, the batch of 8 decoded plain at 0.75-0.84x plain
 decoding's rate (about 1.1 ms idle per 5.2 ms round; bench/results/policy_9bf26fc_h200/). Nothing inside a round
 graph syncs.
@@ -196,23 +202,29 @@ class AdaptivePolicy(Evidence, Policy):
     confidence : float
         The exponent of the drafter's confidence factor, (c_bj / m_bj) ** confidence (engine/evidence.py): 0
         ignores the drafter's confidence, 1 takes it at face value.
+    wait : float
+        Seconds the device idles when the host waits for the newest round's snapshot before launching the next
+        (its read, the decision and the launch): ChainDP's decisions wait only where deciding blind is expected to
+        cost more (choose_exact). A constant, not timed, so the decisions stay a function of the outcomes.
     """
 
     def __init__(self, steps: Sequence[int] = (1, 2, 3, 4, 5), prior: float = 0.5, prior_weight: float = 1.0,
                  forget: float = 0.995, resume_rows: int = 64, costs: Optional[dict] = None, budget: float = 0.01,
                  request_weight: Optional[float] = None, depth_weight: float = 4.0, lookahead: bool = True,
-                 exact: bool = True, confidence: float = 0.5):
+                 exact: bool = True, confidence: float = 0.5, wait: float = 1e-4):
         if not steps or min(steps) < 1:
             raise ValueError(f"steps must be chain lengths >= 1, got {list(steps)}")
         if not (0 < prior <= 1 and prior_weight > 0 and 0 < forget <= 1 and resume_rows >= 1 and budget >= 0
-                and (request_weight is None or request_weight > 0) and depth_weight > 0 and confidence >= 0):
+                and (request_weight is None or request_weight > 0) and depth_weight > 0 and confidence >= 0
+                and wait >= 0):
             raise ValueError(f"need 0 < prior <= 1, prior_weight > 0, 0 < forget <= 1, resume_rows >= 1, budget >= 0, "
-                             f"request_weight > 0, depth_weight > 0, confidence >= 0; got {prior}, {prior_weight}, "
-                             f"{forget}, {resume_rows}, {budget}, {request_weight}, {depth_weight}, {confidence}")
+                             f"request_weight > 0, depth_weight > 0, confidence >= 0, wait >= 0; got {prior}, "
+                             f"{prior_weight}, {forget}, {resume_rows}, {budget}, {request_weight}, {depth_weight}, "
+                             f"{confidence}, {wait}")
         self.steps, self.fixed_costs = sorted(set(int(s) for s in steps)), costs
         self.prior, self.prior_weight, self.forget, self.resume_rows = prior, prior_weight, forget, resume_rows
         self.budget, self.request_weight, self.depth_weight = budget, request_weight, depth_weight
-        self.lookahead, self.exact, self.confidence = lookahead, exact, confidence
+        self.lookahead, self.exact, self.confidence, self.wait = lookahead, exact, confidence, wait
         self.observed = 0
 
     def shapes(self, spec: SpecConfig) -> list[SpecConfig]:
@@ -230,6 +242,7 @@ class AdaptivePolicy(Evidence, Policy):
         self.allowance = max(self.costs[label(s)] for s in self._specs) + worst_resume - self.t0  # A
         self.need_outcome = False  # whether the next decision should wait for the round just chosen
         self.regret, self.rounds, self.flight = 0.0, 0, deque()  # R (settled rounds), n, the rounds in flight
+        self.pending = deque()  # the rounds in flight: their specs (None: plain), in launch order
         # ChainDP (B 1), and the drafts accepted / rejected over the run, cut at the tokens left as ChainDP cuts
         self.dp, self.seen = None, [0, 0]
         if self.exact and B == 1 and max_new is not None and 0 < max_new - 1 <= EXACT_HORIZON:
@@ -362,11 +375,56 @@ class AdaptivePolicy(Evidence, Policy):
         return max(self._specs, key=lambda s: sum(self.uninformed_tokens(b, s.steps) for b in range(self.B)
                                                   if active[b]) / self.round_cost(s, lag))
 
+    def _exact_after(self, dist: dict, spec) -> dict:
+        """{ChainDP state (tokens left, after a plain round, drafts accepted, rejected): probability} once a round
+        of `spec` (None: plain) is done, from the distribution `dist` (ChainDP.outcomes under the posterior)."""
+        out: dict = {}
+        for st, pr in dist.items():
+            for q, nxt in (self.dp.outcomes(*st, spec) if st[0] > 0 else [(1.0, st)]):
+                out[nxt] = out.get(nxt, 0.0) + pr * q
+        return out
+
+    def _exact_blind(self, dist: dict):
+        """The decision made before the outcomes `dist` are read: ChainDP's own where it is the same at every state
+        with tokens left, else the candidate of the least expected time over them (ChainDP.q, every later decision
+        made after its outcome). Returns (decision, its expected time, the expected time deciding after the read)."""
+        live = {st: pr for st, pr in dist.items() if st[0] > 0}
+        if not live:
+            return None, 0.0, 0.0
+        made = {label(self.dp.decide(st[0], bool(st[1]), st[2], st[3])) for st in live}
+        after = sum(pr * self.dp.value(*st) for st, pr in live.items())
+        if len(made) == 1:
+            st = next(iter(live))
+            return self.dp.decide(st[0], bool(st[1]), st[2], st[3]), after, after
+        best, best_t = None, math.inf
+        for spec in [None] + self._specs:
+            t = sum(pr * self.dp.q(*st, spec) for st, pr in live.items())
+            if t < best_t - 1e-15:
+                best, best_t = spec, t
+        return best, best_t, after
+
     def choose_exact(self, lag):
         """B 1 with the whole run within EXACT_HORIZON tokens: ChainDP's decision (solved at start), within the
-        budget."""
-        spec = self.dp.decide(int(self.remaining[0]), lag > 0, *self.seen)
-        return spec if spec is None or self.affordable(spec, lag) else None
+        budget. Waiting for the newest round's snapshot idles the device for the host's read, decision and launch
+        (`wait` a time: ~0.1 ms on the H200 at 95d786a, docs/e2e.md), so this decision sets need_outcome (the
+        next one waits for this round) only where deciding blind costs more: where ChainDP's decisions after this
+        round's outcomes agree (a long chain mid-run at a high acceptance, whatever one round's outcome) the next
+        decision is ChainDP's own, made while this round runs; where they differ, the candidate of the least
+        expected time over the outcomes (ChainDP.q) when that is within `wait` of deciding after the read. The
+        round in flight when this decision is made (the previous one did not wait) enters the same way: its
+        outcomes under the posterior, the same blind decision the previous decision valued."""
+        dist = {(int(self.remaining[0]), lag > 0 and not self.pending, *self.seen): 1.0}
+        for spec in self.pending:
+            dist = self._exact_after(dist, spec)
+        spec = self._exact_blind(dist)[0]
+        spec = spec if spec is None or self.affordable(spec, lag) else None
+        self.need_outcome = False
+        for st, pr in dist.items():  # the next decision, from each state this one can be in, blind to this round
+            _, blind, after = self._exact_blind(self._exact_after({st: 1.0}, spec))
+            if st[0] > 0 and blind > after + self.wait:
+                self.need_outcome = True
+                break
+        return spec
 
     def choose(self, active, lag):
         spec = self._choose(active, lag)
@@ -402,11 +460,14 @@ class AdaptivePolicy(Evidence, Policy):
         expect = [self.expected_tokens(b, steps) if self.remaining[b] > 0 else 0.0 for b in range(self.B)]
         # (the round's cost, its worst excess: one token a request, the tokens it is expected to emit a request)
         self.flight.append((cost, cost - self.t0, expect))
+        self.pending.append(spec)
         self.rounds += 1
 
     def observe(self, spec, active, accept_len, scores, d1_logprob, counts=None) -> None:
         self.observed += 1
         cost = self.flight.popleft()[0] if self.flight else self.costs[label(spec)]
+        if self.pending:
+            self.pending.popleft()
         decoding = [b for b in range(self.B) if active[b]]
         if decoding:  # the regret: this round's cost less plain's for the tokens it emitted (a share per request)
             tokens = sum(min(int(accept_len[b]) + 1 if spec is not None else 1, self.remaining[b]) for b in decoding)
