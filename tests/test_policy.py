@@ -572,17 +572,19 @@ def test_cpu_cost_table_takes_turns_and_the_least():
     assert measure_costs(graphs, 3, cuda=True) == {"plain": 2.0, "1/1/2": 5.0}
     assert order == [("plain", 3), ("1/1/2", 3)]
 
-def simulated_table(seeds: int = 32, max_new: int = 61, make=AdaptivePolicy) -> list[tuple]:
+def simulated_table(seeds: int = 32, max_new: int = 61, make=AdaptivePolicy, wait: float = 0.0) -> list[tuple]:
     """docs/e2e.md's simulated table: per H200 table and acceptance length, mean over `seeds` of adaptive's
     tokens/s over plain's, and over the best of plain and the fixed chains 1, 2, 3, 5 (the same seeds' draws),
-    with that best. Rows (key, full, L, adaptive / plain, adaptive / best, best's label)."""
+    with that best; `wait`: seconds charged for each time adaptive's host waits for the newest round (simulate;
+    the fixed loops never wait). Rows (key, full, L, adaptive / plain, adaptive / best, best's label)."""
     rows = []
     for key, full in TABLES:
         costs, B = h200_costs(key, full), key[0]
         plain = B / costs[PLAIN]
         for L in LENGTHS:
             p = p_for_acceptance_length(L, 3)
-            ada = sum(simulate(make(costs=costs), costs, B, max_new, p, seed=i)["tok_s"] for i in range(seeds)) / seeds
+            ada = sum(simulate(make(costs=costs), costs, B, max_new, p, seed=i, wait=wait)["tok_s"]
+                      for i in range(seeds)) / seeds
             fixed = {PLAIN: plain}
             for s in (1, 2, 3, 5):
                 fixed[f"{s}/1/{s + 1}"] = sum(simulate(FixedPolicy(steps=s, topk=1, num_tokens=s + 1), costs, B,
@@ -635,7 +637,9 @@ def heldout_table_time(B: int, costs_ms: dict, **policy_kw) -> tuple[float, floa
 
 if __name__ == "__main__":
     # .venv/bin/python tests/test_policy.py: the simulated table, as docs/e2e.md gives it;
-    # .venv/bin/python tests/test_policy.py heldout B CONFIDENCE: heldout_table_time on CPU_TABLES[B]
+    # .venv/bin/python tests/test_policy.py heldout B CONFIDENCE: heldout_table_time on CPU_TABLES[B];
+    # .venv/bin/python tests/test_policy.py wait SECONDS [old]: the table with each host wait charged SECONDS (old:
+    # ChainDP's decisions waiting for every speculative round, as before 95d786a's follow-up)
     import sys
 
     if sys.argv[1:2] == ["heldout"]:
@@ -644,7 +648,9 @@ if __name__ == "__main__":
         print(f"B {B} confidence {g}: fixed 3/1/4 {fixed:.3f} s, adaptive {adaptive:.3f} s in CPU_TABLES[{B}]'s terms: "
               f"adaptive / fixed {fixed / adaptive:.3f} (speed); decisions {decisions}")
         sys.exit()
-    rows = simulated_table()
+    waited = sys.argv[1:2] == ["wait"]
+    rows = simulated_table(make=AlwaysWaits if sys.argv[3:4] == ["old"] else AdaptivePolicy,
+                           wait=float(sys.argv[2]) if waited else 0.0)
     print("| table | " + " | ".join(f"L {L:g}" for L in LENGTHS) + " |\n|---|" + "---|" * len(LENGTHS))
     for key, full in TABLES:
         cells = [f"{a:.3f}, {b:.3f} ({best})" for k, f, L, a, b, best in rows if (k, f) == (key, full)]
