@@ -635,13 +635,51 @@ def heldout_table_time(B: int, costs_ms: dict, **policy_kw) -> tuple[float, floa
     return fixed, adaptive, decisions
 
 
+def replay(folder: str, seeds: int = 32, wait: float = 0.0) -> None:
+    """An H200 policy run replayed in the simulation with its own cost tables (bench_e2e's JSONs in `folder`, one
+    per batch and prefix, each adaptive row's costs_ms and decisions): per L, the simulated adaptive / plain (mean
+    and sd over seeds) and / the best simulated fixed chain, against the H200 row's decisions in the same table's
+    terms (60 x T(plain) over the sum of its decisions' costs) and as measured."""
+    import glob
+    import json
+
+    for path in sorted(glob.glob(f"{folder}/policy_b*_*.json")):
+        rows = json.load(open(path))["rows"]
+        ada = {r["accept_length_target"]: r for r in rows if r["spec"] == "adaptive"}
+        if not ada:
+            continue
+        first = next(iter(ada.values()))
+        B, ms = first["batch"], first["costs_ms"]
+        costs = {k: v / 1e3 for k, v in ms.items()}
+        plain = B / costs[PLAIN]
+        for L, r in sorted(ada.items()):
+            p = p_for_acceptance_length(L, 3)
+            runs = [simulate(AdaptivePolicy(costs=costs), costs, B, r["max_new"] if "max_new" in r else 61, p,
+                             seed=i, wait=wait) for i in range(seeds)]
+            a = [x["tok_s"] / plain for x in runs]
+            mean = sum(a) / seeds
+            sd = math.sqrt(sum((x - mean) ** 2 for x in a) / seeds)
+            best = max([1.0] + [sum(simulate(FixedPolicy(steps=s, topk=1, num_tokens=s + 1), costs, B, 61, p,
+                                             seed=i)["tok_s"] for i in range(seeds)) / seeds / plain
+                                for s in (1, 2, 3, 5)])
+            tab = sum(ms[k] * n for k, n in r["decisions"].items()) + r["resumes"] * ms["resume/8"]
+            same = [x["decisions"] for x in runs].count(r["decisions"])
+            print(f"B {B} prefix {r['prefix']} L {L:g}: simulated {mean:.3f} (sd {sd:.3f}) of plain, {mean / best:.3f} "
+                  f"of the best; the H200's decisions {60 * ms[PLAIN] / tab:.3f} of plain in its table's terms, "
+                  f"measured {r['speedup']:.3f}; {same} of {seeds} seeds decide as the H200 did ({r['decisions']})")
+
+
 if __name__ == "__main__":
     # .venv/bin/python tests/test_policy.py: the simulated table, as docs/e2e.md gives it;
     # .venv/bin/python tests/test_policy.py heldout B CONFIDENCE: heldout_table_time on CPU_TABLES[B];
     # .venv/bin/python tests/test_policy.py wait SECONDS [old]: the table with each host wait charged SECONDS (old:
     # ChainDP's decisions waiting for every speculative round, as before 95d786a's follow-up)
+    # .venv/bin/python tests/test_policy.py replay FOLDER: an H200 policy run replayed with its own cost tables
     import sys
 
+    if sys.argv[1:2] == ["replay"]:
+        replay(sys.argv[2])
+        sys.exit()
     if sys.argv[1:2] == ["heldout"]:
         B, g = int(sys.argv[2]), float(sys.argv[3])
         fixed, adaptive, decisions = heldout_table_time(B, CPU_TABLES[B], confidence=g)
