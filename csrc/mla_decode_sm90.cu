@@ -1174,7 +1174,7 @@ TORCH_LIBRARY_FRAGMENT(eagle3, m) {
   m.def(
       "_tree_attention_mla_sm90_fp8(Tensor q, Tensor kv_cache, Tensor kv_scale, Tensor page_table, "
       "Tensor prefix_lens, Tensor tree_mask, float scale, Tensor(a!) out, Tensor(b!)? lse, Tensor(c!) part_out, "
-      "Tensor(d!) part_lse, int num_splits, bool evict_first=False, int schedule=1) -> ()");
+      "Tensor(d!) part_lse, int num_splits, bool evict_first=False, int schedule=0) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(eagle3, CUDA, m) {

@@ -349,10 +349,10 @@ def test_kernel_refuses_other_kernels(gen):
 
 
 def test_fp8_routing(gen, monkeypatch):
-    """tree_attention_mla_op's choice for an fp8 cache, on CPU with sm90_supported stubbed: the Triton kernel by
-    default; the sm90 kernel where it serves with EAGLE3_MLA_FP8_SM90=1 or kernel 'sm90' (kv_scale and config passed
-    on), the Triton kernel for kernel 'mla_decode' or a Triton-only key, a ValueError for kernel 'sm90' where it does
-    not serve."""
+    """tree_attention_mla_op's choice for an fp8 cache, on CPU with sm90_supported stubbed: the sm90 kernel where
+    it serves (kv_scale and config passed on), by default or with kernel 'sm90'; the Triton kernel with
+    EAGLE3_MLA_FP8_SM90=0, for kernel 'mla_decode' or a Triton-only key, or where the sm90 kernel does not serve; a
+    ValueError for kernel 'sm90' where it does not serve."""
     from eagle3_ops.triton_kernels import tree_attention as ta
 
     c = fp8_case(gen, N=1, prefixes=[1])
@@ -361,14 +361,14 @@ def test_fp8_routing(gen, monkeypatch):
     monkeypatch.setattr(ta, "tree_attention_mla_sm90", lambda *a, kv_scale=None: calls.append(("sm90", a[-1], kv_scale)))
     monkeypatch.setattr(ta, "_mla_decode_launch", lambda *a, kv_scale=None: calls.append(("triton", a[-1], kv_scale)))
     args = (c.q, c.k8, c.page_table, c.prefix_lens, c.tree_mask, c.scale, out, None, c.kv_scale)
-    monkeypatch.delenv("EAGLE3_MLA_FP8_SM90", raising=False)
+    monkeypatch.setenv("EAGLE3_MLA_FP8_SM90", "0")  # the opt-out
     for supported, config, want in [(True, None, ("triton", dict(tma=True))),
                                     (True, dict(splits=3), ("triton", dict(tma=True, splits=3)))]:
         monkeypatch.setattr(ta, "sm90_supported", lambda *a, s=supported: s)
         calls.clear()
         ta.tree_attention_mla_op(*args, config=config)
         assert calls == [(*want, c.kv_scale)], (supported, config, calls)
-    monkeypatch.setenv("EAGLE3_MLA_FP8_SM90", "1")  # (opt-in until the sm90 fp8 build has run on the H200)
+    monkeypatch.delenv("EAGLE3_MLA_FP8_SM90", raising=False)  # the default
     for supported, config, want in [
             (True, None, ("sm90", {})), (True, dict(splits=3), ("sm90", dict(splits=3))),
             (True, dict(kernel="sm90", evict_first=True), ("sm90", dict(evict_first=True))),
@@ -401,7 +401,7 @@ def test_sm90_fp8_schedule_is_checked(gen, monkeypatch):
 
     monkeypatch.setattr(md.torch.ops, "eagle3", Ops())
     args = (c.q, c.k8, c.page_table, c.prefix_lens, c.tree_mask, c.scale, out, None)
-    for cfg, want in ((dict(splits=1), 1), (dict(splits=1, fp8_schedule="regs"), 1),
+    for cfg, want in ((dict(splits=1), 0), (dict(splits=1, fp8_schedule="regs"), 1),
                       (dict(splits=1, fp8_schedule="inplace"), 0)):
         md.tree_attention_mla_sm90(*args, cfg, kv_scale=c.kv_scale)
         assert calls.pop() == want
@@ -568,10 +568,10 @@ SM90_CASES = [((1, 32768, 1, 64, "chain"), 64, None), ((1, 32768, 1, 64, "chain"
 @pytest.mark.parametrize("case, NH, splits", SM90_CASES,
                          ids=[f"NH{h}-N{c[0]}-P{c[1]}-B{c[2]}-ps{c[3]}-{c[4]}-s{s}" for c, h, s in SM90_CASES])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("schedule", [None, "inplace"])  # None: the launcher's default, "regs"
+@pytest.mark.parametrize("schedule", [None, "regs"])  # None: the launcher's default, "inplace"
 def test_gpu_sm90_against_float64(case, NH, splits, dtype, schedule, monkeypatch):
     sm90_gpu()
-    monkeypatch.setenv("EAGLE3_MLA_FP8_SM90", "1")  # the op's route to it (opt-in until it has run on the H200)
+    monkeypatch.delenv("EAGLE3_MLA_FP8_SM90", raising=False)  # the op's default route to it
     c = gpu_fp8_case(case, NH, dtype)
     assert takes_sm90(c)
     cfg = dict(kernel="sm90", **({"splits": splits} if splits else {}), **({"fp8_schedule": schedule} if schedule else {}))
