@@ -495,7 +495,8 @@ def adaptive_rows(args, target, drafter, prompts, reference, plain, profile, ful
                        fixpoint_passes=passes, matches_oracle_reference=converged, decisions=r.decisions,
                        resumes=r.resumes, costs_ms={k: v * 1e3 for k, v in r.costs.items()},
                        regret_ms=policy.regret * 1e3,
-                       graph_memory_bytes=r.graph_memory, graph_prepares=r.graph_prepares, forward_profile=profile,
+                       graph_memory_bytes=r.graph_memory, graph_prepares=r.graph_prepares, policy_waits=r.waits,
+                       forward_profile=profile,
                        extrapolated=dict(layers=full_cfg.num_layers, plain_step_ms=plain_step,
                                          plain_tok_s=B / plain_step * 1e3, spec_tok_s=full_tok_s,
                                          speedup=full_tok_s / (B / plain_step * 1e3)))

@@ -266,7 +266,6 @@ def run_policy(loop, policy, shapes, spec, start, prefill_seconds, prefill_times
     if cuda:
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start
-    run.pop("waits")  # (simulate's; DecodeStats has no field for it yet)
     stats = DecodeStats(tokens=B * max_new, seconds=seconds, accept_hist=loop.hist.tolist(),
                         prefill_seconds=prefill_seconds, prefill_times=prefill_times, batch=B,
                         setup_seconds=setup, costs=costs, graph_memory=graph_memory,

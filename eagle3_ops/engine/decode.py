@@ -92,8 +92,10 @@ class DecodeStats:
     # a policy's run (policy=...): rounds per decision ("plain", "3/1/4" = steps/topk/tokens), the drafter's
     # catch-ups after plain rounds ("resume/r"), the cost table it chose from (seconds a round per decision), the
     # device memory its graphs took (bytes reserved, CUDA graphs only), and how often each graph was prepared
-    # (warmed up and captured: once)
+    # (warmed up and captured: once), and the rounds whose decision waited for the newest round's outcome (the
+    # device idle for the host's read and decision)
     decisions: dict = field(default_factory=dict)
+    waits: int = 0
     resumes: int = 0
     costs: dict = field(default_factory=dict)
     graph_memory: int = 0
