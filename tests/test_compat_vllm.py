@@ -7,6 +7,7 @@ CUDA tensors, against the native op, and under CUDA-graph replay (-m gpu)."""
 
 from __future__ import annotations
 
+import os
 import re
 
 from types import SimpleNamespace
@@ -821,6 +822,8 @@ def test_gpu_launches_per_call(mode):
     Philox keys' draw, row stats, walk, race, finish); the ragged layout adds none."""
     from torch.profiler import ProfilerActivity, profile
 
+    if os.environ.get("EAGLE3_SANITIZER"):  # (bench/sanitize.sh sets it)
+        pytest.skip("the profiler records no kernels under compute-sanitizer (seen on the H200 at 1246426)")
     meta, logits, probs = _batch([4, 0, 2, 4, 1, 0, 3, 4], 32000)
     sm = sampling_metadata() if mode == "greedy" else sampling_metadata(torch.ones(8, device="cuda"))
     probs = probs if mode == "random+probs" else None
