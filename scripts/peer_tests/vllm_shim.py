@@ -1,6 +1,7 @@
-"""vLLM-internal names that vLLM's tests/v1/sample/test_rejection_sampler.py imports and that are not the
-rejection sampler's API: what those tests construct, rebuilt from vLLM's source (vllm/v1/spec_decode/metadata.py,
-vllm/v1/sample/metadata.py, tests/v1/sample/utils.py). The rejection sampler itself is eagle3_ops.compat.vllm's."""
+"""vLLM-internal names that vLLM's test_rejection_sampler.py (in vLLM's repository, under tests/v1/sample/)
+imports and that are not the rejection sampler's API: what those tests construct, rebuilt from vLLM's source
+(vllm/v1/spec_decode/metadata.py, vllm/v1/sample/metadata.py, and utils.py beside that test). The rejection
+sampler itself is eagle3_ops.compat.vllm's."""
 
 import os
 from dataclasses import dataclass, field
@@ -95,7 +96,7 @@ class SpecDecodeMetadata:
 
 
 def create_allowed_token_ids(batch_size, vocab_size, num_allowed_token_ids, device):
-    """tests/v1/sample/utils.py's: for even requests i, tokens [i, i + n) (capped at vocab_size - 1) masked."""
+    """vLLM's test utils.py's: for even requests i, tokens [i, i + n) (capped at vocab_size - 1) masked."""
     mask = None
     for i in range(batch_size):
         if i % 2 == 1:
