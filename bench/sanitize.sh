@@ -3,12 +3,13 @@
 # (bench/gpu_run.sh or bench/device_checks.sh first, in the same call):
 #  - memcheck over every GPU test, JOBS sanitizer processes at once, CHUNK test ids each;
 #  - racecheck and synccheck over the tests of the kernels that use shared memory, clusters or bulk copies
-#    (RACE_K selects them; RACE=0 skips them).
+#    (RACE_K selects them, or RACE_IDS names test ids, space-separated; RACE=0 skips them). MEMCHECK=0 skips memcheck.
 # Each chunk's "ERROR SUMMARY" and pytest result line is appended to $OUT/sanitizer.log as soon as the chunk ends,
 # and a failing chunk's log to $OUT/sanitizer_failures.log, so that a call cut short still leaves what ran.
 # Chunks not started DEADLINE seconds after the start are listed as "not run". The exit status is non-zero if
 # any tool reported an error, any test failed, or any chunk did not run.
-#   usage: OUT=... [JOBS=8] [CHUNK=40] [TESTS='tests/test_*.py'] [DEADLINE=s] [RACE_K=...] bash bench/sanitize.sh
+#   usage: OUT=... [JOBS=8] [CHUNK=40] [TESTS='tests/test_*.py'] [DEADLINE=s] [RACE_K=...|RACE_IDS=...] [MEMCHECK=0]
+#          bash bench/sanitize.sh
 set -o pipefail
 OUT=${OUT:-/tmp/eagle3_sanitize_out}
 mkdir -p "$OUT"
@@ -18,7 +19,8 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 EAGLE3_FUZZ_EXAMPLES=${EAGLE3_FUZZ_EXAMPLES:-25} EAGLE3_SANITIZER=1 OUT
 S=$(mktemp -d)
 export S END=$(( $(date +%s) + ${DEADLINE:-100000} ))
-python3 -m pytest ${TESTS:-tests} -m gpu -q --collect-only -p no:cacheprovider 2>/dev/null | grep '::' > "$S/all"
+if [ "${MEMCHECK:-1}" = 0 ]; then : > "$S/all"; else
+python3 -m pytest ${TESTS:-tests} -m gpu -q --collect-only -p no:cacheprovider 2>/dev/null | grep '::' > "$S/all"; fi
 # graph tests in chunks of their own (see above)
 { grep -v graph "$S/all"; grep graph "$S/all"; } > "$S/ids"
 split -d -a 3 -l "${CHUNK:-40}" "$S/ids" "$S/chunk"
@@ -36,8 +38,10 @@ ls "$S" | grep '^chunk' | xargs -r -P "${JOBS:-8}" -I{} sh -c '
   [ $rc = 0 ] || cat "$S/$c.log" >> "$OUT/sanitizer_failures.log"'
 for tool in racecheck synccheck; do
   [ "${RACE:-1}" = 0 ] && break
-  timeout "${RACE_TIMEOUT:-240}" compute-sanitizer --tool $tool --error-exitcode 9 --print-limit 20 python3 -m pytest tests -m gpu -q -p no:cacheprovider \
-    -k "${RACE_K:-(kv_accept or verify_greedy or sm90 or add_rmsnorm or build_tree) and not fuzz}" --tb=short > "$S/$tool.log" 2>&1
+  if [ -n "${RACE_IDS:-}" ]; then sel=($RACE_IDS); else
+    sel=(tests -k "${RACE_K:-(kv_accept or verify_greedy or sm90 or add_rmsnorm or build_tree) and not fuzz}"); fi
+  timeout "${RACE_TIMEOUT:-240}" compute-sanitizer --tool $tool --error-exitcode 9 --print-limit 20 python3 -m pytest "${sel[@]}" -m gpu -q \
+    -p no:cacheprovider --tb=short > "$S/$tool.log" 2>&1
   trc=$?
   echo "$tool: $(grep -h 'ERROR SUMMARY' "$S/$tool.log" | tail -n 1) | $(grep -hE '^=*\s*[0-9]+ (passed|failed)' "$S/$tool.log" | tail -n 1) | rc $trc" >> "$OUT/sanitizer.log"
   [ $trc = 0 ] || cat "$S/$tool.log" >> "$OUT/sanitizer_failures.log"
