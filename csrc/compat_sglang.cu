@@ -2,7 +2,8 @@
 // an eager call (SGLang's EAGLE worker calls these outside its CUDA graphs) costs one dispatch and one or two
 // launches instead of Python-side validation and Triton launches.
 //
-//   _sglang_build_tree          build_tree_kernel_efficient         one block per request
+//   _sglang_build_tree          build_tree_kernel_efficient         one block per request (one warp when
+//                                                                   N <= 32 and depth * M <= 256)
 //   _sglang_verify_greedy       verify_tree_greedy                  one block per request
 //   _sglang_verify_sampling     tree_speculative_sampling_target_only  (request, 4096-column chunk) blocks, then
 //                                                                   one block per request for the bonus draw
@@ -319,6 +320,21 @@ __device__ __forceinline__ int64_t parent_local(int64_t g, int topk, int M, int 
   return static_cast<int64_t>(slot - static_cast<uint64_t>(d - 1) * static_cast<uint64_t>(M));
 }
 
+// FULL_MASK: this thread's share (entries tid, tid + T, ...) of the earlier requests' prefix lengths,
+// sum(seq_lens[:b]); four loads in flight at a time, not one per dependent add.
+__device__ __forceinline__ int64_t seq_before_part(const void* __restrict__ seq_lens, bool seq64, int64_t b, int tid,
+                                                   int T) {
+  int64_t s = 0;
+#pragma unroll 1
+  for (int64_t k = tid; k < b; k += 4 * T) {
+    int64_t v[4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) v[u] = k + u * T < b ? load_index(seq_lens, seq64, k + u * T) : 0;
+    s += (v[0] + v[1]) + (v[2] + v[3]);
+  }
+  return s;
+}
+
 // parent_list [B, P] int64 (P = topk * (depth - 1) + 1, or 0 at depth 1); selected [B, N - 1] int64;
 // seq_lens [B] int32 | int64; mask: the output mask's bytes (mask_numel); positions [B * N] int64;
 // r_index / r_next / r_sib [B, N] int64; err: the device error word.
@@ -332,7 +348,7 @@ __device__ __forceinline__ int64_t parent_local(int64_t g, int topk, int M, int 
 // first barrier, six barriers in all (the rank scan and the prefix lengths' sum share one), and no thread scans
 // the nodes one by one: the first child and the next sibling come from warp ballots over the parents (32 a
 // step), the mask rows from each node's ancestor bits (one walk up per node and word), a warp per row writing
-// its bytes.
+// its bytes. Trees of N <= 32 nodes and at most 256 slots take sglang_build_small_kernel (one warp, no barrier).
 __global__ void __launch_bounds__(kBuildMaxThreads) sglang_build_kernel(
     const int64_t* __restrict__ parent_list, int64_t P, const int64_t* __restrict__ selected,
     const void* __restrict__ seq_lens, bool seq64, uint8_t* __restrict__ mask, int64_t mask_numel,
@@ -360,10 +376,7 @@ __global__ void __launch_bounds__(kBuildMaxThreads) sglang_build_kernel(
   // every global read first: the prefix lengths, the first selected entries, each slot's parent_list entry
   if (tid == 0) first_bad = INT_MAX;
   const int64_t seq = load_index(seq_lens, seq64, b);
-  int64_t seq_part = 0;  // FULL_MASK: the earlier requests' prefix lengths
-  if (mode == 0) {
-    for (int64_t k = tid; k < b; k += T) seq_part += load_index(seq_lens, seq64, k);
-  }
+  const int64_t seq_part = mode == 0 ? seq_before_part(seq_lens, seq64, b, tid, T) : 0;  // FULL_MASK
   const int64_t sel0 = tid < N - 1 ? selected[b * (N - 1) + tid] : -1;
   for (int c = lo; c < hi; ++c) {
     const int d = c / M, m = c - d * M;
@@ -486,6 +499,219 @@ __global__ void __launch_bounds__(kBuildMaxThreads) sglang_build_kernel(
   }
 }
 
+// ---- small trees: one warp a request -------------------------------------------------------------------------
+
+constexpr int kSmallMaxNodes = 32;   // a node a lane: one mask word
+constexpr int kSmallMaxRounds = 8;   // slots a lane: depth * M <= 256
+
+// floor(x / y) for 0 <= x < 2^16 and 1 <= y < 2^16, given inv = 1.0f / y: x + 1/2 and inv are exact / correctly
+// rounded, so the product is within 2^-23 relative of (x + 1/2) / y, which is at least 1 / (2y) from an integer.
+__device__ __forceinline__ int small_div(int x, float inv) {
+  return static_cast<int>((static_cast<float>(x) + 0.5f) * inv);
+}
+
+// sglang_build_kernel's outputs for a tree of N <= 32 nodes and depth * M <= 32 * R slots, one warp per request
+// (its arguments, and inv_m / inv_topk = 1.0f / M, 1.0f / topk; grid: B blocks of 32 threads, static shared memory
+// only). Slot c = 32 r + lane is lane's r-th (so the ranks come from ballots: no scan), node i is lane i. The same
+// ranks, parents and outputs as sglang_build_kernel, bit for bit, on every input (the bad values' too: what it
+// skips, what it reports); what differs is the critical path of a request:
+//   - every global read is issued first (the prefix lengths four at a time, parent_list once per slot, the packed
+//     mask bytes that are OR-ed into), then only shared memory, shuffles and ballots: no block barrier, five
+//     __syncwarp() where lanes read what others wrote (the zeroed selection words, the selection, the walks'
+//     links, the slots' nodes, the nodes' parents);
+//   - the fin walks of a lane's R slots advance together, a step of each a round (one shared load);
+//   - a node's ancestor bits by pointer jumping (about log2 of the tree's depth rounds of two shuffles), its
+//     depth = their count - 1; first child and next sibling from one __match_any_sync over the parents (no scan over nodes);
+//   - the bool mask rows written 32 / 2^ceil(log2 N) rows a pass (a byte store per lane), the packed row as one
+//     store of its nb bytes when the buffer is nb-aligned (bytes otherwise).
+template <int R>
+__global__ void __launch_bounds__(32) sglang_build_small_kernel(
+    const int64_t* __restrict__ parent_list, int64_t P, const int64_t* __restrict__ selected,
+    const void* __restrict__ seq_lens, bool seq64, uint8_t* __restrict__ mask, int64_t mask_numel,
+    int64_t* __restrict__ positions, int64_t* __restrict__ r_index, int64_t* __restrict__ r_next,
+    int64_t* __restrict__ r_sib, int topk, int depth, int M, int N, int mode, int nb, float inv_m, float inv_topk,
+    int64_t* __restrict__ err) {
+  constexpr unsigned kAll = 0xffffffffu;
+  __shared__ int32_t ps_s[32 * R];     // a selected slot's parent slot (-1 the root, -2 out of range), else -3
+  __shared__ int32_t node_s[32 * R];   // node of the slot, or -1
+  __shared__ uint32_t chosen_s[R];     // selected slots: bit c & 31 of word c >> 5
+  __shared__ int32_t par_s[kSmallMaxNodes];
+  const int64_t b = blockIdx.x;
+  const int lane = threadIdx.x, CS = depth * M;
+  const unsigned below = (1u << lane) - 1u, above = ~below & ~(1u << lane);
+  const int64_t C = topk + static_cast<int64_t>(depth - 1) * topk * topk;  // SGLang's candidates
+
+  // every global read first: the prefix lengths, the selection (one entry a lane), each slot's parent_list
+  // entry ((c - M) / topk = (d - 1) * topk + m / topk, M = topk^2), the packed row's bytes 1 .. nb - 1
+  const int64_t seq = load_index(seq_lens, seq64, b);
+  const int64_t seq_part = mode == 0 ? seq_before_part(seq_lens, seq64, b, lane, 32) : 0;
+  const int64_t sel = lane < N - 1 ? selected[b * (N - 1) + lane] : -1;
+  int64_t g[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    const int c = 32 * r + lane;
+    g[r] = c >= M && c < CS ? parent_list[b * P + 1 + small_div(c - M, inv_topk)] : 0;
+  }
+  uint8_t* row = mask + (b * N + lane) * nb;
+  const bool wide = mode == 2 && (reinterpret_cast<uintptr_t>(mask) & static_cast<uintptr_t>(nb - 1)) == 0;
+  uint32_t old = 0;  // (nb 1 is always wide)
+  if (mode == 2 && nb > 1 && lane < N) {
+    if (wide) {
+      old = nb == 2 ? *reinterpret_cast<const uint16_t*>(row) : *reinterpret_cast<const uint32_t*>(row);
+    } else {
+      old = static_cast<uint32_t>(row[1]) << 8;
+      if (nb == 4) old |= static_cast<uint32_t>(row[2]) << 16 | static_cast<uint32_t>(row[3]) << 24;
+    }
+  }
+
+  // parent slots; the selected slots (a selected candidate outside [0, C) is skipped; duplicates select once)
+  if (lane < R) chosen_s[lane] = 0u;
+  int d[R], ps[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    const int c = 32 * r + lane;
+    d[r] = small_div(c, inv_m);
+    int p = -1;
+    if (c >= M && c < CS) {
+      const int64_t local = parent_local(g[r], topk, M, d[r]);
+      p = local >= 0 && local < M ? (d[r] - 1) * M + static_cast<int>(local) : -2;
+    }
+    ps[r] = p;
+  }
+  __syncwarp();
+  if (sel >= 0 && sel < C) {
+    const int c = static_cast<int>(sel < topk ? sel : sel + (M - topk));
+    atomicOr(&chosen_s[c >> 5], 1u << (c & 31));
+  }
+  __syncwarp();
+  // fin: selected with every ancestor selected (the chain ends at the root or at an out-of-range entry). Each
+  // slot's link becomes its parent slot if it is selected, else kUnchosen: a step of a walk is one shared load
+  constexpr int kUnchosen = -3;
+  bool ch[R], fin[R];
+  int up[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    ch[r] = (chosen_s[r] >> lane) & 1u;
+    fin[r] = ch[r];
+    up[r] = ps[r];
+    ps_s[32 * r + lane] = ch[r] ? ps[r] : kUnchosen;
+  }
+  __syncwarp();
+  for (int steps = 0; steps < depth; ++steps) {
+    bool more = false;
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const bool on = fin[r] && up[r] >= 0;
+      const int link = ps_s[on ? up[r] : 0];  // (unconditional: the R loads of a step go out back to back)
+      fin[r] = on ? link != kUnchosen : fin[r];
+      up[r] = on ? link : up[r];
+      more = more || on;
+    }
+    if (!__any_sync(kAll, more)) break;
+  }
+  // build_tree's ranks: the fin slots in slot order, then the others in slot order; ranks 0 .. N - 2 become
+  // nodes 1 .. N - 1 (a slot past CS is not fin and ranks at c >= CS >= N - 1)
+  unsigned fins[R];
+  int total = 0;
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    fins[r] = __ballot_sync(kAll, fin[r]);
+    total += __popc(fins[r]);
+  }
+  int before = 0, node[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    const int c = 32 * r + lane, mine = before + __popc(fins[r] & below);
+    const int rank = fin[r] ? mine : total + (c - mine);
+    before += __popc(fins[r]);
+    node[r] = rank < N - 1 ? rank + 1 : -1;
+    node_s[c] = node[r];
+  }
+  if (lane == 0) par_s[0] = -1;
+  __syncwarp();
+  // a node's parent: the node of its parent slot (an unselected slot's: slot 0 of depth d - 1; from the root: 0)
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    const int n = node[r];
+    const int p = ch[r] ? (ps[r] >= 0 ? ps[r] : -1) : (d[r] > 0 ? (d[r] - 1) * M : -1);
+    const int pn_read = node_s[p < 0 ? 0 : p];  // (read for every slot: no branch before the load)
+    const int pn = p < 0 ? 0 : pn_read;
+    if (n >= 1) par_s[n] = pn >= 0 && pn < n ? pn : 0;
+  }
+  __syncwarp();
+
+  // lane i = node i: ancestor-or-self bits (par[j] < j, so the chain ends at the root within N - 1 hops)
+  const int pa = lane < N ? par_s[lane] : -2;
+  uint32_t anc = lane < N ? 1u << lane : 0u;
+  int hop = pa;  // after k rounds: anc holds the node and its 2^k - 1 nearest ancestors, hop the next one
+  for (int span = 1; span < N; span <<= 1) {
+    if (!__any_sync(kAll, hop >= 0)) break;
+    const int src = hop >= 0 ? hop : 0;
+    const uint32_t a = __shfl_sync(kAll, anc, src);
+    const int h = __shfl_sync(kAll, hop, src);
+    if (hop >= 0) {
+      anc |= a;
+      hop = h;
+    }
+  }
+  // first child = the first node of each group of equal parents, next sibling = the next node of the group
+  const unsigned same = __match_any_sync(kAll, pa);  // lanes >= N (-2) form a group of their own
+  if (lane < N) {
+    positions[b * N + lane] = seq + (__popc(anc) - 1);
+    r_index[b * N + lane] = b * N + lane;
+    if (pa >= 0) {
+      if ((same & below) == 0u) r_next[b * N + pa] = lane;
+      if ((same & above) != 0u) r_sib[b * N + lane] = __ffs(same & above) - 1;
+    }
+    if (mode == 2) {  // QLEN_ONLY_BITPACKING: byte 0 set, bytes 1 .. nb - 1 OR-ed into (N <= 8 nb: anc fits)
+      const uint32_t v = anc | (old & ~255u);
+      if (nb == 1) {
+        row[0] = static_cast<uint8_t>(v);
+      } else if (wide) {
+        if (nb == 2) {
+          *reinterpret_cast<uint16_t*>(row) = static_cast<uint16_t>(v);
+        } else {
+          *reinterpret_cast<uint32_t*>(row) = v;
+        }
+      } else {
+        row[0] = static_cast<uint8_t>(v);
+        row[1] = static_cast<uint8_t>(v >> 8);
+        if (nb == 4) {
+          row[2] = static_cast<uint8_t>(v >> 16);
+          row[3] = static_cast<uint8_t>(v >> 24);
+        }
+      }
+    }
+  }
+  if (mode != 2) {  // FULL_MASK / QLEN_ONLY: bool (i, j) = j an ancestor of i or i itself
+    int64_t seq_before = seq_part;
+    for (int o = 16; o > 0; o >>= 1) seq_before += __shfl_xor_sync(kAll, seq_before, o);
+    const int64_t start = mode == 0 ? static_cast<int64_t>(N) * N * b + N * seq_before + seq
+                                    : static_cast<int64_t>(N) * N * b;
+    const int64_t stride = mode == 0 ? seq + N : N;
+    // 32 / 2^ceil(log2 N) rows a pass, lane = (row, column j)
+    const int log_np = 32 - __clz(N - 1), rows = 32 >> log_np, j = lane & ((1 << log_np) - 1);
+    for (int i0 = 0; i0 < N; i0 += rows) {
+      const int i = i0 + (lane >> log_np);
+      const uint32_t a = __shfl_sync(kAll, anc, i & 31);
+      const int64_t at = start + stride * i + j;
+      if (j < N && i < N && at >= 0 && at < mask_numel) mask[at] = (a >> j) & 1u;
+    }
+  }
+  // the first selected slot whose parent_list entry is outside depth d - 1, reported as sglang_build_kernel does
+  int first_bad = -1;
+#pragma unroll
+  for (int r = R - 1; r >= 0; --r) {
+    const unsigned bad = __ballot_sync(kAll, ch[r] && ps[r] == -2);
+    if (bad != 0u) first_bad = 32 * r + __ffs(bad) - 1;
+  }
+  if (lane == 0 && EAGLE3_UNLIKELY(first_bad >= 0)) {
+    const int c = first_bad, dd = c / M, m = c - dd * M;
+    const int64_t local = parent_local(parent_list[b * P + 1 + (dd - 1) * topk + m / topk], topk, M, dd);
+    report_range(err, kOpBuildTree, kArgDraftParents, local, 0, M - 1, b, dd, m);
+  }
+}
+
 void sglang_build_tree_cuda(const at::Tensor& parent_list, const at::Tensor& selected_index,
                             const at::Tensor& verified_seq_len, const at::Tensor& tree_mask, const at::Tensor& positions,
                             const at::Tensor& retrive_index, const at::Tensor& retrive_next_token,
@@ -503,6 +729,22 @@ void sglang_build_tree_cuda(const at::Tensor& parent_list, const at::Tensor& sel
   const cudaStream_t stream = current_stream(parent_list);
   const int device = parent_list.get_device();
   const int64_t CS = depth * M, W = (N + 31) / 32;
+  if (N <= kSmallMaxNodes && CS <= 32 * kSmallMaxRounds) {  // one warp a request
+    auto kernel = CS <= 32 ? sglang_build_small_kernel<1>
+                           : (CS <= 64 ? sglang_build_small_kernel<2>
+                                       : (CS <= 128 ? sglang_build_small_kernel<4> : sglang_build_small_kernel<8>));
+    kernel<<<static_cast<unsigned>(B), 32, 0, stream>>>(
+        P ? parent_list.data_ptr<int64_t>() : nullptr, P, selected_index.data_ptr<int64_t>(),
+        verified_seq_len.data_ptr(), verified_seq_len.scalar_type() == at::kLong,
+        static_cast<uint8_t*>(tree_mask.data_ptr()), tree_mask.numel() * static_cast<int64_t>(tree_mask.element_size()),
+        positions.data_ptr<int64_t>(), retrive_index.data_ptr<int64_t>(), retrive_next_token.data_ptr<int64_t>(),
+        retrive_next_sibling.data_ptr<int64_t>(), static_cast<int>(topk), static_cast<int>(depth), static_cast<int>(M),
+        static_cast<int>(N), static_cast<int>(mode), nb, 1.0f / static_cast<float>(M),
+        1.0f / static_cast<float>(topk), device_error_word(device));
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    after_launch(device, stream);
+    return;
+  }
   const size_t region = static_cast<size_t>(std::max(CS * 10, N * W * 4) + 3) / 4 * 4;
   const size_t smem = region + static_cast<size_t>(N) * sizeof(int32_t);  // at most 132 KiB
   if (smem > 48 * 1024) {

@@ -1214,9 +1214,11 @@ def cpp_matches_paths(fn, args, outs):
 
 # BUILD_KERNEL_SHAPES, then the bench's (B 64: Kimi-like 8 x 6 x 64, 4 x 5 x 16, a chain of 4), then mask rows of
 # many words: a deep chain (N 33), N 300 (past the Triton kernel's 256: the tensor ops beside it), and the C++
-# kernel's limits, 1024 nodes and 8192 slots (132 KiB of shared memory)
+# kernel's limits, 1024 nodes and 8192 slots (132 KiB of shared memory); then the one-warp kernel's (N <= 32 and
+# depth * M <= 256 slots): 256 slots at N 32, a chain of 32, 50 slots (M 25), and past it by slots at N 32 (261)
 CPP_BUILD_SHAPES = BUILD_KERNEL_SHAPES + [(64, 8, 6, 64), (64, 4, 5, 16), (64, 1, 3, 4), (3, 1, 40, 33),
-                                          (2, 8, 6, 300), (1, 16, 32, 1024)]
+                                          (2, 8, 6, 300), (1, 16, 32, 1024), (3, 8, 4, 32), (2, 1, 32, 32),
+                                          (2, 5, 2, 26), (2, 3, 29, 32)]
 
 
 @pytest.mark.gpu
@@ -1242,20 +1244,60 @@ def test_gpu_cpp_build_unselected_parents_unsorted_duplicates_outside(selected, 
     cpp_matches_paths(build_tree_kernel_efficient, _golden_selection_case(selected, mode), (3, 4, 5, 6, 7))
 
 
+def _cpp_build_random(g, k, B, topk, depth, N):
+    """Case k of the random-selection tests: its mode by k, every other selection drawn anywhere in [0, C)
+    (unsorted, duplicated, parents not selected); the C++ op = the Triton kernel = the tensor ops."""
+    C = topk + (depth - 1) * topk * topk
+    mode = MODES[k % 3] if k % 3 != 2 or N <= 32 else TreeMaskMode.QLEN_ONLY
+    args = _build_case(g, B, topk, depth, N, mode)
+    if k % 2:
+        args[1] = torch.randint(0, C, (B, N - 1), generator=g)
+    cpp_matches_paths(build_tree_kernel_efficient, args, (3, 4, 5, 6, 7))
+
+
 @pytest.mark.gpu
 def test_gpu_cpp_build_random_selections():
-    # small random shapes in every mode, every other selection drawn anywhere in [0, C) (unsorted, duplicated,
-    # parents not selected): the C++ op ranks and links them as the Triton kernel and the tensor ops do
+    # small random shapes in every mode (the one-warp kernel's): the C++ op ranks and links them as the Triton
+    # kernel and the tensor ops do
     g = torch.Generator().manual_seed(23)
     for k in range(40):
         topk, depth = int(torch.randint(1, 5, (1,), generator=g)), int(torch.randint(1, 5, (1,), generator=g))
         C = topk + (depth - 1) * topk * topk
         N, B = int(torch.randint(1, C + 2, (1,), generator=g)), int(torch.randint(1, 4, (1,), generator=g))
-        mode = MODES[k % 3] if k % 3 != 2 or N <= 32 else TreeMaskMode.QLEN_ONLY
-        args = _build_case(g, B, topk, depth, N, mode)
-        if k % 2:
-            args[1] = torch.randint(0, C, (B, N - 1), generator=g)
-        cpp_matches_paths(build_tree_kernel_efficient, args, (3, 4, 5, 6, 7))
+        _cpp_build_random(g, k, B, topk, depth, N)
+
+
+@pytest.mark.gpu
+def test_gpu_cpp_build_random_selections_past_one_warp():
+    # the same on the block kernel's shapes (N > 32, or more than 256 slots)
+    g = torch.Generator().manual_seed(29)
+    steps = [(6, 2), (8, 2), (5, 3), (8, 3), (4, 17), (6, 8)]  # (topk, depth): 72 .. 192 slots, then 272 and 288
+    for k in range(24):
+        topk, depth = steps[k % len(steps)]
+        C = topk + (depth - 1) * topk * topk
+        lo = 33 if depth * topk * topk <= 256 else 1
+        N = int(torch.randint(lo, min(C + 1, 200) + 1, (1,), generator=g))
+        _cpp_build_random(g, k, int(torch.randint(1, 4, (1,), generator=g)), topk, depth, N)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("N", [9, 17, 32])
+def test_gpu_cpp_build_bitpacked_at_an_odd_address(N):
+    # a uint8 mask one byte into its buffer: the one-warp kernel stores (and reads back) a row of 2 / 4 bytes byte
+    # by byte there, in one access where the buffer is aligned; the same bytes as the CPU path, byte 0 untouched
+    g = torch.Generator().manual_seed(N + 1)
+    B, topk, depth = 5, 4, 3
+    nb = 2 if N <= 16 else 4
+    parent_list, selected = eagle_selection(g, B, topk, depth, N)
+    buf = torch.randint(0, 256, (B * N * nb + 1,), generator=g, dtype=torch.uint8)
+    args = [parent_list, selected, torch.randint(0, 50, (B,), generator=g), buf, torch.full((B * N,), -7),
+            torch.full((B, N), -7), torch.full((B, N), -1), torch.full((B, N), -1), topk, depth, N, 2]
+    cpu = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+    build_tree_kernel_efficient(*cpu[:3], cpu[3][1:], *cpu[4:])
+    gpu = [a.cuda() if isinstance(a, torch.Tensor) else a for a in args]
+    build_tree_kernel_efficient(*gpu[:3], gpu[3][1:], *gpu[4:])
+    for i in (3, 4, 5, 6, 7):
+        assert_equal(gpu[i].cpu(), cpu[i], f"argument {i}")
 
 
 @pytest.mark.gpu
