@@ -21,11 +21,11 @@ fp8 (issue 23): provider eagle3.fp8 is torch.ops.eagle3.tree_attention_mla on an
 with its per-tensor kv_scale (amax / 448; bf16 q, fp32 accumulation), its bytes
 counted at one a dim. Every MLA shape has it; FP8_SHAPES adds issue 23's memory-bound rows (N 1 at 64 / 16 / 8
 local heads, 4-token chains at 8 / 16; B1 P32768, B8 P8192, B64 P4096: models mla, mla-16, mla-8) with
-providers eagle3, eagle3.triton, eagle3.fp8 and eagle3.fp8.triton only. The table ends with each shape's fp8 speed-up over eagle3
-(bf16). eagle3.fp8 is the op's route (the sm90 kernel's fp8 build where it serves; EAGLE3_MLA_FP8_SM90=0 keeps the
-Triton fp8 kernel and drops the next two providers), eagle3.fp8.sm90 that build (config kernel sm90, its default
-tile schedule, fp8_schedule inplace), eagle3.fp8.sm90.regs its register-staged schedule, eagle3.fp8.triton the
-Triton fp8 kernel on the same inputs. EAGLE3_TREE_SWEEP=1 adds fp8 tile variants (eagle3.fp8:<config>, Triton). The lead's fp8 run:
+providers eagle3, eagle3.triton, eagle3.fp8, eagle3.fp8.sm90 and eagle3.fp8.triton only. The table ends with each
+shape's fp8 speed-up over eagle3 (bf16). eagle3.fp8 is the op's route (the sm90 kernel's fp8 build where it serves;
+EAGLE3_MLA_FP8_SM90=0 keeps the Triton fp8 kernel and drops the next provider), eagle3.fp8.sm90 that build (config
+kernel sm90), eagle3.fp8.triton the Triton fp8 kernel on the same inputs. EAGLE3_TREE_SWEEP=1 adds fp8 tile
+variants (eagle3.fp8:<config>, Triton). The lead's fp8 run:
 EAGLE3_TREE_PROVIDERS="eagle3,eagle3.fp8" EAGLE3_TREE_SHAPES="mla* N1,mla-* N4 chain" (patterns: see _kept).
 EAGLE3_TREE_SWEEP=1 also times tile configurations of the Triton kernel (provider eagle3:<config>).
 EAGLE3_TREE_SHAPES="mla B1 P32768 N16,mla B1 P32768 N1" keeps only those shapes and
@@ -204,7 +204,6 @@ def _providers(model, B, P, N, tree_kind="bushy"):
                      "eagle3.fp8.triton": fp8(dict(kernel="mla_decode"))}
         if FP8_SM90:
             providers["eagle3.fp8.sm90"] = fp8(dict(kernel="sm90"))
-            providers["eagle3.fp8.sm90.regs"] = fp8(dict(kernel="sm90", fp8_schedule="regs"))
         if os.environ.get("EAGLE3_TREE_SWEEP") == "1":
             for cfg in FP8_SWEEP:
                 providers["eagle3.fp8:" + ",".join(f"{k}={v}" for k, v in cfg.items())] = fp8(cfg)
@@ -216,7 +215,6 @@ def _providers(model, B, P, N, tree_kind="bushy"):
         providers["eagle3.fp8"] = eagle3_fp8
         if FP8_SM90:
             providers["eagle3.fp8.sm90"] = fp8(dict(kernel="sm90"))
-            providers["eagle3.fp8.sm90.regs"] = fp8(dict(kernel="sm90", fp8_schedule="regs"))
         providers["eagle3.fp8.triton"] = fp8(dict(kernel="mla_decode"))
     if B * (P + N) * NH * (Dk + Dv) * 2 <= 16e9:  # SDPA's math path repeats the KV heads for every query head
         providers["torch.sdpa"] = sdpa

@@ -70,7 +70,6 @@ constexpr int kChunkBytes = kRows * 128;             // one [64 x 64] swizzled c
 constexpr int kTileBytes = kChunks * kChunkBytes;    // Q, and each key stage: 73,728 bytes
 constexpr int kPBytes = kRows * kKeys * 2;           // P: one chunk
 constexpr int kThreads = 256;                        // two warpgroups
-constexpr int kF8InPlace = 1, kF8Regs = 2;           // the fp8 builds' schedules (mla_decode_kernel's kFp8)
 constexpr int kSmemBytes = 3 * kTileBytes + kPBytes + 3 * kRows * 4 + 1024;  // + alpha, l, m; + alignment
 static_assert(kKeys == 64 && kRows == 64, "the tile code assumes 64 x 64 score tiles");
 
@@ -221,9 +220,9 @@ __device__ __noinline__ void report_request(int64_t* err, const int32_t* pt_row,
 #endif
 // kEvictFirst: the KV loads carry an L2 evict-first policy (else plain cp.async). kDev: 0, or a development
 // build (EAGLE3_DEV_BUILD only, above).
-// kFp8: 0, a cache of T; else the cache is fp8 e4m3 (T is q's and out's dtype; the dots run in fp16: kFp8's notes
-// below), its tiles staged by schedule kF8InPlace (1) or kF8Regs (2).
-template <typename T, bool kEvictFirst, int kDev = 0, int kFp8 = 0>
+// kFp8: false, a cache of T; true, the cache is fp8 e4m3 (T is q's and out's dtype; the dots run in fp16: kFp8's
+// notes below).
+template <typename T, bool kEvictFirst, int kDev = 0, bool kFp8 = false>
 __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_constant__ Params p) {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ uint8_t smem_raw[];
@@ -255,8 +254,8 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
 #endif
   const int rows_total = p.N * p.G;
   const T* q = static_cast<const T*>(p.q);
-  using KT = std::conditional_t<kFp8 != 0, uint8_t, T>;  // a cache element
-  using MT = std::conditional_t<kFp8 != 0, __half, T>;   // the wgmmas' inputs (Q, K, P, V in shared memory)
+  using KT = std::conditional_t<kFp8, uint8_t, T>;  // a cache element
+  using MT = std::conditional_t<kFp8, __half, T>;   // the wgmmas' inputs (Q, K, P, V in shared memory)
   const KT* kv = static_cast<const KT*>(p.kv);
   // kFp8: the scale, read on the device (a graph replays with whatever it holds); not finite and > 0: every row
   // NaN and the value reported (the reference raises)
@@ -269,7 +268,8 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
   const int prefix_raw = p.prefix_lens[b];
   const bool bad = prefix_raw < 0 || prefix_raw > capacity - p.N;
   const int64_t clamp_hi = capacity - p.N;
-  const int prefix = static_cast<int>(clamp_hi < 0 ? 0 : (prefix_raw < clamp_hi ? (prefix_raw < 0 ? 0 : prefix_raw) : clamp_hi));
+  const int prefix =
+      static_cast<int>(clamp_hi < 0 ? 0 : (prefix_raw < clamp_hi ? (prefix_raw < 0 ? 0 : prefix_raw) : clamp_hi));
   const int64_t per_split = (static_cast<int64_t>(prefix) + p.num_splits - 1) / p.num_splits;  // (no int overflow)
   const int64_t chunk = (per_split + kKeys - 1) / kKeys * kKeys;
   const int64_t start = split * chunk;
@@ -369,8 +369,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
     }
   };
 
-  // kFp8 == kF8InPlace (kF8Regs: the same ownership, f8_regs below): warpgroup 1 alone loads and converts every
-  // tile. Thread i (0..127) of it owns rows fr and fr + 32 and
+  // kFp8: warpgroup 1 alone loads and converts every tile. Thread i (0..127) of it owns rows fr and fr + 32 and
   // the 16-byte piece fj of each row's 64-byte column chunk (4 threads a row chunk: whole 32-byte sectors). A
   // tile's 36,864 fp8 bytes land (cp.async) in the upper half of its bf16-sized stage, chunk-major: chunk c's
   // [64 rows x 64 bytes] at kF8Base + c * 4096, piece p = 4 r + fj at 16 p. The upper half is read only by
@@ -430,38 +429,6 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
       for (int i = 0; i < 2; ++i) f8_convert_chunk(stage, c, held[c - 6][i], i);
     }
   };
-  // kFp8 == kF8Regs (the register-staged schedule): the same pieces (thread fi: rows fr and fr + 32, 16 bytes fj of
-  // each 64-byte column chunk) are loaded from global memory into the thread's own registers, piece 2 c + i of
-  // f8_regs = chunk c of row fr + 32 i (72 registers, a whole tile's 36,864 bytes over the warpgroup), so no
-  // shared memory holds raw bytes and a tile's bytes are in flight while both stages are in use. Tile t + 1 is
-  // converted from them into the stage of tile t - 1 at the start of iteration t - as soon as that stage is free
-  // (barrier 4), beside warpgroup 0's Q K^T of tile t - and each piece's registers are refilled with tile t + 2's
-  // piece right after it is converted (ptxas places the 18 loads after the conversion's last store: sm_90a SASS),
-  // so that tile's bytes have the rest of the iteration to land. Tile 0 comes by cp.async into the upper half of
-  // stage 1 (free in the prologue; f8_issue's layout) and is converted into stage 0.
-  uint32_t f8_regs[2 * kChunks][4];
-  auto f8_ld = [&](int k, const KT* src) {  // piece k = 2 c + i of the tile whose row sources are src
-    const KT* a = src != nullptr ? src + (k / 2) * 64 + fj * 16 : kv;
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %5, 0;\n"
-        "@!p mov.b32 %0, 0;\n@!p mov.b32 %1, 0;\n@!p mov.b32 %2, 0;\n@!p mov.b32 %3, 0;\n"
-        "@p ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %6;\n}\n"
-        : "=r"(f8_regs[k][0]), "=r"(f8_regs[k][1]), "=r"(f8_regs[k][2]), "=r"(f8_regs[k][3])
-        : "l"(a), "r"(src != nullptr ? 1 : 0), "l"(policy)
-        : "memory");
-  };
-  auto f8_ld_tile = [&](const KT* const (&src)[2]) {
-#pragma unroll
-    for (int k = 0; k < 2 * kChunks; ++k) f8_ld(k, src[k % 2]);
-  };
-  // tile in f8_regs -> stage (fp16); with next, each piece's registers then take that tile's piece
-  auto f8_store_tile = [&](uint32_t stage, const KT* const* next) {
-#pragma unroll
-    for (int k = 0; k < 2 * kChunks; ++k) {
-      f8_convert_chunk(stage, k / 2, f8_regs[k], k % 2);
-      if (next != nullptr) f8_ld(k, next[k % 2]);
-    }
-  };
 
   if (n_tiles > 0) {
     // every page id of the prologue's tiles first: their round trips overlap each other and Q's loads
@@ -487,20 +454,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
 #pragma unroll
       for (int c = 0; c < kChunks; ++c) sm90::cp_async16(dst + c * kChunkBytes, ok ? src + c * 64 : q, ok ? 16 : 0);
     }
-    if constexpr (kFp8 == kF8Regs) {
-      // Q in its own group, then (warpgroup 1) tile 0's bytes into stage 1's upper half, tile 1's into registers
-      sm90::cp_async_commit();
-      if (wg == 1) {
-        f8_issue(src0, s_k + kTileBytes);
-        sm90::cp_async_commit();
-        if (n_tiles > 1) f8_ld_tile(src1);
-        if (n_tiles > 2) f8_srcs(2, f8_src);  // page ids an iteration ahead, as below
-        sm90::cp_async_wait<1>();  // Q
-      } else {
-        sm90::cp_async_wait_all();
-      }
-      __syncthreads();  // Q landed for every thread
-    } else if constexpr (kFp8) {
+    if constexpr (kFp8) {
       // Q in its own group, then (warpgroup 1) tile 0 into stage 0 and tile 1 into stage 1, a group each
       sm90::cp_async_commit();
       if (wg == 1) {
@@ -514,8 +468,6 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
         sm90::cp_async_wait_all();
       }
       __syncthreads();  // Q landed for every thread
-    }
-    if constexpr (kFp8) {
       int shift = 0;
       if constexpr (std::is_same_v<T, __nv_bfloat16>) {
         // bf16 q -> fp16 in place, exact in fp16's normal range; a block whose Q holds |q| >= 2^15 is first scaled
@@ -567,17 +519,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
         }
       }
       qk_scale = p.scale_log2 * kv_scale * __uint_as_float(static_cast<uint32_t>(127 + shift) << 23);
-      if constexpr (kFp8 == kF8Regs) {
-        if (wg == 1) {
-          sm90::cp_async_wait_all();  // this thread's bytes of tile 0 (stage 1's upper half) -> stage 0
-#pragma unroll
-          for (int k = 0; k < 2 * kChunks; ++k) {
-            uint32_t raw[4];
-            lds128(s_k + kTileBytes + kF8Base + (k / 2) * 4096 + (fi + 128 * (k % 2)) * 16, raw);
-            f8_convert_chunk(s_k, k / 2, raw, k % 2);
-          }
-        }
-      } else if (wg == 1) {
+      if (wg == 1) {
         sm90::cp_async_wait<1>();  // tile 0 (tile 1's group may still fly)
         convert_tile(s_k);
       }
@@ -767,10 +709,8 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
       pv(stage);
     }
   } else {
-    // kF8InPlace: tile t was converted at the end of iteration t - 1 (tile 0 in the prologue); warpgroup 1 issues
-    // tile t + 1's bytes once its P V of tile t - 1 is done, and converts them while its P V of tile t runs.
-    // kF8Regs: tile t + 1 is converted from registers at the start of iteration t, beside Q K^T of tile t, and
-    // tile t + 2's bytes are loaded into those registers as it goes (f8_regs' notes)
+    // kFp8: tile t was converted at the end of iteration t - 1 (tile 0 in the prologue); warpgroup 1 issues tile
+    // t + 1's bytes once its P V of tile t - 1 is done, and converts them while its P V of tile t runs.
     for (int t = 0; t < n_tiles; ++t) {
       if constexpr (!kFp8) {
         wait_tile(t);
@@ -782,20 +722,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
       sm90::wgmma_wait<0>();  // this warpgroup's P V of tile t - 1 is done:
       sm90::fence_operand(o);
       named_barrier_arrive(2, kThreads);  // P and the rescale factors may be overwritten
-      if constexpr (kFp8 == kF8Regs) {
-        // tile t + 1 (in registers) into the stage of tile t - 1, beside warpgroup 0's Q K^T of tile t; each piece's
-        // registers then take tile t + 2's piece (page ids read an iteration ago)
-        if (t + 1 < n_tiles) {
-          if (t >= 1) named_barrier_sync(4, kThreads);  // warpgroup 0's P V of tile t - 1 is done
-          if (t + 2 < n_tiles) {
-            f8_store_tile(next, f8_src);
-            if (t + 3 < n_tiles) f8_srcs(t + 3, f8_src);
-          } else {
-            f8_store_tile(next, nullptr);
-          }
-          sm90::fence_proxy_async();
-        }
-      } else if (refills(t)) {  // refill the stage of tile t - 1 (page ids read an iteration ago)
+      if (refills(t)) {  // refill the stage of tile t - 1 (page ids read an iteration ago)
         if constexpr (kFp8) {
           f8_issue(f8_src, next);  // its upper half: only this warpgroup's P V of tile t - 1 read it
         } else {
@@ -819,7 +746,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
       const float alpha[2] = {s_alpha[r0], s_alpha[r0 + 8]};
       rescale(alpha);
       pv(stage);
-      if constexpr (kFp8 == kF8InPlace) {
+      if constexpr (kFp8) {
         if (t + 1 < n_tiles) {
           sm90::cp_async_wait_all();  // this thread's bytes of tile t + 1
           if (t >= 1) named_barrier_sync(4, kThreads);  // warpgroup 0's P V of tile t - 1 is done
@@ -1008,10 +935,12 @@ void check_args(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tenso
     const int64_t per16 = 16 / t.element_size();  // elements a 16-byte unit
     return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0 && s0 % per16 == 0 && s1 % per16 == 0;
   };
-  TORCH_CHECK_VALUE(aligned(q, q.stride(0), q.stride(1)), "q must have 16-byte aligned rows (data pointer and strides)");
+  TORCH_CHECK_VALUE(aligned(q, q.stride(0), q.stride(1)),
+                    "q must have 16-byte aligned rows (data pointer and strides)");
   TORCH_CHECK_VALUE(aligned(kv_cache, kv_cache.stride(0), kv_cache.stride(1)),
                     "kv_cache must have 16-byte aligned rows (data pointer and strides)");
-  TORCH_CHECK_VALUE(out.stride(0) % 2 == 0 && out.stride(1) % 2 == 0 && reinterpret_cast<uintptr_t>(out.data_ptr()) % 4 == 0,
+  TORCH_CHECK_VALUE(out.stride(0) % 2 == 0 && out.stride(1) % 2 == 0 &&
+                        reinterpret_cast<uintptr_t>(out.data_ptr()) % 4 == 0,
                     "out must have 4-byte aligned element pairs");
   TORCH_CHECK_VALUE(N * G <= (int64_t{1} << 30) && B <= 65535 && kv_cache.size(0) < (int64_t{1} << 31) &&
                         page_table.size(1) * kv_cache.size(1) < (int64_t{1} << 31),
@@ -1102,24 +1031,16 @@ void tree_attention_mla_sm90_cuda(const at::Tensor& q, const at::Tensor& kv_cach
 }
 
 // The fp8 e4m3 cache (kv_scale: [] or [1] fp32 on q's device, key = fp8 * kv_scale); the other arguments as
-// tree_attention_mla_sm90_cuda's. Two builds per q dtype, one per tile schedule: schedule 1, the tiles' bytes
-// staged in registers (kF8Regs); 0, cp.async'ed into the stage and converted in place (kF8InPlace, the first build).
-// The L2 policy of the KV loads is a runtime choice.
+// tree_attention_mla_sm90_cuda's. One build per q dtype; the L2 policy of the KV loads is a runtime choice.
 void tree_attention_mla_sm90_fp8_cuda(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& kv_scale,
                                       const at::Tensor& page_table, const at::Tensor& prefix_lens,
                                       const at::Tensor& tree_mask, double scale, const at::Tensor& out,
                                       const std::optional<at::Tensor>& lse, const at::Tensor& part_out,
-                                      const at::Tensor& part_lse, int64_t num_splits, bool evict_first,
-                                      int64_t schedule) {
+                                      const at::Tensor& part_lse, int64_t num_splits, bool evict_first) {
   check_args(q, kv_cache, page_table, prefix_lens, tree_mask, scale, out, lse, part_out, part_lse, num_splits,
              &kv_scale);
-  TORCH_CHECK_VALUE(schedule == 0 || schedule == 1, "schedule must be 0 (in place) or 1 (registers), got ", schedule);
-  using bf16 = __nv_bfloat16;
-  const bool b16 = q.scalar_type() == at::kBFloat16;
-  const Kernel kernel = schedule == 1 ? (b16 ? mla_decode_kernel<bf16, false, 0, kF8Regs>
-                                             : mla_decode_kernel<__half, false, 0, kF8Regs>)
-                                      : (b16 ? mla_decode_kernel<bf16, false, 0, kF8InPlace>
-                                             : mla_decode_kernel<__half, false, 0, kF8InPlace>);
+  const Kernel kernel = q.scalar_type() == at::kBFloat16 ? mla_decode_kernel<__nv_bfloat16, false, 0, true>
+                                                          : mla_decode_kernel<__half, false, 0, true>;
   launch(kernel, q, kv_cache, page_table, prefix_lens, tree_mask, scale, out, lse, part_out, part_lse, num_splits,
          nullptr, &kv_scale, evict_first);
 }
@@ -1174,7 +1095,7 @@ TORCH_LIBRARY_FRAGMENT(eagle3, m) {
   m.def(
       "_tree_attention_mla_sm90_fp8(Tensor q, Tensor kv_cache, Tensor kv_scale, Tensor page_table, "
       "Tensor prefix_lens, Tensor tree_mask, float scale, Tensor(a!) out, Tensor(b!)? lse, Tensor(c!) part_out, "
-      "Tensor(d!) part_lse, int num_splits, bool evict_first=False, int schedule=0) -> ()");
+      "Tensor(d!) part_lse, int num_splits, bool evict_first=False) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(eagle3, CUDA, m) {

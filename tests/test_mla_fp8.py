@@ -358,7 +358,8 @@ def test_fp8_routing(gen, monkeypatch):
     c = fp8_case(gen, N=1, prefixes=[1])
     out = torch.empty(1, c.NH, c.Dv, dtype=c.dtype)
     calls = []
-    monkeypatch.setattr(ta, "tree_attention_mla_sm90", lambda *a, kv_scale=None: calls.append(("sm90", a[-1], kv_scale)))
+    monkeypatch.setattr(ta, "tree_attention_mla_sm90",
+                        lambda *a, kv_scale=None: calls.append(("sm90", a[-1], kv_scale)))
     monkeypatch.setattr(ta, "_mla_decode_launch", lambda *a, kv_scale=None: calls.append(("triton", a[-1], kv_scale)))
     args = (c.q, c.k8, c.page_table, c.prefix_lens, c.tree_mask, c.scale, out, None, c.kv_scale)
     monkeypatch.setenv("EAGLE3_MLA_FP8_SM90", "0")  # the opt-out
@@ -373,7 +374,8 @@ def test_fp8_routing(gen, monkeypatch):
             (True, None, ("sm90", {})), (True, dict(splits=3), ("sm90", dict(splits=3))),
             (True, dict(kernel="sm90", evict_first=True), ("sm90", dict(evict_first=True))),
             (True, dict(kernel="mla_decode"), ("triton", dict(tma=True))),
-            (True, dict(tma=False), ("triton", dict(tma=False))), (True, dict(BLOCK_N=32), ("triton", dict(tma=True, BLOCK_N=32))),
+            (True, dict(tma=False), ("triton", dict(tma=False))),
+            (True, dict(BLOCK_N=32), ("triton", dict(tma=True, BLOCK_N=32))),
             (False, None, ("triton", dict(tma=True))), (False, dict(splits=2), ("triton", dict(tma=True, splits=2)))]:
         monkeypatch.setattr(ta, "sm90_supported", lambda *a, s=supported: s)
         calls.clear()
@@ -384,12 +386,11 @@ def test_fp8_routing(gen, monkeypatch):
         ta.tree_attention_mla_op(*args, config=dict(kernel="sm90"))
 
 
-def test_sm90_fp8_schedule_is_checked(gen, monkeypatch):
-    # the sm90 launcher's fp8 tile schedules (config fp8_schedule) and the op argument each names; a bad name is a
-    # ValueError before any launch (the op stubbed: a CPU run never reaches the kernel)
+def test_sm90_fp8_launcher_passes_the_op_its_arguments(gen, monkeypatch):
+    # the sm90 launcher's call of the internal fp8 op (stubbed: a CPU run never reaches the kernel): the schema's 13
+    # arguments in order, evict_first plain unsplit unless config says otherwise
     from eagle3_ops.triton_kernels import mla_decode as md
 
-    assert md.FP8_SCHEDULES == {"inplace": 0, "regs": 1}
     c = quantised(Case(gen, mla=True, prefixes=[3], N=1, kind="chain", page_size=16, NH=8, D=576, Dv=512,
                        dtype=torch.bfloat16, scale=KIMI_SCALE))
     out = torch.empty(1, 8, 512, dtype=torch.bfloat16)
@@ -397,17 +398,19 @@ def test_sm90_fp8_schedule_is_checked(gen, monkeypatch):
 
     class Ops:
         def _tree_attention_mla_sm90_fp8(self, *a):
-            calls.append(a[-1])
+            calls.append(a)
 
     monkeypatch.setattr(md.torch.ops, "eagle3", Ops())
     args = (c.q, c.k8, c.page_table, c.prefix_lens, c.tree_mask, c.scale, out, None)
-    for cfg, want in ((dict(splits=1), 0), (dict(splits=1, fp8_schedule="regs"), 1),
-                      (dict(splits=1, fp8_schedule="inplace"), 0)):
+    for cfg, evict_first in ((dict(splits=1), False), (dict(splits=1, evict_first=True), True)):
         md.tree_attention_mla_sm90(*args, cfg, kv_scale=c.kv_scale)
-        assert calls.pop() == want
-    with pytest.raises(ValueError, match="config fp8_schedule must be one of"):
-        md.tree_attention_mla_sm90(*args, dict(splits=1, fp8_schedule="ring"), kv_scale=c.kv_scale)
-    assert not calls
+        (got,) = calls
+        calls.clear()
+        assert len(got) == 13, len(got)
+        want = (c.q, c.k8, c.kv_scale, c.page_table, c.prefix_lens, c.tree_mask, c.scale, out, None)
+        assert [i for i, (g, w) in enumerate(zip(got, want)) if g is not w] == []
+        assert got[9].numel() == 0 and got[10].numel() == 0  # no partials unsplit
+        assert got[11:] == (1, evict_first), got[11:]
 
 
 def test_sm90_supported_says_no_off_the_gpu(gen):
@@ -568,18 +571,17 @@ SM90_CASES = [((1, 32768, 1, 64, "chain"), 64, None), ((1, 32768, 1, 64, "chain"
 @pytest.mark.parametrize("case, NH, splits", SM90_CASES,
                          ids=[f"NH{h}-N{c[0]}-P{c[1]}-B{c[2]}-ps{c[3]}-{c[4]}-s{s}" for c, h, s in SM90_CASES])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("schedule", [None, "regs"])  # None: the launcher's default, "inplace"
-def test_gpu_sm90_against_float64(case, NH, splits, dtype, schedule, monkeypatch):
+def test_gpu_sm90_against_float64(case, NH, splits, dtype, monkeypatch):
     sm90_gpu()
     monkeypatch.delenv("EAGLE3_MLA_FP8_SM90", raising=False)  # the op's default route to it
     c = gpu_fp8_case(case, NH, dtype)
     assert takes_sm90(c)
-    cfg = dict(kernel="sm90", **({"splits": splits} if splits else {}), **({"fp8_schedule": schedule} if schedule else {}))
+    cfg = dict(kernel="sm90", **({"splits": splits} if splits else {}))
     out, lse = run_fp8(c, cfg, kernel=True)
     _check_against(c, out, lse, *c.truth())
     without, _ = run_fp8(c, cfg, with_lse=False, kernel=True)
     assert_equal(without, out, "out without lse")
-    if splits is None and schedule is None:  # the op's own route is this kernel: the same bytes
+    if splits is None:  # the op's own route is this kernel: the same bytes
         routed, routed_lse = run_fp8(c)
         assert_equal(routed, out, "out through torch.ops")
         assert_equal(routed_lse, lse, "lse through torch.ops")
@@ -595,8 +597,6 @@ def test_gpu_sm90_fp8_op_checks_its_arguments():
     op = torch.ops.eagle3._tree_attention_mla_sm90_fp8
     common = (c.page_table, c.prefix_lens, c.tree_mask, c.scale, out, None, po, plse, 2)
     op(c.q, c.k8, c.kv_scale, *common)  # as given: no error
-    with pytest.raises(ValueError, match="schedule must be 0"):
-        op(c.q, c.k8, c.kv_scale, *common, False, 2)
     with pytest.raises(TypeError, match="kv_cache must have dtype"):
         op(c.q, c.k8.view(torch.uint8), c.kv_scale, *common)
     with pytest.raises(TypeError, match="kv_scale must have dtype"):
@@ -679,11 +679,10 @@ def test_gpu_sm90_graph_replay_with_new_values_and_scale(splits):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("splits", [1, 2])
-@pytest.mark.parametrize("schedule", ["regs", "inplace"])
-def test_gpu_sm90_bad_values_poison_only_their_request(splits, schedule):
+def test_gpu_sm90_bad_values_poison_only_their_request(splits):
     sm90_gpu()
     c = gpu_fp8_case((7, 300, 3, 16, "bushy"), 64)
-    cfg = dict(kernel="sm90", splits=splits, fp8_schedule=schedule)
+    cfg = dict(kernel="sm90", splits=splits)
     check_bad_values_poison_only_their_request(c, lambda: run_fp8(c, cfg, kernel=True))
 
 

@@ -428,7 +428,8 @@ def tree_attention_mla(q: Tensor, kv_cache: Tensor, page_table: Tensor, prefix_l
     BLOCK_M = min(cfg["BLOCK_M"], pow2(rows))
     BLOCK_N = cfg["BLOCK_N"]
     if BLOCK_N not in (16, 32, 64):
-        raise ValueError(f"config BLOCK_N must be 16, 32 or 64 (a tile spans at most two tree-mask words), got {BLOCK_N}")
+        raise ValueError(f"config BLOCK_N must be 16, 32 or 64 (a tile spans at most two tree-mask words), "
+                         f"got {BLOCK_N}")
     BLOCK_H = pow2(DV, 32) // 2
     BLOCK_R = pow2(max(DR, 1))
     m_blocks = -(-rows // BLOCK_M)
@@ -447,7 +448,8 @@ def tree_attention_mla(q: Tensor, kv_cache: Tensor, page_table: Tensor, prefix_l
     ka, kr = desc if desc is not None else (None, None)
     _mla_kernel[(m_blocks * B, splits)](
         q, kv_cache, ka, kr, page_table, prefix_lens, tree_mask, out, lse if lse is not None else out, po, plse,
-        errors.error_word(q.device), kv_scale if kv_scale is not None else prefix_lens, scale * LOG2E, N, W, P, max_len, max(page_size, 1), splits,
+        errors.error_word(q.device), kv_scale if kv_scale is not None else prefix_lens, scale * LOG2E, N, W, P,
+        max_len, max(page_size, 1), splits,
         q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), page_table.stride(0), out.stride(0),
         out.stride(1), G=G, DV=DV, DR=DR, BLOCK_H=BLOCK_H, BLOCK_R=BLOCK_R, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
         SPLIT=split, HAS_LSE=lse is not None, TMA=desc is not None, TAU=float(cfg["rescale_tau"]),
@@ -506,12 +508,8 @@ def sm90_supported(q: Tensor, kv_cache: Tensor, out: Tensor, page_table: Tensor,
     per16 = 16 // kv_cache.element_size()  # cache elements a 16-byte unit
     return (q.data_ptr() % 16 == 0 and q.stride(0) % 8 == 0 and q.stride(1) % 8 == 0 and q.stride(2) == 1
             and kv_cache.data_ptr() % 16 == 0 and kv_cache.stride(0) % per16 == 0
-            and kv_cache.stride(1) % per16 == 0 and kv_cache.stride(2) == 1 and out.stride(0) % 2 == 0 and out.stride(1) % 2 == 0
-            and out.stride(2) == 1 and out.data_ptr() % 4 == 0)
-
-
-# the sm90 kernel's fp8 tile schedules (config fp8_schedule): the op's schedule argument
-FP8_SCHEDULES = {"inplace": 0, "regs": 1}
+            and kv_cache.stride(1) % per16 == 0 and kv_cache.stride(2) == 1 and out.stride(0) % 2 == 0
+            and out.stride(1) % 2 == 0 and out.stride(2) == 1 and out.data_ptr() % 4 == 0)
 
 
 def tree_attention_mla_sm90(q: Tensor, kv_cache: Tensor, page_table: Tensor, prefix_lens: Tensor,
@@ -529,11 +527,11 @@ def tree_attention_mla_sm90(q: Tensor, kv_cache: Tensor, page_table: Tensor, pre
     reduced on chip by thread-block clusters,
     results/mla_sm90_cluster_h200.log; 2-byte split partials and bulk-copied partials, mla_sm90_early_h200.log; the
     merge as a CUDA kernel, launched plainly or by PDL, mla_sm90_merge_h200.log.)
-    kv_scale: an fp8 e4m3 cache's [] / [1] fp32 scale (tree_attention.tree_attention_mla_op): the kernel's fp8 build,
-    _tree_attention_mla_sm90_fp8 (docs/kernels/tree_attention_mla_fp8.md), same splits and merge; config fp8_schedule
-    picks its tile schedule (FP8_SCHEDULES): "inplace" (the default: cp.async'ed into the upper half of the stage and
-    converted in place) or "regs" (the tiles' bytes staged in registers, converted beside Q K^T: 1.12-1.47x slower
-    than "inplace" on every memory-bound row on the H200 at 1246426, results/tree_attention_fp8_sm90_1246426_h200.log)."""
+    kv_scale: an fp8 e4m3 cache's [] / [1] fp32 scale (tree_attention.tree_attention_mla_op): the kernel's fp8
+    build, _tree_attention_mla_sm90_fp8 (docs/kernels/tree_attention_mla_fp8.md), same splits and merge; its tiles
+    are cp.async'ed into the upper half of the stage and converted in place. (Staging the tiles' bytes in
+    registers instead, converted beside Q K^T, was 1.12-1.47x slower on every memory-bound row on the H200 at
+    1246426, results/tree_attention_fp8_sm90_1246426_h200.log: that schedule was removed.)"""
     B, N, _ = tree_mask.shape
     G = q.shape[1]
     rows = N * G
@@ -549,11 +547,8 @@ def tree_attention_mla_sm90(q: Tensor, kv_cache: Tensor, page_table: Tensor, pre
         po = plse = out.new_empty((0,), dtype=torch.float32)
     evict_first = bool(config.get("evict_first", splits > 1))
     if kv_scale is not None:
-        schedule = config.get("fp8_schedule", "inplace")
-        if schedule not in FP8_SCHEDULES:
-            raise ValueError(f"config fp8_schedule must be one of {sorted(FP8_SCHEDULES)}, got {schedule!r}")
         torch.ops.eagle3._tree_attention_mla_sm90_fp8(q, kv_cache, kv_scale, page_table, prefix_lens, tree_mask, scale,
-                                                      out, lse, po, plse, splits, evict_first, FP8_SCHEDULES[schedule])
+                                                      out, lse, po, plse, splits, evict_first)
     else:
         torch.ops.eagle3._tree_attention_mla_sm90(q, kv_cache, page_table, prefix_lens, tree_mask, scale, out, lse,
                                                   po, plse, splits, evict_first)

@@ -342,7 +342,8 @@ def tree_attention_mla(q: Tensor, kv_cache: Tensor, page_table: Tensor, prefix_l
             _launch(q, kv_cache, kv_cache, page_table, prefix_lens, tree_mask, scale, out, lse, HKV=1, D1=Dv,
                     D2=D - Dv, DV=Dv, shared_v=True, config=config)
         else:
-            _mla_decode_launch(q, kv_cache, page_table, prefix_lens, tree_mask, scale, out, lse, {"tma": True, **config})
+            _mla_decode_launch(q, kv_cache, page_table, prefix_lens, tree_mask, scale, out, lse,
+                               {"tma": True, **config})
     errors.after_launch(q.device)
 
 
