@@ -272,6 +272,23 @@ __device__ __forceinline__ int64_t load_index(const void* p, bool is64, int64_t 
   return is64 ? static_cast<const int64_t*>(p)[i] : static_cast<const int32_t*>(p)[i];
 }
 
+// An int32 | int64 index as loaded, widened where it is used (get), not right after its load, where it would wait for
+// the load before the kernel's next reads are issued (is64 a compile-time constant: the build kernels').
+struct Lazy {
+  int64_t w = 0;
+  int32_t n = 0;
+  __device__ __forceinline__ int64_t get() const { return w + n; }
+};
+__device__ __forceinline__ Lazy load_lazy(const void* __restrict__ p, bool is64, int64_t i) {
+  Lazy r;
+  if (is64) {
+    r.w = __ldg(static_cast<const int64_t*>(p) + i);
+  } else {
+    r.n = __ldg(static_cast<const int32_t*>(p) + i);
+  }
+  return r;
+}
+
 __device__ __forceinline__ void store_index(void* p, bool is64, int64_t i, int64_t v) {
   if (is64) {
     static_cast<int64_t*>(p)[i] = v;
@@ -320,17 +337,36 @@ __device__ __forceinline__ int64_t parent_local(int64_t g, int topk, int M, int 
   return static_cast<int64_t>(slot - static_cast<uint64_t>(d - 1) * static_cast<uint64_t>(M));
 }
 
-// FULL_MASK: this thread's share (entries tid, tid + T, ...) of the earlier requests' prefix lengths,
-// sum(seq_lens[:b]); four loads in flight at a time, not one per dependent add.
-__device__ __forceinline__ int64_t seq_before_part(const void* __restrict__ seq_lens, bool seq64, int64_t b, int tid,
-                                                   int T) {
-  int64_t s = 0;
-#pragma unroll 1
-  for (int64_t k = tid; k < b; k += 4 * T) {
-    int64_t v[4];
+// FULL_MASK: the earlier requests' prefix lengths, sum(seq_lens[:b]), in two parts so that their round trip
+// overlaps the kernel's other reads (in one piece, its loop's adds waited for its loads before the selection's and
+// the parents' reads were issued: two round trips in the sm_90a SASS at 4b20943). seq_before_issue loads this
+// thread's entries tid + u T, u < kSeqAhead (issued with the other reads; nothing waits on them yet);
+// seq_before_sum, called once every other read is issued, adds them and the entries past the first kSeqAhead * T
+// (four loads in flight at a time). The build kernels take seq_lens' dtype as a template argument: chosen at run
+// time, the two dtypes' values merged right after their loads, and the merge waited for them.
+constexpr int kSeqAhead = 4;
+struct SeqAhead {
+  Lazy v[kSeqAhead];
+};
+__device__ __forceinline__ void seq_before_issue(const void* __restrict__ seq_lens, bool seq64, int64_t b, int tid,
+                                                 int T, SeqAhead& a) {
 #pragma unroll
-    for (int u = 0; u < 4; ++u) v[u] = k + u * T < b ? load_index(seq_lens, seq64, k + u * T) : 0;
-    s += (v[0] + v[1]) + (v[2] + v[3]);
+  for (int u = 0; u < kSeqAhead; ++u) {
+    const int64_t k = tid + static_cast<int64_t>(u) * T;
+    if (k < b) a.v[u] = load_lazy(seq_lens, seq64, k);
+  }
+}
+__device__ __forceinline__ int64_t seq_before_sum(const void* __restrict__ seq_lens, bool seq64, int64_t b, int tid,
+                                                  int T, const SeqAhead& v) {
+  int64_t s = 0;
+#pragma unroll
+  for (int u = 0; u < kSeqAhead; ++u) s += v.v[u].get();
+#pragma unroll 1
+  for (int64_t k = tid + static_cast<int64_t>(kSeqAhead) * T; k < b; k += 4 * static_cast<int64_t>(T)) {
+    int64_t w[4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) w[u] = k + u * T < b ? load_index(seq_lens, seq64, k + u * T) : 0;
+    s += (w[0] + w[1]) + (w[2] + w[3]);
   }
   return s;
 }
@@ -349,9 +385,10 @@ __device__ __forceinline__ int64_t seq_before_part(const void* __restrict__ seq_
 // the nodes one by one: the first child and the next sibling come from warp ballots over the parents (32 a
 // step), the mask rows from each node's ancestor bits (one walk up per node and word), a warp per row writing
 // its bytes. Trees of N <= 32 nodes and at most 256 slots take sglang_build_small_kernel (one warp, no barrier).
+template <bool kSeq64>  // seq_lens int64 (else int32)
 __global__ void __launch_bounds__(kBuildMaxThreads) sglang_build_kernel(
     const int64_t* __restrict__ parent_list, int64_t P, const int64_t* __restrict__ selected,
-    const void* __restrict__ seq_lens, bool seq64, uint8_t* __restrict__ mask, int64_t mask_numel,
+    const void* __restrict__ seq_lens, uint8_t* __restrict__ mask, int64_t mask_numel,
     int64_t* __restrict__ positions, int64_t* __restrict__ r_index, int64_t* __restrict__ r_next,
     int64_t* __restrict__ r_sib, int topk, int depth, int M, int N, int mode, int nb, size_t region,
     int64_t* __restrict__ err) {
@@ -375,8 +412,10 @@ __global__ void __launch_bounds__(kBuildMaxThreads) sglang_build_kernel(
 
   // every global read first: the prefix lengths, the first selected entries, each slot's parent_list entry
   if (tid == 0) first_bad = INT_MAX;
-  const int64_t seq = load_index(seq_lens, seq64, b);
-  const int64_t seq_part = mode == 0 ? seq_before_part(seq_lens, seq64, b, tid, T) : 0;  // FULL_MASK
+  constexpr bool seq64 = kSeq64;
+  const Lazy seq_at = load_lazy(seq_lens, seq64, b);  // seq_lens[b], widened where it is used
+  SeqAhead seq_v;  // FULL_MASK: the prefix lengths before b (summed below)
+  if (mode == 0) seq_before_issue(seq_lens, seq64, b, tid, T, seq_v);
   const int64_t sel0 = tid < N - 1 ? selected[b * (N - 1) + tid] : -1;
   for (int c = lo; c < hi; ++c) {
     const int d = c / M, m = c - d * M;
@@ -410,7 +449,7 @@ __global__ void __launch_bounds__(kBuildMaxThreads) sglang_build_kernel(
   // build_tree's ranks: the fin slots in slot order (their -index scores), then the others in slot order;
   // one barrier for the scan of the fin counts and the sum of the prefix lengths
   const int inclusive = warp_inclusive_sum(count);
-  int64_t seq_sum = seq_part;
+  int64_t seq_sum = mode == 0 ? seq_before_sum(seq_lens, seq64, b, tid, T, seq_v) : 0;
   for (int o = 16; o > 0; o >>= 1) seq_sum += __shfl_down_sync(0xffffffffu, seq_sum, o);
   if (lane == 31) warp_count[warp] = inclusive;
   if (lane == 0) warp_seq[warp] = seq_sum;
@@ -448,6 +487,7 @@ __global__ void __launch_bounds__(kBuildMaxThreads) sglang_build_kernel(
   }
   __syncthreads();  // the slots are read for the last time above: their region holds the ancestor bits next
 
+  const int64_t seq = seq_at.get();
   // per (node i, word w): the word's ancestor-or-self bits and the depth -> positions, retrive_index; the packed
   // mask (N <= 32: one word)
   for (int t = tid; t < N * W; t += T) {
@@ -521,13 +561,14 @@ __device__ __forceinline__ int small_div(int x, float inv) {
 //     links, the slots' nodes, the nodes' parents);
 //   - the fin walks of a lane's R slots advance together, a step of each a round (one shared load);
 //   - a node's ancestor bits by pointer jumping (about log2 of the tree's depth rounds of two shuffles), its
-//     depth = their count - 1; first child and next sibling from one __match_any_sync over the parents (no scan over nodes);
+//     depth = their count - 1; first child and next sibling from one __match_any_sync over the parents (no scan
+//     over nodes);
 //   - the bool mask rows written 32 / 2^ceil(log2 N) rows a pass (a byte store per lane), the packed row as one
 //     store of its nb bytes when the buffer is nb-aligned (bytes otherwise).
-template <int R>
+template <int R, bool kSeq64>
 __global__ void __launch_bounds__(32) sglang_build_small_kernel(
     const int64_t* __restrict__ parent_list, int64_t P, const int64_t* __restrict__ selected,
-    const void* __restrict__ seq_lens, bool seq64, uint8_t* __restrict__ mask, int64_t mask_numel,
+    const void* __restrict__ seq_lens, uint8_t* __restrict__ mask, int64_t mask_numel,
     int64_t* __restrict__ positions, int64_t* __restrict__ r_index, int64_t* __restrict__ r_next,
     int64_t* __restrict__ r_sib, int topk, int depth, int M, int N, int mode, int nb, float inv_m, float inv_topk,
     int64_t* __restrict__ err) {
@@ -543,8 +584,10 @@ __global__ void __launch_bounds__(32) sglang_build_small_kernel(
 
   // every global read first: the prefix lengths, the selection (one entry a lane), each slot's parent_list
   // entry ((c - M) / topk = (d - 1) * topk + m / topk, M = topk^2), the packed row's bytes 1 .. nb - 1
-  const int64_t seq = load_index(seq_lens, seq64, b);
-  const int64_t seq_part = mode == 0 ? seq_before_part(seq_lens, seq64, b, lane, 32) : 0;
+  constexpr bool seq64 = kSeq64;
+  const Lazy seq_at = load_lazy(seq_lens, seq64, b);  // seq_lens[b], widened where it is used
+  SeqAhead seq_v;  // FULL_MASK: the prefix lengths before b (summed below)
+  if (mode == 0) seq_before_issue(seq_lens, seq64, b, lane, 32, seq_v);
   const int64_t sel = lane < N - 1 ? selected[b * (N - 1) + lane] : -1;
   int64_t g[R];
 #pragma unroll
@@ -640,6 +683,7 @@ __global__ void __launch_bounds__(32) sglang_build_small_kernel(
   }
   __syncwarp();
 
+  const int64_t seq = seq_at.get();
   // lane i = node i: ancestor-or-self bits (par[j] < j, so the chain ends at the root within N - 1 hops)
   const int pa = lane < N ? par_s[lane] : -2;
   uint32_t anc = lane < N ? 1u << lane : 0u;
@@ -684,7 +728,7 @@ __global__ void __launch_bounds__(32) sglang_build_small_kernel(
     }
   }
   if (mode != 2) {  // FULL_MASK / QLEN_ONLY: bool (i, j) = j an ancestor of i or i itself
-    int64_t seq_before = seq_part;
+    int64_t seq_before = mode == 0 ? seq_before_sum(seq_lens, seq64, b, lane, 32, seq_v) : 0;
     for (int o = 16; o > 0; o >>= 1) seq_before += __shfl_xor_sync(kAll, seq_before, o);
     const int64_t start = mode == 0 ? static_cast<int64_t>(N) * N * b + N * seq_before + seq
                                     : static_cast<int64_t>(N) * N * b;
@@ -730,12 +774,18 @@ void sglang_build_tree_cuda(const at::Tensor& parent_list, const at::Tensor& sel
   const int device = parent_list.get_device();
   const int64_t CS = depth * M, W = (N + 31) / 32;
   if (N <= kSmallMaxNodes && CS <= 32 * kSmallMaxRounds) {  // one warp a request
-    auto kernel = CS <= 32 ? sglang_build_small_kernel<1>
-                           : (CS <= 64 ? sglang_build_small_kernel<2>
-                                       : (CS <= 128 ? sglang_build_small_kernel<4> : sglang_build_small_kernel<8>));
+    const bool s64 = verified_seq_len.scalar_type() == at::kLong;
+    auto pick = [&](auto r) {
+      constexpr int R = decltype(r)::value;
+      return s64 ? sglang_build_small_kernel<R, true> : sglang_build_small_kernel<R, false>;
+    };
+    auto kernel = CS <= 32 ? pick(std::integral_constant<int, 1>{})
+                           : (CS <= 64 ? pick(std::integral_constant<int, 2>{})
+                                       : (CS <= 128 ? pick(std::integral_constant<int, 4>{})
+                                                    : pick(std::integral_constant<int, 8>{})));
     kernel<<<static_cast<unsigned>(B), 32, 0, stream>>>(
         P ? parent_list.data_ptr<int64_t>() : nullptr, P, selected_index.data_ptr<int64_t>(),
-        verified_seq_len.data_ptr(), verified_seq_len.scalar_type() == at::kLong,
+        verified_seq_len.data_ptr(),
         static_cast<uint8_t*>(tree_mask.data_ptr()), tree_mask.numel() * static_cast<int64_t>(tree_mask.element_size()),
         positions.data_ptr<int64_t>(), retrive_index.data_ptr<int64_t>(), retrive_next_token.data_ptr<int64_t>(),
         retrive_next_sibling.data_ptr<int64_t>(), static_cast<int>(topk), static_cast<int>(depth), static_cast<int>(M),
@@ -745,6 +795,8 @@ void sglang_build_tree_cuda(const at::Tensor& parent_list, const at::Tensor& sel
     after_launch(device, stream);
     return;
   }
+  const auto kernel =
+      verified_seq_len.scalar_type() == at::kLong ? sglang_build_kernel<true> : sglang_build_kernel<false>;
   const size_t region = static_cast<size_t>(std::max(CS * 10, N * W * 4) + 3) / 4 * 4;
   const size_t smem = region + static_cast<size_t>(N) * sizeof(int32_t);  // at most 132 KiB
   if (smem > 48 * 1024) {
@@ -752,15 +804,15 @@ void sglang_build_tree_cuda(const at::Tensor& parent_list, const at::Tensor& sel
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
     TORCH_CHECK_NOT_IMPLEMENTED(smem <= static_cast<size_t>(max_smem), "compat_sglang build: ", smem,
                                 " bytes of shared memory a request, this GPU has ", max_smem);
-    C10_CUDA_CHECK(cudaFuncSetAttribute(sglang_build_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                         static_cast<int>(smem)));
   }
   // a thread per slot, per (node, mask word), or four nodes a warp (the row pass), in whole warps, 32 .. 512
   const int64_t work = std::max({CS, N * W, 32 * ((N + 3) / 4)});
   const int threads = static_cast<int>(std::clamp<int64_t>((work + 31) / 32 * 32, 32, kBuildMaxThreads));
-  sglang_build_kernel<<<static_cast<unsigned>(B), threads, smem, stream>>>(
+  kernel<<<static_cast<unsigned>(B), threads, smem, stream>>>(
       P ? parent_list.data_ptr<int64_t>() : nullptr, P, selected_index.data_ptr<int64_t>(),
-      verified_seq_len.data_ptr(), verified_seq_len.scalar_type() == at::kLong,
+      verified_seq_len.data_ptr(),
       static_cast<uint8_t*>(tree_mask.data_ptr()), tree_mask.numel() * static_cast<int64_t>(tree_mask.element_size()),
       positions.data_ptr<int64_t>(), retrive_index.data_ptr<int64_t>(), retrive_next_token.data_ptr<int64_t>(),
       retrive_next_sibling.data_ptr<int64_t>(), static_cast<int>(topk), static_cast<int>(depth), static_cast<int>(M),

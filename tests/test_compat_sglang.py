@@ -1215,10 +1215,12 @@ def cpp_matches_paths(fn, args, outs):
 # BUILD_KERNEL_SHAPES, then the bench's (B 64: Kimi-like 8 x 6 x 64, 4 x 5 x 16, a chain of 4), then mask rows of
 # many words: a deep chain (N 33), N 300 (past the Triton kernel's 256: the tensor ops beside it), and the C++
 # kernel's limits, 1024 nodes and 8192 slots (132 KiB of shared memory); then the one-warp kernel's (N <= 32 and
-# depth * M <= 256 slots): 256 slots at N 32, a chain of 32, 50 slots (M 25), and past it by slots at N 32 (261)
+# depth * M <= 256 slots): 256 slots at N 32, a chain of 32, 50 slots (M 25), and past it by slots at N 32 (261);
+# last, batches whose FULL_MASK offsets sum more earlier prefix lengths than either kernel loads up front (4 a
+# thread: B 300 on the one-warp kernel, B 1300 on the block kernel's 320 threads at N 40)
 CPP_BUILD_SHAPES = BUILD_KERNEL_SHAPES + [(64, 8, 6, 64), (64, 4, 5, 16), (64, 1, 3, 4), (3, 1, 40, 33),
                                           (2, 8, 6, 300), (1, 16, 32, 1024), (3, 8, 4, 32), (2, 1, 32, 32),
-                                          (2, 5, 2, 26), (2, 3, 29, 32)]
+                                          (2, 5, 2, 26), (2, 3, 29, 32), (300, 1, 3, 4), (1300, 4, 4, 40)]
 
 
 @pytest.mark.gpu
