@@ -14,6 +14,8 @@ and at p = 1 one run with each component fenced by device syncs (each alone: the
 check). Every speculative run's tokens are compared with the plain run's ("identical"): in bf16 they can
 differ at near-ties unless --batch-invariant (Target.batch_invariant_rows, a correctness mode, not a speed
 figure); --fixpoint K then gives the oracle each run's own output as its reference (a fixed point per glue and p).
+--oracle-seeds S runs every ORACLE row under S seeds of the oracle's draws and reports their mean and sd (a
+61-token run's acceptance is a few dozen draws: one row is one draw of its distribution).
 
 Eager unless --graphs: then each speculative round is one CUDA graph (engine/graphs.RoundGraph; the
 breakdown from CUDA events recorded inside it) and each plain step another; the components-alone run uses
@@ -291,7 +293,9 @@ def run(args) -> list[dict]:
                 # the other glue, whose build_tree orders nodes differently), and a reference taken from elsewhere
                 # then misleads the oracle for the rest of the sequence. So per (glue, p), from the highest p down,
                 # reference <- the run's own output until it emits its reference (at most K passes; the last pass
-                # is the timed run): its proposals are then the tokens this very run emits.
+                # is the timed run): its proposals are then the tokens this very run emits. With --oracle-seeds S,
+                # each of S oracle seeds (other draws) from the last seed's fixed point to its own, and the row is
+                # their mean (over_seeds), each run's figures and checks kept in it.
                 for glue in args.glue:
                     ref = reference
                     for p in sorted(args.p, reverse=True):
@@ -299,31 +303,38 @@ def run(args) -> list[dict]:
                         if p == max(args.p):  # warm-up at these shapes (compilations, allocator), once per spec/glue
                             generate_speculative(target, oracle, prompts, min(2 * spec.num_tokens, args.max_new),
                                                  spec, glue=glue, graphs=args.graphs, prefill_cache=caches[glue])
-                        passes = 0
-                        while True:  # each run sees the oracle's same draws (its call count reset)
-                            passes += 1
-                            oracle = OracleDrafter(drafter, torch.cat([prompts, ref], 1), p, V, start=prefix - 1)
-                            out, st = generate_speculative(target, oracle, prompts, args.max_new, spec, glue=glue,
-                                                           graphs=args.graphs, prefill_cache=caches[glue])
-                            converged = bool(torch.equal(out, ref))
-                            # (at p = 0 every proposal is another token than the reference's, whichever: no pass
-                            # can change the acceptance, 0)
-                            if converged or passes >= max(args.fixpoint, 1) or p == 0:
-                                break
-                            ref = out
-                        steps = max(st.rounds, 1)
-                        row = dict(batch=B, prefix=prefix, spec=name, p=p, accept_length_target=args.lengths.get(p),
-                                   accept_rate=st.accept_rate, glue=glue, drafter="ORACLE",
-                                   plain_tok_s=plain.decode_tokens_per_s, spec_tok_s=st.decode_tokens_per_s,
-                                   speedup=st.decode_tokens_per_s / max(plain.decode_tokens_per_s, 1e-12),
-                                   accept_len=st.acceptance_length, rounds=st.rounds,
-                                   step_ms=(st.seconds - st.prefill_seconds - st.setup_seconds) / steps * 1e3,
-                                   prefill_ms=(caches[glue] or st).prefill_seconds * 1e3,
-                                   graph_setup_ms=st.setup_seconds * 1e3,
-                                   identical=bool(torch.equal(out, reference)), first_diff=_first_diff(out, reference),
-                                   oracle_reference="plain" if ref is reference else "the run's own output",
-                                   fixpoint_passes=passes, matches_oracle_reference=converged)
-                        row.update(_calibration(p, st, spec, converged, B))
+                        runs = []
+                        for seed in range(args.oracle_seeds):  # each seed's own fixed point, from the last one's
+                            passes = 0
+                            while True:  # each run sees the oracle's same draws (its call count reset)
+                                passes += 1
+                                oracle = OracleDrafter(drafter, torch.cat([prompts, ref], 1), p, V, seed=seed,
+                                                       start=prefix - 1)
+                                out, st = generate_speculative(target, oracle, prompts, args.max_new, spec, glue=glue,
+                                                               graphs=args.graphs, prefill_cache=caches[glue])
+                                converged = bool(torch.equal(out, ref))
+                                # (at p = 0 every proposal is another token than the reference's, whichever: no
+                                # pass can change the acceptance, 0)
+                                if converged or passes >= max(args.fixpoint, 1) or p == 0:
+                                    break
+                                ref = out
+                            steps = max(st.rounds, 1)
+                            run = dict(batch=B, prefix=prefix, spec=name, p=p, accept_length_target=args.lengths.get(p),
+                                       accept_rate=st.accept_rate, glue=glue, drafter="ORACLE",
+                                       plain_tok_s=plain.decode_tokens_per_s, spec_tok_s=st.decode_tokens_per_s,
+                                       speedup=st.decode_tokens_per_s / max(plain.decode_tokens_per_s, 1e-12),
+                                       accept_len=st.acceptance_length, rounds=st.rounds,
+                                       step_ms=(st.seconds - st.prefill_seconds - st.setup_seconds) / steps * 1e3,
+                                       prefill_ms=(caches[glue] or st).prefill_seconds * 1e3,
+                                       graph_setup_ms=st.setup_seconds * 1e3,
+                                       identical=bool(torch.equal(out, reference)),
+                                       first_diff=_first_diff(out, reference),
+                                       oracle_reference="plain" if ref is reference else "the run's own output",
+                                       fixpoint_passes=passes, matches_oracle_reference=converged)
+                            run.update(_calibration(p, st, spec, converged, B))
+                            runs.append(run)
+                        row = over_seeds(runs)
+                        converged = row["matches_oracle_reference"]
                         # the breakdown: each component's span on the device timeline of an undisturbed run (CUDA
                         # events, no syncs); the glue share and "other" (the small ops between the sections, and
                         # any wait for the host) from it
@@ -398,7 +409,61 @@ def _finish_row(row, profile, full_cfg, spec, B, rows, name, p, glue, converged)
     print(f"  {name:<12} p {p:<6.4f} glue {glue:<6} {row['spec_tok_s']:8.1f} tok/s {row['speedup']:5.2f}x  accept "
           f"{row['accept_len']:.2f} (rate {row['accept_rate']:.3f})  step {row['step_ms']:.2f} ms{glue_part}  identical "
           f"{'yes' if row['identical'] else 'NO'}{'' if row['identical'] else ' (from ' + str(row['first_diff']) + ')'}"
-          f"{alone}{_calibration_note(row, converged)}", flush=True)
+          f"{alone}{_calibration_note(row, converged)}{_seeds_note(row)}", flush=True)
+
+
+# a run's figures that over_seeds averages, and those each run keeps in the row's oracle_runs
+MEAN_KEYS = ("spec_tok_s", "speedup", "accept_len", "accept_rate", "rounds", "step_ms", "graph_setup_ms",
+             "regret_ms", "policy_waits")
+RUN_KEYS = MEAN_KEYS + ("identical", "first_diff", "oracle_reference", "fixpoint_passes", "matches_oracle_reference",
+                        "tested", "p_measured", "calibrated", "decisions", "resumes", "extrapolated")
+
+
+def over_seeds(runs: list[dict]) -> dict:
+    """One row of the runs of one setting under oracle seeds 0, 1, ... (--oracle-seeds): the first run's row with
+    the MEAN_KEYS figures averaged over the runs (the mean of tokens/s, as the simulation's tables average), their
+    sample standard deviations as spec_tok_s_sd and speedup_sd, the checks held by every run (identical,
+    matches_oracle_reference, calibrated), the tested drafts summed and p_measured pooled, an adaptive row's
+    decisions and resumes summed (the histogram of all the runs' rounds) and its extrapolated figures averaged;
+    each run's own in oracle_runs (oracle_seed, RUN_KEYS). One run: its row as it was, with oracle_seeds 1 and
+    oracle_runs."""
+    row = dict(runs[0])
+    row["oracle_seeds"] = len(runs)
+    row["oracle_runs"] = [dict(oracle_seed=i, **{k: r[k] for k in RUN_KEYS if k in r}) for i, r in enumerate(runs)]
+    if len(runs) == 1:
+        return row
+    n = len(runs)
+    for k in MEAN_KEYS:
+        if k in row:
+            row[k] = sum(r[k] for r in runs) / n
+    for k in ("spec_tok_s", "speedup"):
+        row[f"{k}_sd"] = (sum((r[k] - row[k]) ** 2 for r in runs) / (n - 1)) ** 0.5
+    for k in ("identical", "matches_oracle_reference", "calibrated"):
+        row[k] = all(r[k] for r in runs)
+    row["first_diff"] = next((r["first_diff"] for r in runs if r["first_diff"] is not None), None)
+    row["fixpoint_passes"] = max(r["fixpoint_passes"] for r in runs)
+    if all(r.get("tested") is not None for r in runs):
+        tested = sum(r["tested"] for r in runs)
+        row["tested"] = tested
+        row["p_measured"] = sum(r["p_measured"] * r["tested"] for r in runs if r["tested"]) / tested if tested else None
+    if row.get("decisions") is not None:
+        row["decisions"] = {}
+        for r in runs:
+            for k, c in r["decisions"].items():
+                row["decisions"][k] = row["decisions"].get(k, 0) + c
+        row["resumes"] = sum(r["resumes"] for r in runs)
+    if "extrapolated" in row:
+        row["extrapolated"] = {k: sum(r["extrapolated"][k] for r in runs) / n if isinstance(v, float) else v
+                               for k, v in row["extrapolated"].items()}
+    return row
+
+
+def _seeds_note(row: dict) -> str:
+    """A row's line: with more than one oracle seed, the spread and each run's tokens/s."""
+    if row.get("oracle_seeds", 1) < 2:
+        return ""
+    return (f"  [mean of {row['oracle_seeds']} oracle seeds, sd {row['spec_tok_s_sd']:.1f} tok/s: "
+            + ", ".join(f"{r['spec_tok_s']:.1f}" for r in row["oracle_runs"]) + "]")
 
 
 def calibration(p: float, tested: int, accepted: int, batch: int) -> dict:
@@ -441,7 +506,8 @@ def adaptive_rows(args, target, drafter, prompts, reference, plain, profile, ful
     per p and variant: tokens/s of the decode phase, the decisions' histogram, the cost table, the graphs'
     memory, acceptance length and accept rate, the calibration check, and the EXTRAPOLATED full model (each
     round's verify forward, or a plain round's decode forward, scaled as extrapolate() does, the rest of the
-    round as measured)."""
+    round as measured); with --oracle-seeds S, the mean of S runs under other oracle draws (over_seeds), each
+    from its own fixed point."""
     from eagle3_ops.engine import SpecConfig, generate_speculative
     from eagle3_ops.engine.oracle import OracleDrafter
     from eagle3_ops.engine.policy import AdaptivePolicy
@@ -450,8 +516,8 @@ def adaptive_rows(args, target, drafter, prompts, reference, plain, profile, ful
     V, glue, rows = target.cfg.vocab_size, args.glue[0], []
     spec = SpecConfig()  # the temperature (greedy) and seed; the shapes are the policy's
 
-    def run(ref, p, n, costs=None):
-        oracle = OracleDrafter(drafter, torch.cat([prompts, ref], 1), p, V, start=prefix - 1)
+    def run(ref, p, n, costs=None, seed=0):
+        oracle = OracleDrafter(drafter, torch.cat([prompts, ref], 1), p, V, seed=seed, start=prefix - 1)
         policy = AdaptivePolicy(ADAPTIVE_STEPS, costs=costs)
         out, st = generate_speculative(target, oracle, prompts, n, spec, glue=glue, graphs=args.graphs,
                                        prefill_cache=cache, policy=policy)
@@ -475,40 +541,45 @@ def adaptive_rows(args, target, drafter, prompts, reference, plain, profile, ful
     for name, costs in tables:
         ref = reference
         for p in sorted(args.p, reverse=True):
-            for passes in range(1, max(args.fixpoint, 1) + 1):
-                out, r, policy = run(ref, p, args.max_new, costs)
-                converged = bool(torch.equal(out, ref))
-                if converged or passes >= max(args.fixpoint, 1) or p == 0:
-                    break
-                ref = out
-            decode_s = r.seconds - r.prefill_seconds - r.setup_seconds
-            full_s = decode_s + sum(c * full_delta_s(k) for k, c in r.decisions.items())
-            full_tok_s = (r.tokens - B) / full_s if full_s > 0 else 0.0
-            row = dict(batch=B, prefix=prefix, spec=name, p=p, accept_length_target=args.lengths.get(p),
-                       glue=glue, drafter="ORACLE", plain_tok_s=plain.decode_tokens_per_s,
-                       spec_tok_s=r.decode_tokens_per_s,
-                       speedup=r.decode_tokens_per_s / max(plain.decode_tokens_per_s, 1e-12),
-                       accept_len=r.acceptance_length, accept_rate=r.accept_rate, rounds=r.rounds,
-                       step_ms=decode_s / max(r.rounds, 1) * 1e3, graph_setup_ms=r.setup_seconds * 1e3,
-                       identical=bool(torch.equal(out, reference)), first_diff=_first_diff(out, reference),
-                       oracle_reference="plain" if ref is reference else "the run's own output",
-                       fixpoint_passes=passes, matches_oracle_reference=converged, decisions=r.decisions,
-                       resumes=r.resumes, costs_ms={k: v * 1e3 for k, v in r.costs.items()},
-                       regret_ms=policy.regret * 1e3,
-                       graph_memory_bytes=r.graph_memory, graph_prepares=r.graph_prepares, policy_waits=r.waits,
-                       forward_profile=profile,
-                       extrapolated=dict(layers=full_cfg.num_layers, plain_step_ms=plain_step,
-                                         plain_tok_s=B / plain_step * 1e3, spec_tok_s=full_tok_s,
-                                         speedup=full_tok_s / (B / plain_step * 1e3)))
-            row.update(calibration(p, policy.tested, r.accepted, B))
+            runs = []
+            for seed in range(args.oracle_seeds):  # each seed's own fixed point, from the last one's
+                for passes in range(1, max(args.fixpoint, 1) + 1):
+                    out, r, policy = run(ref, p, args.max_new, costs, seed)
+                    converged = bool(torch.equal(out, ref))
+                    if converged or passes >= max(args.fixpoint, 1) or p == 0:
+                        break
+                    ref = out
+                decode_s = r.seconds - r.prefill_seconds - r.setup_seconds
+                full_s = decode_s + sum(c * full_delta_s(k) for k, c in r.decisions.items())
+                full_tok_s = (r.tokens - B) / full_s if full_s > 0 else 0.0
+                one = dict(batch=B, prefix=prefix, spec=name, p=p, accept_length_target=args.lengths.get(p),
+                           glue=glue, drafter="ORACLE", plain_tok_s=plain.decode_tokens_per_s,
+                           spec_tok_s=r.decode_tokens_per_s,
+                           speedup=r.decode_tokens_per_s / max(plain.decode_tokens_per_s, 1e-12),
+                           accept_len=r.acceptance_length, accept_rate=r.accept_rate, rounds=r.rounds,
+                           step_ms=decode_s / max(r.rounds, 1) * 1e3, graph_setup_ms=r.setup_seconds * 1e3,
+                           identical=bool(torch.equal(out, reference)), first_diff=_first_diff(out, reference),
+                           oracle_reference="plain" if ref is reference else "the run's own output",
+                           fixpoint_passes=passes, matches_oracle_reference=converged, decisions=r.decisions,
+                           resumes=r.resumes, costs_ms={k: v * 1e3 for k, v in r.costs.items()},
+                           regret_ms=policy.regret * 1e3,
+                           graph_memory_bytes=r.graph_memory, graph_prepares=r.graph_prepares, policy_waits=r.waits,
+                           forward_profile=profile,
+                           extrapolated=dict(layers=full_cfg.num_layers, plain_step_ms=plain_step,
+                                             plain_tok_s=B / plain_step * 1e3, spec_tok_s=full_tok_s,
+                                             speedup=full_tok_s / (B / plain_step * 1e3)))
+                one.update(calibration(p, policy.tested, r.accepted, B))
+                runs.append(one)
+                if converged:  # the next seed (and the next, lower p) starts from this fixed point
+                    ref = out
+            row = over_seeds(runs)
             rows.append(row)
             print(f"  {name:<12} p {p:<6.4f} glue {glue:<6} {row['spec_tok_s']:8.1f} tok/s {row['speedup']:5.2f}x  "
                   f"accept {row['accept_len']:.2f} (rate {row['accept_rate']:.3f})  identical "
-                  f"{'yes' if row['identical'] else 'NO'}  decisions {r.decisions}  resumes {r.resumes}  graphs "
-                  f"{r.graph_memory / 2**20:.0f} MiB  EXTRAPOLATED {row['extrapolated']['speedup']:.2f}x  passes "
-                  f"{passes}{_calibration_note(row, converged)}", flush=True)
-            if converged:  # the next (lower) p starts from this fixed point
-                ref = out
+                  f"{'yes' if row['identical'] else 'NO'}  decisions {row['decisions']}  resumes {row['resumes']}  "
+                  f"graphs {r.graph_memory / 2**20:.0f} MiB  EXTRAPOLATED {row['extrapolated']['speedup']:.2f}x  "
+                  f"passes {row['fixpoint_passes']}{_calibration_note(row, row['matches_oracle_reference'])}"
+                  f"{_seeds_note(row)}", flush=True)
     return rows
 
 
@@ -636,12 +707,25 @@ def _policy_line(key, a: dict, at: dict, specs: list) -> str:
     cells = [f"{at[k]['spec_tok_s']:.1f}, {at[k]['accept_len']:.2f}, {at[k]['accept_rate']:.3f}{_mark(at[k])}"
              if k in at else "-" for k in specs]
     ext = a["extrapolated"]
-    vs_best = f"{a['spec_tok_s'] / best['spec_tok_s']:.3f} ({best['spec']})" if best else "-"
+    vs_best = f"{a['spec_tok_s'] / best['spec_tok_s']:.3f}{_se(a, best)} ({best['spec']})" if best else "-"
     vs_best_x = f"{ext['spec_tok_s'] / best_x['extrapolated']['spec_tok_s']:.3f}" if best_x else "-"
     return (f"| {key[0]} | {key[1]} | {'-' if L is None else f'{L:g}'} ({key[2]:.4f}) | {a['plain_tok_s']:.1f} | "
             + " | ".join(cells) + f" | {a['spec']}: {a['spec_tok_s']:.1f}, {a['accept_len']:.2f}, "
-            f"{a['accept_rate']:.3f}{_mark(a)} | {a['speedup']:.3f} | {vs_best} | {ext['speedup']:.3f}, {vs_best_x} | "
+            f"{a['accept_rate']:.3f}{_mark(a)} | {a['speedup']:.3f}{_se(a)} | {vs_best} | {ext['speedup']:.3f}, {vs_best_x} | "
             + ", ".join(f"{k} {v}" for k, v in sorted(a["decisions"].items())) + " |")
+
+
+def _se(a: dict, b: dict | None = None) -> str:
+    """With more than one oracle seed, the standard error of a's tokens/s over plain's (b None: plain's one run is
+    taken as exact) or over b's, the two means' errors independent: " (se x)"; else ""."""
+    def rel2(r):  # the squared relative standard error of a row's mean tokens/s
+        n = r.get("oracle_seeds", 1)
+        return (r["spec_tok_s_sd"] / r["spec_tok_s"]) ** 2 / n if n > 1 and r["spec_tok_s"] > 0 else 0.0
+
+    if a.get("oracle_seeds", 1) < 2:
+        return ""
+    ratio = a["speedup"] if b is None else a["spec_tok_s"] / b["spec_tok_s"]
+    return f" (se {ratio * (rel2(a) + (0.0 if b is None else rel2(b))) ** 0.5:.3f})"
 
 
 def _mark(row: dict) -> str:
@@ -713,6 +797,11 @@ def main(argv=None) -> int:
     # 61 = 1 + a multiple of both specs' full acceptance (4, 5): at p = 1 no round's tokens are cut off by the cap,
     # so tokens/s and B x acceptance / step count the same tokens
     ap.add_argument("--max-new", type=int, default=61)
+    ap.add_argument("--oracle-seeds", type=int, default=1, metavar="S",
+                    help="every ORACLE row (each fixed shape and the adaptive policy, per p) run under S oracle seeds "
+                         "(other draws), each to its own fixed point with its own checks; the row gives their mean "
+                         "tokens/s and its sd, each run in oracle_runs (a 61-token row's sd at B 1 is 4-13%%: the "
+                         "mean of S shrinks it by sqrt(S)); unused by --heldout")
     ap.add_argument("--batch-invariant", action="store_true")
     ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bf16", "bfloat16", "fp8", "fp8_e4m3"],
                     help="the target's latent cache (vLLM's spelling); fp8 = fp8_e4m3, key = fp8 * --kv-scale")
@@ -755,6 +844,8 @@ def main(argv=None) -> int:
             ap.error(f"--accept-length must be in [1, {REFERENCE_STEPS + 1}], got {bad[0]:g}")
         args.lengths = {p_for_acceptance_length(L, REFERENCE_STEPS): L for L in args.accept_length}
         args.p = sorted(args.lengths)
+    if args.oracle_seeds < 1:
+        ap.error(f"--oracle-seeds must be >= 1, got {args.oracle_seeds}")
     if args.fixpoint is None:  # a length asks for a calibrated acceptance: the run's own output as the reference
         args.fixpoint = 3 if args.accept_length else 0
     if args.plot:
@@ -800,7 +891,7 @@ def _write(path: str, args, rows: list[dict]) -> None:
                 torch=torch.__version__, max_new=args.max_new, batch_invariant=args.batch_invariant,
                 kv_cache_dtype=args.kv_cache_dtype, kv_scale=args.kv_scale,
                 eager=not args.graphs, graphs="round" if args.graphs else None, policy=args.policy,
-                accept_length_reference_steps=REFERENCE_STEPS, fixpoint=args.fixpoint,
+                accept_length_reference_steps=REFERENCE_STEPS, fixpoint=args.fixpoint, oracle_seeds=args.oracle_seeds,
                 drafter="ORACLE (engine/oracle.py): acceptance set by p, not by a trained drafter",
                 seconds=time.time() - args.start)
     with open(path, "w") as f:

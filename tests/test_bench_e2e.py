@@ -7,6 +7,8 @@ import json
 import os
 import sys
 
+import pytest
+
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
 
 
@@ -89,3 +91,69 @@ def test_calibration_flags_an_acceptance_off_its_p():
     assert not bench_e2e.calibration(1.0, 60, 24, 1)["calibrated"]
     assert not bench_e2e.calibration(0.0, 60, 3, 1)["calibrated"]
     assert bench_e2e.calibration(0.0, 60, 0, 1)["p_measured"] == 0.0
+
+
+def test_over_seeds_means_spreads_and_checks():
+    """over_seeds (--oracle-seeds S): one row of S runs, its figures their means, spec_tok_s_sd and speedup_sd the
+    sample sds, each check held only where every run held it, the tested drafts summed and p_measured pooled over
+    them, an adaptive row's decisions and resumes summed, its extrapolated figures averaged; each run in
+    oracle_runs. One run passes through as it was."""
+    import bench_e2e
+
+    def one(tok_s, identical=True, calibrated=True, tested=10, accepted=5, decisions=None, first_diff=None):
+        r = dict(batch=1, spec="adaptive", p=0.5, spec_tok_s=tok_s, speedup=tok_s / 100.0, accept_len=1.5,
+                 accept_rate=0.5, rounds=tok_s / 10.0, step_ms=2.0, graph_setup_ms=5.0, identical=identical,
+                 first_diff=first_diff, oracle_reference="the run's own output", fixpoint_passes=int(tok_s) % 3 + 1,
+                 matches_oracle_reference=True, tested=tested, p_measured=accepted / tested, calibrated=calibrated)
+        if decisions is not None:
+            r.update(decisions=decisions, resumes=1, regret_ms=tok_s / 50.0, policy_waits=2,
+                     extrapolated=dict(layers=61, spec_tok_s=tok_s / 2, speedup=tok_s / 200.0))
+        return r
+
+    a = one(100.0, decisions={"plain": 3, "1/1/2": 2})
+    row = bench_e2e.over_seeds([a])
+    assert row == dict(a, oracle_seeds=1, oracle_runs=[dict(oracle_seed=0, **{k: a[k] for k in bench_e2e.RUN_KEYS
+                                                                                 if k in a})])
+    assert "spec_tok_s_sd" not in row and bench_e2e._seeds_note(row) == ""
+
+    runs = [one(100.0, tested=10, accepted=5, decisions={"plain": 3, "1/1/2": 2}),
+            one(110.0, identical=False, tested=30, accepted=21, decisions={"1/1/2": 4}, first_diff=[0, 7]),
+            one(120.0, calibrated=False, tested=20, accepted=10, decisions={"plain": 1, "3/1/4": 2})]
+    row = bench_e2e.over_seeds(runs)
+    assert row["oracle_seeds"] == 3 and [r["oracle_seed"] for r in row["oracle_runs"]] == [0, 1, 2]
+    assert [r["spec_tok_s"] for r in row["oracle_runs"]] == [100.0, 110.0, 120.0]
+    assert row["spec_tok_s"] == pytest.approx(110.0) and row["speedup"] == pytest.approx(1.1)
+    assert row["rounds"] == pytest.approx(11.0) and row["regret_ms"] == pytest.approx(2.2)
+    assert row["spec_tok_s_sd"] == pytest.approx(10.0) and row["speedup_sd"] == pytest.approx(0.1)  # (n - 1)
+    assert not row["identical"] and not row["calibrated"] and row["matches_oracle_reference"]
+    assert row["first_diff"] == [0, 7] and row["fixpoint_passes"] == 3
+    assert row["tested"] == 60 and row["p_measured"] == pytest.approx((5 + 21 + 10) / 60)
+    assert row["decisions"] == {"plain": 4, "1/1/2": 6, "3/1/4": 2} and row["resumes"] == 3
+    assert row["extrapolated"] == {"layers": 61, "spec_tok_s": pytest.approx(55.0), "speedup": pytest.approx(0.55)}
+    assert runs[0]["decisions"] == {"plain": 3, "1/1/2": 2}  # (the runs themselves untouched)
+    assert "mean of 3 oracle seeds, sd 10.0 tok/s: 100.0, 110.0, 120.0" in bench_e2e._seeds_note(row)
+
+
+def test_bench_e2e_oracle_seeds(tmp_path, capsys):
+    """--oracle-seeds 2 through the bench: every ORACLE row (fixed and adaptive) the mean of its two runs, each
+    lossless and kept in oracle_runs; the adaptive row's decisions those of both runs; the policy table's standard
+    errors."""
+    import bench_e2e
+
+    path = tmp_path / "e2e.json"
+    rc = bench_e2e.main(["--preset", "tiny", "--device", "cpu", "--dtype", "float32", "--batch", "1", "--prefix", "10",
+                         "--accept-length", "2.4", "--spec", "chain 3/1/4", "--glue", "eagle3", "--max-new", "12",
+                         "--policy", "fixed", "adaptive", "--oracle-seeds", "2", "--no-breakdown",
+                         "--json", str(path)])
+    assert rc == 0
+    data = json.loads(path.read_text())
+    assert data["oracle_seeds"] == 2 and {r["spec"] for r in data["rows"]} == {"chain 3/1/4", "adaptive"}
+    for r in data["rows"]:
+        assert r["oracle_seeds"] == 2 and len(r["oracle_runs"]) == 2 and r["identical"]
+        assert all(x["identical"] for x in r["oracle_runs"])
+        assert r["spec_tok_s"] == pytest.approx(sum(x["spec_tok_s"] for x in r["oracle_runs"]) / 2)
+        if r["spec"] == "adaptive":
+            both = sum(sum(x["decisions"].values()) for x in r["oracle_runs"])
+            assert sum(r["decisions"].values()) == both == pytest.approx(2 * r["rounds"])
+    out = capsys.readouterr().out
+    assert "mean of 2 oracle seeds" in out and "(se " in out
