@@ -208,7 +208,11 @@ def schedule(policy, B: int, max_new: int, R: int, launch, stale: int, progress=
 
     while not all(c >= max_new for c in count):
         s = policy.choose([c < max_new for c in count], lag)
-        resume = resume_label(lag, R) if lag and (s is not None or lag >= R) else None
+        if s is not None and lag > R:
+            raise RuntimeError("a policy that declared plain_only chose a speculative round")
+        # the drafter's catch-up: before a speculative round after plain ones, or when R plain rounds are pending
+        # (unless the policy decodes plain to the end: plain_only)
+        resume = resume_label(lag, R) if lag and (s is not None or (lag >= R and not policy.plain_only)) else None
         handle = launch(s, resume)
         policy.launched(s, resume)
         probe = s is not None and (rounds == 0 or resume is not None)

@@ -87,6 +87,12 @@ the budget does not allow is a plain round). That is the guarantee; the model do
 costs, where a chain costs little more than a plain step: one 3/1/4 and three 1/1/2 rounds; at p = 0 every seed
 draws alike); tests/test_policy.py::test_overhead_at_p0_is_bounded checks both on the H200's cost tables.
 
+Dominance (plain_only, set by start). Where every chain of S drafts costs at least S + 1 plain rounds, T(S) >=
+(S + 1) T(plain), no round can beat plain's tokens per second even with every draft accepted (S drafts emit at most
+S + 1 tokens a request), so every decision is plain from the first (no probe) and the loop skips the drafter's
+forced catch-ups (F_n = 0: nothing will read the drafter's state). The H200's B 8 32768 table at 95d786a is one:
+replayed on the CPU, 0.981-0.997 of plain -> 1.000.
+
 A speculative round whose total rejection would make the next decision plain, or whose worst case would leave
 no budget for the same shape again, is chosen with need_outcome set: the next decision waits for its snapshot
 instead of deciding one round stale (adaptive.schedule), so an accepted probe is followed by the long chain it
@@ -139,10 +145,13 @@ class Policy:
     the next round's shape, None for a plain decode step; launched(spec, resume): the round just launched (its
     shape, and the resume label before it or None); observe(...): the oldest launched round's outcome, in launch
     order. resume_rows: plain rounds after which the drafter must catch up (the pending features' buffer, R rows
-    a request). fixed_costs: a cost table to use instead of measuring one (None: measure)."""
+    a request). fixed_costs: a cost table to use instead of measuring one (None: measure). plain_only, set by
+    start: every decision of this run will be plain, so the loop skips the drafter's forced catch-ups (nothing
+    will read the drafter's state)."""
 
     resume_rows = 64
     fixed_costs: Optional[dict] = None
+    plain_only = False
 
     def run(self, loop, shapes, spec, start, prefill_seconds, prefill_times, progress):
         """generate_speculative's rounds under this policy (engine/adaptive.run_policy)."""
@@ -243,6 +252,8 @@ class AdaptivePolicy(Evidence, Policy):
         self.need_outcome = False  # whether the next decision should wait for the round just chosen
         self.regret, self.rounds, self.flight = 0.0, 0, deque()  # R (settled rounds), n, the rounds in flight
         self.pending = deque()  # the rounds in flight: their specs (None: plain), in launch order
+        # no round can beat plain's tokens per second at any acceptance: S drafts emit at most S + 1 tokens a request
+        self.plain_only = all((s.steps + 1) * self.t0 <= self.costs[label(s)] for s in self._specs)
         # ChainDP (B 1), and the drafts accepted / rejected over the run, cut at the tokens left as ChainDP cuts
         self.dp, self.seen = None, [0, 0]
         if self.exact and B == 1 and max_new is not None and 0 < max_new - 1 <= EXACT_HORIZON:
@@ -434,6 +445,8 @@ class AdaptivePolicy(Evidence, Policy):
 
     def _choose(self, active, lag):
         self.need_outcome = True
+        if self.plain_only:  # (dominated: no probe teaches anything worth its cost)
+            return None
         if self.dp is not None and self.remaining[0] > 0:
             return self.choose_exact(lag)
         if self.observed == 0 and not self.flight:  # no evidence yet: the probe (always within the budget: A >= its excess)
