@@ -189,6 +189,13 @@ __device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
 __device__ __forceinline__ void named_barrier_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
+// The same for a barrier that both warpgroups wait on from their own code (barrier 3): bar.sync is PTX's aligned
+// form, which promises that every thread blocking in one generation executes the same barrier instruction, and two
+// warpgroups waiting at two sites break that promise (compute-sanitizer synccheck: "Divergent thread(s) in block",
+// seen at 3987bd8 on the H200); barrier.sync without .aligned allows it.
+__device__ __forceinline__ void named_barrier_sync_unaligned(int id, int threads) {
+  asm volatile("barrier.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
 
 // The error path of a poisoned block of request b (every thread of the block calls it): a bad prefix length
 // (reported by thread 0), else each page-table slot this block read - those covering this split's prefix keys
@@ -588,7 +595,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
     for (int t = 0; t < n_tiles; ++t) {
       wait_tile(t);
       sm90::fence_proxy_async();
-      named_barrier_sync(3, kThreads);  // tile t landed for every thread
+      named_barrier_sync_unaligned(3, kThreads);  // tile t landed for every thread
 #ifdef EAGLE3_DEV_BUILD
       if constexpr ((kDev & kDevTrace) != 0) {
         if (tid == 0 && t <= 8) trace[2 + t] = global_ns();
@@ -716,7 +723,8 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
         wait_tile(t);
         sm90::fence_proxy_async();
       }
-      named_barrier_sync(3, kThreads);  // tile t landed (kFp8: converted, each thread fenced) for every thread
+      // tile t landed (kFp8: converted, each thread fenced) for every thread
+      named_barrier_sync_unaligned(3, kThreads);
       const uint32_t stage = s_k + (t & 1) * kTileBytes;
       const uint32_t next = s_k + ((t + 1) & 1) * kTileBytes;
       sm90::wgmma_wait<0>();  // this warpgroup's P V of tile t - 1 is done:
