@@ -328,7 +328,10 @@ __global__ void __launch_bounds__(kThreads) walk_kernel(
   __shared__ double red[kThreads / 32];
   __shared__ double sh_m, sh_Z;
   __shared__ int32_t sh_a;
-  __shared__ int sh_next;
+  // the accepted child or -1, by the parity of the child tried (k): with no draft_probs a rejected child is followed
+  // by the next one's decision with no barrier between a thread's read of this one and thread 0's write of that
+  // one; one slot was overwritten before slow warps had read it (compute-sanitizer racecheck, at 3987bd8 on the H200)
+  __shared__ int sh_next[2];
   const int64_t b = blockIdx.x;
   int64_t start = 0;  // chain: this request's drafts [start, start + n_drafts)
   int n_drafts = N - 1;
@@ -446,14 +449,14 @@ __global__ void __launch_bounds__(kThreads) walk_kernel(
         }
         const double u = philox_uniform(static_cast<uint32_t>(k), static_cast<uint32_t>(row), off, sd);
         const bool acc = u * qx < px;
-        sh_next = acc ? j : -1;
+        sh_next[k & 1] = acc ? j : -1;
         if (!acc && !has_q && valid && px < 1.0 && px > 0.0) {  // x leaves the support, the rest scales up
           wi[kWsI + n_R++] = x;
           scale /= (1.0 - px);
         }
       }
       __syncthreads();
-      next = sh_next;
+      next = sh_next[k & 1];
       if (next >= 0) break;
       if (has_q) {  // residual mass sum_v max(p_j(v) - q(v), 0): one block pass over V
         const float mf = static_cast<float>(m), cf = static_cast<float>(invT) * kLog2e;
