@@ -1238,6 +1238,33 @@ def test_gpu_cpp_build_matches_paths(B, topk, depth, N, mode):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("B,topk,depth,N", [(5, 2, 3, 4), (5, 4, 5, 16), (3, 4, 4, 40)])
+def test_gpu_cpp_build_full_mask_past_the_buffer(B, topk, depth, N):
+    # a FULL_MASK buffer shorter than sum(seq_lens) * N + B * N * N (prefix lengths past what the caller sized it
+    # for: they are on the device, so no host check sees it), on the one-warp kernel (N 4, 16) and the block kernel
+    # (N 40): the C++ op writes the entries inside the buffer and skips the rest, as the Triton kernel does, and
+    # every other output is the Triton kernel's
+    needs_cpp_ops()
+    g = torch.Generator().manual_seed(B * N + 7)
+    args = _build_case(g, B, topk, depth, N, TreeMaskMode.FULL_MASK)
+    full = args[3].numel()
+    for cut in (full - 1, full - N * N - 3, full // 2):
+        case = list(args)
+        case[3] = args[3][:cut].clone()
+        runs = {}
+        for path in ("triton", "auto"):
+            copies = [a.clone().cuda() if isinstance(a, torch.Tensor) else a for a in case]
+            compat.kernels = path
+            try:
+                build_tree_kernel_efficient(*copies)
+            finally:
+                compat.kernels = "auto"
+            runs[path] = copies
+        for i in (3, 4, 5, 6, 7):
+            assert_equal(runs["auto"][i].cpu(), runs["triton"][i].cpu(), f"argument {i} at a buffer of {cut} of {full}")
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("selected", [[0, 8], [8, 0], [6, 0, 1, 2, 2], [9, 7, 5], [9, 8, 7, 6], [-1, 10, 3]])
 @pytest.mark.parametrize("mode", MODES)
 def test_gpu_cpp_build_unselected_parents_unsorted_duplicates_outside(selected, mode):
