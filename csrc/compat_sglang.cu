@@ -353,12 +353,7 @@ __device__ __forceinline__ void seq_before_issue(const void* __restrict__ seq_le
 #pragma unroll
   for (int u = 0; u < kSeqAhead; ++u) {
     const int64_t k = tid + static_cast<int64_t>(u) * T;
-    const bool in = k < b;  // (a predicated load, no branch)
-    if (seq64) {
-      a.v[u].w = in ? __ldg(static_cast<const int64_t*>(seq_lens) + k) : 0;
-    } else {
-      a.v[u].n = in ? __ldg(static_cast<const int32_t*>(seq_lens) + k) : 0;
-    }
+    if (k < b) a.v[u] = load_lazy(seq_lens, seq64, k);
   }
 }
 __device__ __forceinline__ int64_t seq_before_sum(const void* __restrict__ seq_lens, bool seq64, int64_t b, int tid,
@@ -738,27 +733,13 @@ __global__ void __launch_bounds__(32) sglang_build_small_kernel(
     const int64_t start = mode == 0 ? static_cast<int64_t>(N) * N * b + N * seq_before + seq
                                     : static_cast<int64_t>(N) * N * b;
     const int64_t stride = mode == 0 ? seq + N : N;
-    // 32 / 2^ceil(log2 N) rows a pass, lane = (row r0 + pass * rows, column j); where the request's whole block
-    // lies inside the buffer (always, for a buffer of SGLang's size) no entry is checked, and the passes are
-    // unrolled: one warp's stores are its time, at about 6 cycles an instruction (ncu at 3987bd8 on the H200: the
-    // FULL_MASK kernel issued ~250 more instructions a warp than the bitpacked one, in this loop and its checks)
-    const int log_np = 32 - __clz(N - 1), rows = 32 >> log_np, j = lane & ((1 << log_np) - 1), r0 = lane >> log_np;
-    const bool col = j < N, inside = start >= 0 && start + stride * (N - 1) + N <= mask_numel;
-    const int64_t step = stride * rows;
-    int64_t at = start + stride * r0 + j;
-    if (inside) {
-#pragma unroll 4
-      for (int i0 = 0; i0 < N; i0 += rows, at += step) {
-        const int i = i0 + r0;
-        const uint32_t a = __shfl_sync(kAll, anc, i & 31);
-        if (col && i < N) mask[at] = (a >> j) & 1u;
-      }
-    } else {
-      for (int i0 = 0; i0 < N; i0 += rows, at += step) {
-        const int i = i0 + r0;
-        const uint32_t a = __shfl_sync(kAll, anc, i & 31);
-        if (col && i < N && at >= 0 && at < mask_numel) mask[at] = (a >> j) & 1u;
-      }
+    // 32 / 2^ceil(log2 N) rows a pass, lane = (row, column j)
+    const int log_np = 32 - __clz(N - 1), rows = 32 >> log_np, j = lane & ((1 << log_np) - 1);
+    for (int i0 = 0; i0 < N; i0 += rows) {
+      const int i = i0 + (lane >> log_np);
+      const uint32_t a = __shfl_sync(kAll, anc, i & 31);
+      const int64_t at = start + stride * i + j;
+      if (j < N && i < N && at >= 0 && at < mask_numel) mask[at] = (a >> j) & 1u;
     }
   }
   // the first selected slot whose parent_list entry is outside depth d - 1, reported as sglang_build_kernel does
