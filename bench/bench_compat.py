@@ -121,6 +121,8 @@ def compat_build_args(parent_list, selected, seq, B, topk, depth, N, mode):
     if mode == compat.TreeMaskMode.QLEN_ONLY_BITPACKING:
         mask = torch.zeros(B * N, dtype={1: torch.uint8, 2: torch.uint16, 4: torch.uint32}[compat._mask_bytes(N)],
                            device="cuda")
+    elif mode == compat.TreeMaskMode.QLEN_ONLY:
+        mask = torch.ones(B * N * N, dtype=torch.bool, device="cuda")
     else:
         mask = torch.ones(int(seq.sum()) * N + B * N * N, dtype=torch.bool, device="cuda")
     lists = torch.full((3, B, N), -1, device="cuda")

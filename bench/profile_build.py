@@ -3,7 +3,9 @@ topk 4 depth 5 N 16, topk 1 depth 3 N 4): torch.ops.eagle3.build_tree (native) a
 compat.sglang.build_tree_kernel_efficient on its C++ op (QLEN_ONLY_BITPACKING where N <= 32, and FULL_MASK) and on
 its Triton kernel, by torch.profiler over eager calls on 8 rotated input sets, beside the per-call time of the
 same calls replayed in one CUDA graph (bench_compat's figure): a kernel's duration, and what the graph adds to it
-(issue 22: the compat build against the native one).
+(issue 22: the compat build against the native one). To tell what FULL_MASK pays for over the bit-packed mask
+(1.3-1.4x native at N 16 / 4 at 3987bd8): compat-full-seq0 (FULL_MASK with every prefix length 0: the earlier
+requests' lengths still summed, but the rows contiguous) and compat-qlen (QLEN_ONLY: bool rows, contiguous, no sum).
 
     python3 bench/profile_build.py [--calls 40]
 """
@@ -34,7 +36,10 @@ def calls_for(provider, topk, depth, N):
     sets = [sglang_build_inputs(B, topk, depth, N, g) for _ in range(SETS)]
     if provider == "native":
         return [lambda s=s, o=native_outs(B, N): torch.ops.eagle3.build_tree(*s[3], *o) for s in sets]
-    mode = 2 if "bitpacked" in provider else int(compat.TreeMaskMode.FULL_MASK)
+    mode = {"bitpacked": 2, "qlen": int(compat.TreeMaskMode.QLEN_ONLY)}.get(provider.split("-")[1],
+                                                                         int(compat.TreeMaskMode.FULL_MASK))
+    if "seq0" in provider:  # FULL_MASK with every prefix 0: its rows contiguous, as QLEN_ONLY's
+        sets = [(p, sel, torch.zeros_like(seq), native) for p, sel, seq, native in sets]
     return [lambda a=compat_build_args(s[0], s[1], s[2], B, topk, depth, N, mode):
             compat.build_tree_kernel_efficient(*a) for s in sets]
 
@@ -63,7 +68,8 @@ def main() -> None:
           "graph: us per call replayed in one CUDA graph (bench_compat's figure)")
     for topk, depth, N in SHAPES:
         print(f"topk {topk} depth {depth} N {N}")
-        providers = ["native", "compat-full", "compat-full-triton"]
+        providers = ["native", "compat-full", "compat-full-triton", "compat-full-seq0", "compat-qlen",
+                     "compat-qlen-triton"]
         if N <= 32:
             providers[1:1] = ["compat-bitpacked", "compat-bitpacked-triton"]
         for provider in providers:
