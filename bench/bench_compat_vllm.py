@@ -158,12 +158,14 @@ def test_compat_vllm(benchmark, recorder, provider, mode, shape):
 @pytest.mark.parametrize("mode", MODES)
 def test_kernel_breakdown(capsys, mode):
     """Where a compat call's device time goes, per kernel (torch.profiler, 10 calls on one uniform input set):
-    what to work on next (the native sampling kernels with draft_probs are slower than the PyTorch path)."""
+    what to work on next (the native sampling kernels with draft_probs are slower than the PyTorch path).
+    kernels="auto" named, as the compat rows name it: at 95d786a this took the default, then the tensor-op
+    path, and its greedy table (native verify_greedy's kernels, 3 copies) was read as the compat row's."""
     from torch.profiler import ProfilerActivity, profile
 
     g = torch.Generator(device="cuda").manual_seed(0)
     meta, logits, probs, sm, _ = vllm_inputs(SHAPES["uniform"], mode, g)
-    rs = RejectionSampler()
+    rs = RejectionSampler(kernels="auto")
     for _ in range(3):
         rs(meta, probs, logits, sm)
     torch.cuda.synchronize()

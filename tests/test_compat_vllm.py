@@ -887,6 +887,48 @@ def test_kernels_argument(monkeypatch):
                  torch.tensor(expected, dtype=torch.int32))
 
 
+@needs_ops
+@pytest.mark.parametrize("counts", [[3] * 64, [3, 0, 2, 3, 1, 3, 3, 0] * 8], ids=["uniform", "ragged"])
+@pytest.mark.parametrize("greedy", [True, False], ids=["greedy", "random"])
+def test_op_path_dispatches_only_its_op(counts, greedy):
+    """The C++-op path (forward's branch for CUDA tensors, here on CPU tensors through the ops' CPU kernels)
+    dispatches no tensor op of its own beside the vLLM op (random: the Philox keys' empty + random_ before it):
+    no cast, copy, fill or index op, each of which would be one more launch per call on CUDA. The profiler's
+    top-level ops of one call; test_gpu_launches_per_call counts the kernels on CUDA."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from eagle3_ops.compat import vllm as module
+
+    meta, logits, _ = _batch(counts, 64, device="cpu")
+    sm = sampling_metadata() if greedy else sampling_metadata(torch.ones(len(counts)))
+    rs = RejectionSampler()
+    rs._ops = (_GREEDY_OP.default, _SAMPLING_OP.default)  # what _register() returns on a CUDA build
+    want = out_of(RejectionSampler(kernels="tensor"), meta, logits, sm) if greedy else None
+    got = rs._forward_op(meta, None, logits, sm).sampled_token_ids
+    if greedy:
+        assert_equal(got, want)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        rs._forward_op(meta, None, logits, sm)
+    ops = [e.name for e in prof.events() if e.cpu_parent is None]
+    assert ops == (["eagle3::_vllm_rejection_greedy"] if greedy else
+                   ["aten::empty", "aten::random_", "eagle3::_vllm_rejection_sampling"]), ops
+    assert module._fast(sm)  # the branch forward takes for these on CUDA
+
+
+class _Count(int):
+    """An int subclass (an accepted count, as isinstance accepts it)."""
+
+
+@pytest.mark.parametrize("counts", [[3] * 64, [0], [], (3, 1), [True, 2], [_Count(2), 1], [3, -1], [3, 2.0],
+                                    [np.int64(3)], [3, "2"]], ids=str)
+def test_count_check_is_the_generator(counts):
+    """_non_negative_ints (the host check of num_draft_tokens on every call) answers as
+    all(isinstance(n, int) and n >= 0 for n in counts) does, on the plain-int lists it shortcuts and on the rest."""
+    from eagle3_ops.compat.vllm import _non_negative_ints
+
+    assert _non_negative_ints(counts) == all(isinstance(n, int) and n >= 0 for n in counts)
+
+
 @pytest.mark.gpu
 @needs_ops
 @pytest.mark.parametrize("counts", [[3] * 64, [4, 0, 2, 4, 1, 0, 3, 4] * 8], ids=["uniform", "ragged"])
