@@ -5,10 +5,11 @@ present (CI has none and must still compile every .cu file). TORCH_CUDA_ARCH_LIS
 DEBUG=1 gives -O0 -g -lineinfo. EAGLE3_DEVICE_CHECKS=0 compiles out the device error word (benchmarks of
 what validation costs). EAGLE3_DEV_BUILD=1 adds the development-only ops and kernel builds that bench/dev/
 tools use (never in a production build; build_info()['dev_build'] says which).
-EAGLE3_CUDA_ONLY=capture_aux,kv_accept compiles just those csrc/*.cu (empty: none), to iterate on one kernel
-quickly. Set CUDA_HOME to the toolkit root; when it is unset and `nvcc` on PATH is a wrapper script, the
-toolkit root is asked of nvcc itself (torch would otherwise guess the wrapper's folder and link against a
-libcudart that is not there).
+EAGLE3_CUDA_ONLY=capture_aux,kv_accept compiles just those kernels (empty: none), to iterate on one kernel
+quickly; a kernel is csrc/<name>.cu, or the files KERNEL_PARTS lists under its name (compat_sglang: its three
+csrc/compat_sglang_*.cu). Set CUDA_HOME to the toolkit root; when it is unset and `nvcc` on PATH is a wrapper
+script, the toolkit root is asked of nvcc itself (torch would otherwise guess the wrapper's folder and link
+against a libcudart that is not there).
 
 It builds against the torch already installed (`pip install --no-build-isolation .`; with build isolation it
 stops and says so), records that torch in eagle3_ops/_built_with.py for the import-time check, and makes the
@@ -64,6 +65,11 @@ DEVICE_CHECKS = os.environ.get("EAGLE3_DEVICE_CHECKS", "1") != "0"
 # bench/dev/trace_mla.py and bench/dev/ceiling_mla.py). Off by default; the production op table never has them.
 DEV_BUILD = os.environ.get("EAGLE3_DEV_BUILD", "0") == "1"
 SUPPORT_SOURCES = ("errors.cu",)  # not kernels of an op: built whenever any CUDA source is
+# A kernel split over several csrc/*.cu: its one name (EAGLE3_CUDA_ONLY's, build_info()['cuda_kernels']'s) -> its
+# files. Every other csrc/<name>.cu is the kernel <name>.
+KERNEL_PARTS = {
+    "compat_sglang": ("compat_sglang_build.cu", "compat_sglang_walk.cu", "compat_sglang_pack.cu"),
+}
 WITH_CUDA = torch.version.cuda is not None and CUDA_HOME is not None
 
 
@@ -108,19 +114,32 @@ def _record_torch():
             f.write(text)
 
 
+def kernel_of(path):
+    """The kernel a csrc/*.cu file belongs to: its KERNEL_PARTS name, else the file's own name."""
+    base = os.path.basename(path)
+    for kernel, parts in KERNEL_PARTS.items():
+        if base in parts:
+            return kernel
+    return os.path.splitext(base)[0]
+
+
 def extension():
     _warn_static_libstdcxx()
     cpp = sorted(glob.glob(os.path.join("csrc", "*.cpp")))
     cuda = sorted(glob.glob(os.path.join("csrc", "*.cu")))
+    absent = [p for parts in KERNEL_PARTS.values() for p in parts if os.path.join("csrc", p) not in cuda]
+    if absent:
+        sys.exit(f"eagle3_ops: setup.py's KERNEL_PARTS names csrc files that are not there: {absent}")
     support = [f for f in cuda if os.path.basename(f) in SUPPORT_SOURCES]  # always built with the kernels
     cuda = [f for f in cuda if f not in support]
     only = os.environ.get("EAGLE3_CUDA_ONLY")  # e.g. "capture_aux,kv_accept": build just these kernels
     if only is not None:
         wanted = {k.strip() for k in only.split(",") if k.strip()}
-        unknown = wanted - {os.path.splitext(os.path.basename(f))[0] for f in cuda}
+        unknown = wanted - {kernel_of(f) for f in cuda}
         if unknown:
-            sys.exit(f"eagle3_ops: EAGLE3_CUDA_ONLY names no csrc/<name>.cu for {sorted(unknown)}")
-        cuda = [f for f in cuda if os.path.splitext(os.path.basename(f))[0] in wanted]
+            sys.exit(f"eagle3_ops: EAGLE3_CUDA_ONLY names no kernel (csrc/<name>.cu or KERNEL_PARTS) for "
+                     f"{sorted(unknown)}")
+        cuda = [f for f in cuda if kernel_of(f) in wanted]
     opt = ["-O0", "-g"] if DEBUG else ["-O3"]
     cxx = opt + [_define("EAGLE3_TORCH_VERSION", torch.__version__)]  # torch picks the C++ standard
     cxx += ["-DEAGLE3_DEV_BUILD"] if DEV_BUILD else []
@@ -131,7 +150,7 @@ def extension():
         return CppExtension("eagle3_ops._C", cpp, include_dirs=include_dirs, extra_compile_args={"cxx": cxx})
 
     archs = os.environ["TORCH_CUDA_ARCH_LIST"]
-    kernels = ",".join(os.path.splitext(os.path.basename(f))[0] for f in cuda)
+    kernels = ",".join(dict.fromkeys(kernel_of(f) for f in cuda))  # each kernel once, in file order
     defines = [
         "-DEAGLE3_WITH_CUDA",
         _define("EAGLE3_CUDA_ARCHS", archs),

@@ -14,7 +14,7 @@ the plain-PyTorch path, in one run (and sgl-kernel's own kernel where its wheel 
     packbits    compat   segment_packbits over B segments of N * (seq + N) mask bits
                 torch    one pad + weighted sum per segment (a host loop), what a caller without the kernel writes
     every one   compat   on CUDA tensors compat.sglang calls its C++ op (torch.ops.eagle3._sglang_*,
-                         csrc/compat_sglang.cu); the case fails if this build lacks it (EAGLE3_CUDA_ONLY
+                         csrc/compat_sglang_*.cu); the case fails if this build lacks it (EAGLE3_CUDA_ONLY
                          without compat_sglang), rather than timing the Triton fallback under its name
                 compat-triton  the same compat call on the Triton kernels (kernels = "triton"), what the C++
                          ops replace on the eager path

@@ -81,7 +81,7 @@ TORCH_LIBRARY(eagle3, m) {
       "Tensor accept_len) -> ()");
 
   // ---- compat -----------------------------------------------------------------------------------
-  // internal, CUDA only: eagle3_ops.compat.sglang's functions on CUDA tensors (csrc/compat_sglang.cu), with
+  // internal, CUDA only: eagle3_ops.compat.sglang's functions on CUDA tensors (csrc/compat_sglang_*.cu), with
   // sgl-kernel's argument names and order (its in-place outputs where it puts them) and every check the
   // Python path makes; the Python wrappers call these and keep their tensor-op path for CPU tensors
   m.def(

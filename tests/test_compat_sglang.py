@@ -1170,7 +1170,7 @@ def test_gpu_kernels_at_bench_shapes_and_in_one_graph():
             assert_equal(a, b, "replay vs eager")
 
 
-# ---- the C++ ops (csrc/compat_sglang.cu) == the Triton kernels == the tensor-op path -------------------------
+# ---- the C++ ops (csrc/compat_sglang_*.cu) == the Triton kernels == the tensor-op path ----------------------
 # On CUDA tensors compat.sglang calls torch.ops.eagle3._sglang_* (kernels = "auto"); kernels = "triton" and
 # "torch" take the other two paths on copies of the same tensors. Every output compared exactly, the sampling
 # bonus too (both kernels sum the residual in fp64, in other associations: a draw within an fp64 rounding step
@@ -1178,7 +1178,7 @@ def test_gpu_kernels_at_bench_shapes_and_in_one_graph():
 
 
 def test_cpp_ops_resolve_where_built():
-    # the wrappers find every C++ op exactly where this build compiled csrc/compat_sglang.cu (CI compiles it
+    # the wrappers find every C++ op exactly where this build compiled csrc/compat_sglang_*.cu (CI compiles them
     # without a GPU: a schema / registration name mismatch fails here), and none elsewhere
     import eagle3_ops
 

@@ -6,10 +6,10 @@ An SGLang EAGLE worker swaps ``from sgl_kernel import ...`` for ``from eagle3_op
 (sgl-kernel's speculative.py, and its eagle_utils.cu, speculative_sampling.cuh, packbit.cu and ngram_utils.cu
 read as the specification; argument names keep sgl-kernel's ``retrive_*``).
 
-How each runs. On CUDA tensors each function is ONE C++ op, torch.ops.eagle3._sglang_* (csrc/compat_sglang.cu:
+How each runs. On CUDA tensors each function is ONE C++ op, torch.ops.eagle3._sglang_* (csrc/compat_sglang_*.cu:
 the checks below in C++, one or two CUDA launches, no host sync, CUDA-graph capturable), which this module
 resolves once and calls with nothing else done in Python: an eager call costs one dispatch, as SGLang's own
-sgl-kernel calls do. Where the build lacks that file (EAGLE3_CUDA_ONLY without compat_sglang) or a shape
+sgl-kernel calls do. Where the build lacks those files (EAGLE3_CUDA_ONLY without compat_sglang) or a shape
 passes its kernels' limits (the op then raises NotImplementedError after its checks), the same call takes the
 Triton kernels (triton_kernels/compat_sglang.py: one or two launches each, the same algorithms). On CPU tensors
 it runs the tensor-op path below, which is the specification both are tested against
@@ -121,7 +121,7 @@ class _CudaOps(NamedTuple):
 @functools.cache
 def _cuda_ops() -> _CudaOps:
     """torch.ops.eagle3._sglang_<name>.default for each function whose CUDA kernel this build compiled
-    (csrc/compat_sglang.cu), else None: resolved once, so that an eager call does no lookup."""
+    (csrc/compat_sglang_*.cu), else None: resolved once, so that an eager call does no lookup."""
     def op(name):
         try:
             overload = getattr(torch.ops.eagle3, f"_sglang_{name}").default
