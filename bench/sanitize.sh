@@ -4,6 +4,9 @@
 #  - memcheck over every GPU test, JOBS sanitizer processes at once, CHUNK test ids each;
 #  - racecheck and synccheck over the tests of the kernels that use shared memory, clusters or bulk copies
 #    (RACE_K selects them, or RACE_IDS names test ids, space-separated; RACE=0 skips them). MEMCHECK=0 skips memcheck.
+#    racecheck's known false positives (bench/results/sanitizer_d197f45_h200.log): mla_decode_kernel's s_alpha
+#    handoff between its warpgroups, ordered by named barriers (bar.arrive / bar.sync), which racecheck does not
+#    model, and torch's own argmax reduce_kernel; any other kernel in its report is ours to fix.
 # Each chunk's "ERROR SUMMARY" and pytest result line is appended to $OUT/sanitizer.log as soon as the chunk ends,
 # and a failing chunk's log to $OUT/sanitizer_failures.log, so that a call cut short still leaves what ran.
 # Chunks not started DEADLINE seconds after the start are listed as "not run". The exit status is non-zero if
