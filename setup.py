@@ -7,9 +7,9 @@ what validation costs). EAGLE3_DEV_BUILD=1 adds the development-only ops and ker
 tools use (never in a production build; build_info()['dev_build'] says which).
 EAGLE3_CUDA_ONLY=capture_aux,kv_accept compiles just those kernels (empty: none), to iterate on one kernel
 quickly; a kernel is csrc/<name>.cu, or the files KERNEL_PARTS lists under its name (compat_sglang: its three
-csrc/compat_sglang_*.cu). Set CUDA_HOME to the toolkit root; when it is unset and `nvcc` on PATH is a wrapper
-script, the toolkit root is asked of nvcc itself (torch would otherwise guess the wrapper's folder and link
-against a libcudart that is not there).
+csrc/compat_sglang_*.cu; mla_decode_sm90: csrc/mla_decode_sm90.cu and csrc/mla_decode_sm90_host.cu). Set
+CUDA_HOME to the toolkit root; when it is unset and `nvcc` on PATH is a wrapper script, the toolkit root is asked
+of nvcc itself (torch would otherwise guess the wrapper's folder and link against a libcudart that is not there).
 
 It builds against the torch already installed (`pip install --no-build-isolation .`; with build isolation it
 stops and says so), records that torch in eagle3_ops/_built_with.py for the import-time check, and makes the
@@ -61,14 +61,16 @@ DEBUG = os.environ.get("DEBUG", "0") == "1"
 # for measuring what validation costs; the bounds checks that keep accesses inside the tensors stay.
 DEVICE_CHECKS = os.environ.get("EAGLE3_DEVICE_CHECKS", "1") != "0"
 # EAGLE3_DEV_BUILD=1 defines EAGLE3_DEV_BUILD: the diagnostic kernel builds and their private ops (today
-# _tree_attention_mla_sm90_dev, csrc/mla_decode_sm90.cu: the per-block trace and the no-math skeletons of
-# bench/dev/trace_mla.py and bench/dev/ceiling_mla.py). Off by default; the production op table never has them.
+# _tree_attention_mla_sm90_dev, csrc/mla_decode_sm90_host.cu, over csrc/mla_decode_sm90.cu's per-block trace and
+# no-math skeletons, for bench/dev/trace_mla.py and bench/dev/ceiling_mla.py). Off by default; the production op
+# table never has them.
 DEV_BUILD = os.environ.get("EAGLE3_DEV_BUILD", "0") == "1"
 SUPPORT_SOURCES = ("errors.cu",)  # not kernels of an op: built whenever any CUDA source is
 # A kernel split over several csrc/*.cu: its one name (EAGLE3_CUDA_ONLY's, build_info()['cuda_kernels']'s) -> its
 # files. Every other csrc/<name>.cu is the kernel <name>.
 KERNEL_PARTS = {
     "compat_sglang": ("compat_sglang_build.cu", "compat_sglang_walk.cu", "compat_sglang_pack.cu"),
+    "mla_decode_sm90": ("mla_decode_sm90.cu", "mla_decode_sm90_host.cu"),
 }
 WITH_CUDA = torch.version.cuda is not None and CUDA_HOME is not None
 

@@ -5,7 +5,8 @@
 #   SANITIZE runs the GPU tests matching that expression under compute-sanitizer memcheck.
 #   TESTS='tests/test_kv_accept.py ...' selects the test files (their GPU tests run in chunks of TEST_CHUNK node ids,
 #   TEST_JOBS pytest processes at once); EAGLE3_CUDA_ONLY=a,b
-#   builds only those kernels (setup.py: csrc/<name>.cu, or its KERNEL_PARTS, e.g. compat_sglang's three files);
+#   builds only those kernels (setup.py: csrc/<name>.cu, or its KERNEL_PARTS, e.g. compat_sglang's three files,
+#   mla_decode_sm90's two);
 #   EAGLE3_COMMIT names the commit in the results (required in practice).
 set -o pipefail
 OUT=${OUT:-/tmp/eagle3_gpu_out}

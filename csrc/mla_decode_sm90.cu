@@ -1,232 +1,30 @@
-// tree_attention_mla's Hopper kernel (sm_90a): absorbed-MLA tree-verify / decode attention, 576-dim keys
-// (512 latent + 64 rope), V = the first 512 dims of the same rows, over a paged cache. Called by the
-// CUDA launcher of torch.ops.eagle3.tree_attention_mla (triton_kernels/tree_attention.py), which checks
-// the arguments, picks the split count and merges the splits (merge_splits); the op's semantics, bad
-// values included, are eagle3_ops.reference.tree_attention_mla's.
-//
-// Work decomposition (as the Triton kernels): a block owns 64 query rows - (node, head) pairs, node-major,
-// so at Kimi's 64 heads one block is one tree node's heads - of one request, and one split of its prefix
-// (whole 64-key tiles); the last split also takes the N tree keys at prefix + node, masked by the ancestor
-// bits. With more than one split each block writes a normalised fp32 partial and its log2-sum-exp2.
-//
-// Inside a block (FlashMLA's division of labour, written with wgmma directly):
-//  - 64-key tiles are gathered with cp.async (a page-table lookup per key row, so any page size works;
-//    invalid rows are zero-filled, never read) into 128-byte-swizzled shared memory, two stages; Q (64 x
-//    576) and the first two tiles by all 256 threads (every page id read before the first load is issued),
-//    every later tile by warpgroup 1 into the stage the tile before last freed, with its page ids read one
-//    iteration ahead; with splits the KV loads are marked L2 evict-first, so the partials stay in L2 for
-//    the merge;
-//  - warpgroup 0 computes S = Q K^T (36 wgmma m64n64k16) once its P V of the previous tile is done (that
-//    stage is then released for the refill), masks it, runs the online softmax, and writes P (bf16 / fp16)
-//    and the rows' rescale factors to shared memory;
-//  - both warpgroups rescale and accumulate their half of O (64 x 256 fp32 each, 128 registers a thread):
-//    O_half += P V_half, 4 wgmma m64n256k16 with V read transposed from the same key tile.
-// On the H200 (bench/results/tree_attention_sm90_release_h200.log): 16-node trees at 64-69% of the bf16
-// matmul rate, N 1 at B 32 at 81% of the copy rate over the KV bytes, N 1 at B 1 at 35% - bound by the
-// tiles' work, not the bytes: 23.9 us with its KV in L2 against 26.5 us from HBM (bench/dev/ceiling_mla.py,
-// results/mla_ceiling_h200.log; where its time goes: bench/dev/trace_mla.py, results/mla_sm90_early_h200.log);
-// 1.5x the Triton kernel.
-// Bad values (eagle3_ops.reference.tree_attention_mla's contract): a request whose prefix length is outside
-// [0, capacity - N] reads nothing, page ids outside [0, num_pages) are never dereferenced (only the page-table
-// slots covering positions [0, prefix + N) are read), and such a request gets NaN in all its rows of out and
-// lse; the value is recorded in the device error word (eagle3/errors.h) on the existing bad-value paths.
-//
-// A build without sm_90a (TORCH_CUDA_ARCH_LIST=9.0, or other archs only) compiles the kernel's body to a
-// trap: the launcher refuses such a build (sm90a_compiled) before any launch, and the Python launcher then
-// takes the Triton kernel (triton_kernels/mla_decode.py sm90_compiled).
-//
-// Development builds only (setup.py EAGLE3_DEV_BUILD=1, `#ifdef EAGLE3_DEV_BUILD` below): the private op
-// _tree_attention_mla_sm90_dev runs the same kernel built with a per-block trace or as a no-math skeleton
-// (kDev); a production build compiles neither, and its op table has no such arguments.
+// tree_attention_mla's Hopper kernel (sm_90a), mla_decode_kernel: its builds and the sm_90a probe. What it computes
+// and how (the work decomposition, inside a block), its H200 figures and its bad-value contract: eagle3/mla_sm90.h;
+// the ops' host side (checks, launch, registration): csrc/mla_decode_sm90_host.cu.
 
-#include <ATen/core/Tensor.h>
-#include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
-#include <torch/library.h>
 
 #include <atomic>
 #include <cmath>
 #include <cstdint>
-#include <optional>
 #include <type_traits>
 
-#include "eagle3/checks.h"
-#include "eagle3/device.h"
 #include "eagle3/errors.cuh"
+#include "eagle3/mla_sm90.cuh"
 #include "eagle3/wgmma.cuh"
 
 namespace eagle3 {
 namespace {
 
-constexpr int kRows = 64;                            // query rows a block
-constexpr int kKeys = 64;                            // keys a tile
-constexpr int kDim = 576;                            // key width: 512 latent + 64 rope
-constexpr int kDv = 512;                             // V = the first 512 dims
-constexpr int kChunks = kDim / 64;                   // 128-byte column chunks a row
-constexpr int kChunkBytes = kRows * 128;             // one [64 x 64] swizzled chunk
-constexpr int kTileBytes = kChunks * kChunkBytes;    // Q, and each key stage: 73,728 bytes
-constexpr int kPBytes = kRows * kKeys * 2;           // P: one chunk
-constexpr int kThreads = 256;                        // two warpgroups
-constexpr int kSmemBytes = 3 * kTileBytes + kPBytes + 3 * kRows * 4 + 1024;  // + alpha, l, m; + alignment
-static_assert(kKeys == 64 && kRows == 64, "the tile code assumes 64 x 64 score tiles");
-
-struct Params {
-  const void* q;              // [B * N, G, 576] strides (stride_qt, stride_qh, 1)
-  const void* kv;             // [num_pages, page_size, 576] strides (stride_kp, stride_ks, 1)
-  const int32_t* page_table;  // [B, max_pages] strides (stride_pt, 1)
-  const int32_t* prefix_lens; // [B]
-  const int32_t* tree_mask;   // [B, N, W] contiguous
-  void* out;                  // [B * N, G, 512] strides (stride_ot, stride_oh, 1)   (one split)
-  float* lse;                 // [B * N, G] contiguous, natural log, or nullptr          (one split)
-  float* part_out;            // [splits, B, N * G, 512] fp32 contiguous              (splits > 1)
-  float* part_lse;            // [splits, B, N * G] fp32, log2 units                  (splits > 1)
-#ifdef EAGLE3_DEV_BUILD
-  uint64_t* trace;            // [blocks, kTraceSlots] (kDevTrace builds only)
-#endif
-  int64_t* err;               // the device error word (eagle3/errors.h)
-  float scale_log2;
-  int B, N, W, G, num_pages, max_pages, page_size, num_splits;
-  int64_t stride_qt, stride_qh, stride_kp, stride_ks, stride_pt, stride_ot, stride_oh;
-  const float* kv_scale;      // [1] fp32: an fp8 cache's dequantisation scale (kFp8 builds), else nullptr
-  int evict_first;            // kFp8 builds: the KV loads' L2 policy, evict-first (1) or normal (0)
-};
-
-template <typename T>
-struct Pack2;
-template <>
-struct Pack2<__nv_bfloat16> {
-  static __device__ __forceinline__ uint32_t pack(float a, float b) {
-    __nv_bfloat162 v = __floats2bfloat162_rn(a, b);
-    return *reinterpret_cast<uint32_t*>(&v);
-  }
-};
-template <>
-struct Pack2<__half> {
-  static __device__ __forceinline__ uint32_t pack(float a, float b) {
-    __half2 v = __floats2half2_rn(a, b);
-    return *reinterpret_cast<uint32_t*>(&v);
-  }
-};
-
-template <typename T>
-__device__ __forceinline__ void mma_qk(float (&s)[32], uint64_t da, uint64_t db, int scale_d) {
-  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-    sm90::wgmma_m64n64k16_bf16<0>(s, da, db, scale_d);
-  } else {
-    sm90::wgmma_m64n64k16_f16<0>(s, da, db, scale_d);
-  }
-}
-
-template <typename T>
-__device__ __forceinline__ void mma_pv(float (&o)[128], uint64_t da, uint64_t db) {
-  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-    sm90::wgmma_m64n256k16_bf16<1>(o, da, db, 1);
-  } else {
-    sm90::wgmma_m64n256k16_f16<1>(o, da, db, 1);
-  }
-}
-
-__device__ __forceinline__ int cdiv(int a, int b) { return (a + b - 1) / b; }
-
-#ifdef EAGLE3_DEV_BUILD
-// The development builds (kDev, a bit set; production kernels are kDev = 0 and compile none of this):
-//  - kDevTrace (bench/dev/trace_mla.py): per block, the SM, then %globaltimer (ns) at entry, when Q and tile 0
-//    have landed, when each later tile t (1 .. 8) has landed, after the last wgmma and after the epilogue;
-//  - kDevNoMath (bench/dev/ceiling_mla.py): all the math dropped (Q K^T, the softmax, P V: the loads, barriers
-//    and epilogue stay); with kDevNoStores the epilogue's stores too: what is left is this decomposition's floor.
-constexpr int kDevNoMath = 1, kDevNoStores = 2, kDevTrace = 4;
-constexpr int kTraceSlots = 16;
-__device__ __forceinline__ uint64_t global_ns() {
-  uint64_t t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
-#endif
-
-// 2^x by the MUFU alone: results below 2^-126 flush to 0 (exp2f adds a denormal-range fix-up, 3 more
-// instructions for each of the 32 a thread computes per tile). Arguments are score - row max <= 0, so only
-// probabilities under 2^-126 of the row's largest (which is 1) are flushed: nothing next to it in l or in P V.
-__device__ __forceinline__ float fast_exp2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-
-// 16 bytes global -> shared with an L2 cache policy (createpolicy): the KV rows are read once
-__device__ __forceinline__ void cp_async16_hint(uint32_t dst, const void* src, uint32_t src_bytes, uint64_t policy) {
-  asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;\n" ::"r"(dst), "l"(src),
-               "r"(src_bytes), "l"(policy)
-               : "memory");
-}
-
-// kFp8: 16 e4m3 values (16 bytes, the order they sit in memory) -> 16 fp16 values, exactly (every e4m3 value,
-// subnormals and NaN included, is an fp16 value): 8 cvt.rn.f16x2.e4m3x2, two values each.
-__device__ __forceinline__ void e4m3x16_to_f16(const uint32_t (&in)[4], uint32_t (&out)[8]) {
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    asm("{\n.reg .b16 lo, hi;\nmov.b32 {lo, hi}, %2;\ncvt.rn.f16x2.e4m3x2 %0, lo;\ncvt.rn.f16x2.e4m3x2 %1, hi;\n}\n"
-        : "=r"(out[2 * i]), "=r"(out[2 * i + 1])
-        : "r"(in[i]));
-  }
-}
-__device__ __forceinline__ void lds128(uint32_t addr, uint32_t (&v)[4]) {
-  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(v[0]), "=r"(v[1]), "=r"(v[2]), "=r"(v[3])
-               : "r"(addr)
-               : "memory");
-}
-__device__ __forceinline__ void sts128(uint32_t addr, uint32_t a, uint32_t b, uint32_t c, uint32_t d) {
-  asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(a), "r"(b), "r"(c), "r"(d) : "memory");
-}
-
-// Named barrier `id` over `threads` threads: the producer arrives (does not wait), the consumer syncs.
-__device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
-  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
-}
-__device__ __forceinline__ void named_barrier_sync(int id, int threads) {
-  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
-}
-// The same for a barrier that both warpgroups wait on from their own code (barrier 3): bar.sync is PTX's aligned
-// form, which promises that every thread blocking in one generation executes the same barrier instruction, and two
-// warpgroups waiting at two sites break that promise (compute-sanitizer synccheck: "Divergent thread(s) in block",
-// seen at 3987bd8 on the H200); barrier.sync without .aligned allows it.
-__device__ __forceinline__ void named_barrier_sync_unaligned(int id, int threads) {
-  asm volatile("barrier.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
-}
-
-// The error path of a poisoned block of request b (every thread of the block calls it): a bad prefix length
-// (reported by thread 0), else each page-table slot this block read - those covering this split's prefix keys
-// [start, end) and, in the last split (tree_n = N), the tree keys [prefix, prefix + N) - whose page id is
-// outside [0, num_pages), as row_src found them (the first report wins).
-__device__ __noinline__ void report_request(int64_t* err, const int32_t* pt_row, int num_pages, int page_size, int b,
-                                            bool bad, int prefix_raw, int64_t clamp_hi, int64_t start, int64_t end,
-                                            int prefix, int tree_n) {
-  if (bad) {
-    if (threadIdx.x == 0) report_range(err, kOpTreeAttentionMla, kArgPrefixLens, prefix_raw, 0, clamp_hi, b);
-    return;
-  }
-  auto scan = [&](int64_t lo, int64_t hi) {  // the slots of positions [lo, hi)
-    if (hi <= lo) return;
-    for (int64_t slot = lo / page_size + threadIdx.x; slot <= (hi - 1) / page_size; slot += blockDim.x) {
-      const int page = pt_row[slot];
-      if (page < 0 || page >= num_pages) {
-        report_range(err, kOpTreeAttentionMla, kArgPageTable, page, 0, num_pages - 1, b, slot);
-      }
-    }
-  };
-  scan(start, end);
-  scan(prefix, static_cast<int64_t>(prefix) + tree_n);
-}
+using namespace mla_sm90;  // the tile sizes, Params and the device helpers (eagle3/mla_sm90.h, mla_sm90.cuh)
 
 #ifdef EAGLE3_DEV_BUILD
 #pragma nv_diagnostic push
 #pragma nv_diag_suppress 128  // (the no-math builds end their loops' bodies early: "loop is not reachable")
 #endif
 // kEvictFirst: the KV loads carry an L2 evict-first policy (else plain cp.async). kDev: 0, or a development
-// build (EAGLE3_DEV_BUILD only, above).
+// build (EAGLE3_DEV_BUILD only: eagle3/mla_sm90.h).
 // kFp8: false, a cache of T; true, the cache is fp8 e4m3 (T is q's and out's dtype; the dots run in fp16: kFp8's
 // notes below).
 template <typename T, bool kEvictFirst, int kDev = 0, bool kFp8 = false>
@@ -320,9 +118,9 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
   }
   auto kv_load = [&](uint32_t dst, const KT* src) {
     if constexpr (kFp8) {
-      cp_async16_hint(dst, src ? src : kv, src ? 16 : 0, policy);
+      sm90::cp_async16_hint(dst, src ? src : kv, src ? 16 : 0, policy);
     } else if constexpr (kEvictFirst) {
-      cp_async16_hint(dst, src ? src : kv, src ? 16 : 0, policy);
+      sm90::cp_async16_hint(dst, src ? src : kv, src ? 16 : 0, policy);
     } else {
       sm90::cp_async16(dst, src ? src : kv, src ? 16 : 0);
     }
@@ -409,17 +207,17 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
     e4m3x16_to_f16(raw, h);
     const uint32_t dst = stage + c * kChunkBytes;
     const int r = fr + 32 * i;
-    sts128(dst + sm90::swizzle128(r, 2 * fj), h[0], h[1], h[2], h[3]);
-    sts128(dst + sm90::swizzle128(r, 2 * fj + 1), h[4], h[5], h[6], h[7]);
+    sm90::sts128(dst + sm90::swizzle128(r, 2 * fj), h[0], h[1], h[2], h[3]);
+    sm90::sts128(dst + sm90::swizzle128(r, 2 * fj + 1), h[4], h[5], h[6], h[7]);
   };
   auto convert_tile = [&](uint32_t stage) {
     uint32_t raw[4];
 #pragma unroll
     for (int c = 0; c < 6; ++c) {
-      if (c == 4) named_barrier_sync(5, 128);  // every thread's inputs 0-3 read
+      if (c == 4) sm90::named_barrier_sync(5, 128);  // every thread's inputs 0-3 read
 #pragma unroll
       for (int i = 0; i < 2; ++i) {
-        lds128(stage + kF8Base + c * 4096 + (fi + 128 * i) * 16, raw);
+        sm90::lds128(stage + kF8Base + c * 4096 + (fi + 128 * i) * 16, raw);
         f8_convert_chunk(stage, c, raw, i);
       }
     }
@@ -427,9 +225,9 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
 #pragma unroll
     for (int c = 6; c < 9; ++c) {
 #pragma unroll
-      for (int i = 0; i < 2; ++i) lds128(stage + kF8Base + c * 4096 + (fi + 128 * i) * 16, held[c - 6][i]);
+      for (int i = 0; i < 2; ++i) sm90::lds128(stage + kF8Base + c * 4096 + (fi + 128 * i) * 16, held[c - 6][i]);
     }
-    named_barrier_sync(5, 128);  // every thread's inputs 4-8 read
+    sm90::named_barrier_sync(5, 128);  // every thread's inputs 4-8 read
 #pragma unroll
     for (int c = 6; c < 9; ++c) {
 #pragma unroll
@@ -488,7 +286,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
         for (int k = 0; k < kTileBytes / 16 / kThreads; ++k) {
           if (!q_unit_used(tid + kThreads * k)) continue;
           uint32_t v[4];
-          lds128(s_q + (tid + kThreads * k) * 16, v);
+          sm90::lds128(s_q + (tid + kThreads * k) * 16, v);
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
             const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&v[e]));
@@ -516,13 +314,13 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
           if (!q_unit_used(tid + kThreads * k)) continue;
           const uint32_t addr = s_q + (tid + kThreads * k) * 16;
           uint32_t v[4], h[4];
-          lds128(addr, v);
+          sm90::lds128(addr, v);
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
             const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&v[e]));
             h[e] = Pack2<__half>::pack(f.x * down, f.y * down);
           }
-          sts128(addr, h[0], h[1], h[2], h[3]);
+          sm90::sts128(addr, h[0], h[1], h[2], h[3]);
         }
       }
       qk_scale = p.scale_log2 * kv_scale * __uint_as_float(static_cast<uint32_t>(127 + shift) << 23);
@@ -595,7 +393,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
     for (int t = 0; t < n_tiles; ++t) {
       wait_tile(t);
       sm90::fence_proxy_async();
-      named_barrier_sync_unaligned(3, kThreads);  // tile t landed for every thread
+      sm90::named_barrier_sync_unaligned(3, kThreads);  // tile t landed for every thread
 #ifdef EAGLE3_DEV_BUILD
       if constexpr ((kDev & kDevTrace) != 0) {
         if (tid == 0 && t <= 8) trace[2 + t] = global_ns();
@@ -607,12 +405,12 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
         // (the refill's chunks 0-3 and rope then have longer to land; results/mla_sm90_release_h200.log)
         sm90::wgmma_wait<0>();
         sm90::fence_operand(o);
-        if (refills(t)) named_barrier_arrive(4, kThreads);
+        if (refills(t)) sm90::named_barrier_arrive(4, kThreads);
       }
 #ifdef EAGLE3_DEV_BUILD
       if constexpr ((kDev & kDevNoMath) != 0) {
-        named_barrier_sync(2, kThreads);
-        named_barrier_arrive(1, kThreads);
+        sm90::named_barrier_sync(2, kThreads);
+        sm90::named_barrier_arrive(1, kThreads);
         continue;
       }
 #endif
@@ -669,7 +467,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
 
 
       float alpha[2];
-      named_barrier_sync(2, kThreads);  // warpgroup 1 is done reading the previous P
+      sm90::named_barrier_sync(2, kThreads);  // warpgroup 1 is done reading the previous P
       // online softmax over the tile's 64 keys (a row's 64 scores sit in the 4 threads of a quad), in log2 units:
       // the max of the raw scores times the scale is the max of the scaled ones (scale > 0), and each
       // probability is one FFMA and one MUFU
@@ -711,7 +509,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
         if (quad == 0) s_alpha[r0 + 8 * h] = alpha[h];
       }
       sm90::fence_proxy_async();
-      named_barrier_arrive(1, kThreads);  // P and the rescale factors are in shared memory
+      sm90::named_barrier_arrive(1, kThreads);  // P and the rescale factors are in shared memory
       rescale(alpha);
       pv(stage);
     }
@@ -724,18 +522,18 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
         sm90::fence_proxy_async();
       }
       // tile t landed (kFp8: converted, each thread fenced) for every thread
-      named_barrier_sync_unaligned(3, kThreads);
+      sm90::named_barrier_sync_unaligned(3, kThreads);
       const uint32_t stage = s_k + (t & 1) * kTileBytes;
       const uint32_t next = s_k + ((t + 1) & 1) * kTileBytes;
       sm90::wgmma_wait<0>();  // this warpgroup's P V of tile t - 1 is done:
       sm90::fence_operand(o);
-      named_barrier_arrive(2, kThreads);  // P and the rescale factors may be overwritten
+      sm90::named_barrier_arrive(2, kThreads);  // P and the rescale factors may be overwritten
       if (refills(t)) {  // refill the stage of tile t - 1 (page ids read an iteration ago)
         if constexpr (kFp8) {
           f8_issue(f8_src, next);  // its upper half: only this warpgroup's P V of tile t - 1 read it
         } else {
           load_own_chunks(next);
-          named_barrier_sync(4, kThreads);
+          sm90::named_barrier_sync(4, kThreads);
           load_other_chunks(next);
         }
         sm90::cp_async_commit();
@@ -747,7 +545,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
           }
         }
       }
-      named_barrier_sync(1, kThreads);
+      sm90::named_barrier_sync(1, kThreads);
 #ifdef EAGLE3_DEV_BUILD
       if constexpr ((kDev & kDevNoMath) != 0) continue;
 #endif
@@ -757,7 +555,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
       if constexpr (kFp8) {
         if (t + 1 < n_tiles) {
           sm90::cp_async_wait_all();  // this thread's bytes of tile t + 1
-          if (t >= 1) named_barrier_sync(4, kThreads);  // warpgroup 0's P V of tile t - 1 is done
+          if (t >= 1) sm90::named_barrier_sync(4, kThreads);  // warpgroup 0's P V of tile t - 1 is done
           convert_tile(next);
           sm90::fence_proxy_async();
         }
@@ -856,6 +654,10 @@ __global__ void sm90a_marker(int* sink) {
 #endif
 }
 
+}  // namespace
+
+namespace mla_sm90 {
+
 // Whether the current device runs this build's real sm_90a kernel (asked once per device; no stream work).
 bool sm90a_compiled(int device) {
   static std::atomic<int> known[64] = {};  // 0 not asked yet, 1 no, 2 yes
@@ -871,245 +673,22 @@ bool sm90a_compiled(int device) {
   return k == 2;
 }
 
-// q           [B * N, G, 576]  bf16 | fp16, rows 16-byte aligned, last dim contiguous
-// kv_cache    [num_pages, page_size, 576]  q's dtype (fp8 e4m3 with kv_scale), rows 16-byte aligned, last dim
-//             contiguous
-// kv_scale    (fp8 caches) [] or [1] fp32 on q's device: key = V source = fp8 * kv_scale
-// page_table  [B, max_pages] int32, last dim contiguous;  prefix_lens [B] int32
-// tree_mask   [B, N, W] int32 contiguous
-// out         [B * N, G, 512]  q's dtype, last dim contiguous;  lse [B * N, G] fp32 contiguous, optional
-// part_out    [num_splits, B, N * G, 512] fp32 contiguous;  part_lse [num_splits, B, N * G] fp32 contiguous
-//             (written when num_splits > 1, then merged by the caller; unused otherwise)
-void check_args(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& page_table,
-                const at::Tensor& prefix_lens, const at::Tensor& tree_mask, double scale, const at::Tensor& out,
-                const std::optional<at::Tensor>& lse, const at::Tensor& part_out, const at::Tensor& part_lse,
-                int64_t num_splits, const at::Tensor* kv_scale_or_null = nullptr) {
-  TORCH_CHECK_TYPE(q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf,
-                   "q must have dtype bfloat16 | float16, got ", q.scalar_type());
-  CHECK_CUDA(q);
-  CHECK_DIM(q, 3);
-  CHECK_DIM(tree_mask, 3);
-  const int64_t B = tree_mask.size(0), N = tree_mask.size(1), W = tree_mask.size(2), G = q.size(1);
-  CHECK_SHAPE(q, B * N, G, kDim);
-  CHECK_LAST_DIM_CONTIGUOUS(q);
-  CHECK_DTYPE(kv_cache, kv_scale_or_null != nullptr ? at::kFloat8_e4m3fn : q.scalar_type());
-  CHECK_DIM(kv_cache, 3);
-  if (kv_scale_or_null != nullptr) {
-    const at::Tensor& kv_scale = *kv_scale_or_null;
-    CHECK_DTYPE(kv_scale, at::kFloat);
-    TORCH_CHECK_VALUE(kv_scale.numel() == 1 && kv_scale.dim() <= 1, "kv_scale must have shape [] or [1], got ",
-                      kv_scale.sizes());
-    CHECK_SAME_DEVICE(kv_scale, q);
-  }
-  CHECK_SHAPE(kv_cache, kv_cache.size(0), kv_cache.size(1), kDim);
-  CHECK_LAST_DIM_CONTIGUOUS(kv_cache);
-  CHECK_DTYPE(page_table, at::kInt);
-  CHECK_DIM(page_table, 2);
-  CHECK_SHAPE(page_table, B, page_table.size(1));
-  TORCH_CHECK_VALUE(page_table.size(1) == 0 || page_table.stride(1) == 1,
-                    "page_table must be contiguous in its last dimension, got strides ", page_table.strides());
-  CHECK_DTYPE(prefix_lens, at::kInt);
-  CHECK_SHAPE(prefix_lens, B);
-  TORCH_CHECK_VALUE(prefix_lens.is_contiguous(), "prefix_lens must be contiguous");
-  CHECK_DTYPE(tree_mask, at::kInt);
-  TORCH_CHECK_VALUE(tree_mask.is_contiguous(), "tree_mask must be contiguous, got strides ", tree_mask.strides());
-  TORCH_CHECK_VALUE(W * 32 >= N, "tree_mask must have W >= ceil(N / 32) words, got W = ", W, " for N = ", N);
-  CHECK_DTYPE(out, q.scalar_type());
-  CHECK_SHAPE(out, B * N, G, kDv);
-  CHECK_LAST_DIM_CONTIGUOUS(out);
-  if (lse.has_value()) {
-    CHECK_DTYPE((*lse), at::kFloat);
-    CHECK_SHAPE((*lse), B * N, G);
-    TORCH_CHECK_VALUE(lse->is_contiguous(), "lse must be contiguous");
-  }
-  TORCH_CHECK_VALUE(num_splits >= 1 && num_splits <= 65535, "num_splits must be in [1, 65535], got ", num_splits);
-  TORCH_CHECK_VALUE(scale > 0 && std::isfinite(scale), "scale must be finite and > 0, got ", scale);
-  if (num_splits > 1) {
-    CHECK_DTYPE(part_out, at::kFloat);
-    CHECK_SHAPE(part_out, num_splits, B, N * G, kDv);
-    TORCH_CHECK_VALUE(part_out.is_contiguous(), "part_out must be contiguous");
-    CHECK_DTYPE(part_lse, at::kFloat);
-    CHECK_SHAPE(part_lse, num_splits, B, N * G);
-    TORCH_CHECK_VALUE(part_lse.is_contiguous(), "part_lse must be contiguous");
-  }
-  for (const at::Tensor* t : {&kv_cache, &page_table, &prefix_lens, &tree_mask, &out}) CHECK_SAME_DEVICE((*t), q);
-  if (lse.has_value()) CHECK_SAME_DEVICE((*lse), q);
-  if (num_splits > 1) {
-    CHECK_SAME_DEVICE(part_out, q);
-    CHECK_SAME_DEVICE(part_lse, q);
-  }
-  // 16-byte cp.async of every 576-wide row
-  auto aligned = [](const at::Tensor& t, int64_t s0, int64_t s1) {
-    const int64_t per16 = 16 / t.element_size();  // elements a 16-byte unit
-    return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0 && s0 % per16 == 0 && s1 % per16 == 0;
-  };
-  TORCH_CHECK_VALUE(aligned(q, q.stride(0), q.stride(1)),
-                    "q must have 16-byte aligned rows (data pointer and strides)");
-  TORCH_CHECK_VALUE(aligned(kv_cache, kv_cache.stride(0), kv_cache.stride(1)),
-                    "kv_cache must have 16-byte aligned rows (data pointer and strides)");
-  TORCH_CHECK_VALUE(out.stride(0) % 2 == 0 && out.stride(1) % 2 == 0 &&
-                        reinterpret_cast<uintptr_t>(out.data_ptr()) % 4 == 0,
-                    "out must have 4-byte aligned element pairs");
-  TORCH_CHECK_VALUE(N * G <= (int64_t{1} << 30) && B <= 65535 && kv_cache.size(0) < (int64_t{1} << 31) &&
-                        page_table.size(1) * kv_cache.size(1) < (int64_t{1} << 31),
-                    "tree_attention_mla sizes out of the kernel's range");
-}
-
-using Kernel = void (*)(const Params);
-
-// Launches `kernel` (one of mla_decode_kernel's builds, picked by the caller for q's dtype) on q's device, the
-// arguments checked by check_args. trace: the kDevTrace build's buffer (development builds), else nullptr.
-void launch(Kernel kernel, const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& page_table,
-            const at::Tensor& prefix_lens, const at::Tensor& tree_mask, double scale, const at::Tensor& out,
-            const std::optional<at::Tensor>& lse, const at::Tensor& part_out, const at::Tensor& part_lse,
-            int64_t num_splits, uint64_t* trace, const at::Tensor* kv_scale = nullptr, bool evict_first = false) {
-  const int64_t B = tree_mask.size(0), N = tree_mask.size(1), W = tree_mask.size(2), G = q.size(1);
-  const c10::cuda::OptionalCUDAGuard guard(q.device());
-  const int device = q.get_device();
-  TORCH_CHECK_VALUE(sm_major(device) == 9, "the sm_90a kernel needs a Hopper GPU (compute capability 9.x)");
-  // (before the empty-input return: triton_kernels/mla_decode.py sm90_compiled asks with empty inputs)
-  TORCH_CHECK_NOT_IMPLEMENTED(sm90a_compiled(device), "this build has no sm_90a code for tree_attention_mla's "
-                              "Hopper kernel (TORCH_CUDA_ARCH_LIST without 9.0a compiles it to a trap)");
-  if (B == 0 || N == 0 || G == 0) return;
-
-  Params p{};
-  p.q = q.data_ptr();
-  p.kv = kv_cache.data_ptr();
-  p.page_table = page_table.data_ptr<int32_t>();
-  p.prefix_lens = prefix_lens.data_ptr<int32_t>();
-  p.tree_mask = tree_mask.data_ptr<int32_t>();
-  p.out = out.data_ptr();
-  p.lse = lse.has_value() ? lse->data_ptr<float>() : nullptr;
-  p.part_out = num_splits > 1 ? part_out.data_ptr<float>() : nullptr;
-  p.part_lse = num_splits > 1 ? part_lse.data_ptr<float>() : nullptr;
-#ifdef EAGLE3_DEV_BUILD
-  p.trace = trace;
-#else
-  (void)trace;
-#endif
-  p.err = device_error_word(device);
-  p.scale_log2 = static_cast<float>(scale * 1.4426950408889634);
-  p.B = static_cast<int>(B);
-  p.N = static_cast<int>(N);
-  p.W = static_cast<int>(W);
-  p.G = static_cast<int>(G);
-  p.num_pages = static_cast<int>(kv_cache.size(0));
-  p.max_pages = static_cast<int>(page_table.size(1));
-  p.page_size = static_cast<int>(kv_cache.size(1));
-  p.num_splits = static_cast<int>(num_splits);
-  p.stride_qt = q.stride(0);
-  p.stride_qh = q.stride(1);
-  p.stride_kp = kv_cache.stride(0);
-  p.stride_ks = kv_cache.stride(1);
-  p.stride_pt = page_table.stride(0);
-  p.stride_ot = out.stride(0);
-  p.stride_oh = out.stride(1);
-  p.kv_scale = kv_scale != nullptr ? kv_scale->data_ptr<float>() : nullptr;
-  p.evict_first = evict_first ? 1 : 0;
-  if (p.page_size == 0 || p.max_pages == 0) {
-    p.max_pages = 0;  // capacity 0: every request is bad (NaN), nothing is read
-    p.page_size = 1;
-  }
-
-  const dim3 grid(static_cast<unsigned>((N * G + kRows - 1) / kRows), static_cast<unsigned>(B),
-                  static_cast<unsigned>(num_splits));
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
-  kernel<<<grid, kThreads, kSmemBytes, stream>>>(p);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  after_launch(device, stream);
-}
-
-// The arguments as check_args'. evict_first: the KV loads marked L2 evict-first (when num_splits > 1: the
-// partials, written last and read by the merge, then stay in L2).
-void tree_attention_mla_sm90_cuda(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& page_table,
-                                  const at::Tensor& prefix_lens, const at::Tensor& tree_mask, double scale,
-                                  const at::Tensor& out, const std::optional<at::Tensor>& lse,
-                                  const at::Tensor& part_out, const at::Tensor& part_lse, int64_t num_splits,
-                                  bool evict_first) {
-  check_args(q, kv_cache, page_table, prefix_lens, tree_mask, scale, out, lse, part_out, part_lse, num_splits);
-  Kernel kernel;
-  if (q.scalar_type() == at::kBFloat16) {
-    kernel = evict_first ? mla_decode_kernel<__nv_bfloat16, true> : mla_decode_kernel<__nv_bfloat16, false>;
-  } else {
-    kernel = evict_first ? mla_decode_kernel<__half, true> : mla_decode_kernel<__half, false>;
-  }
-  launch(kernel, q, kv_cache, page_table, prefix_lens, tree_mask, scale, out, lse, part_out, part_lse, num_splits,
-         nullptr);
-}
-
-// The fp8 e4m3 cache (kv_scale: [] or [1] fp32 on q's device, key = fp8 * kv_scale); the other arguments as
-// tree_attention_mla_sm90_cuda's. One build per q dtype; the L2 policy of the KV loads is a runtime choice.
-void tree_attention_mla_sm90_fp8_cuda(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& kv_scale,
-                                      const at::Tensor& page_table, const at::Tensor& prefix_lens,
-                                      const at::Tensor& tree_mask, double scale, const at::Tensor& out,
-                                      const std::optional<at::Tensor>& lse, const at::Tensor& part_out,
-                                      const at::Tensor& part_lse, int64_t num_splits, bool evict_first) {
-  check_args(q, kv_cache, page_table, prefix_lens, tree_mask, scale, out, lse, part_out, part_lse, num_splits,
-             &kv_scale);
-  const Kernel kernel = q.scalar_type() == at::kBFloat16 ? mla_decode_kernel<__nv_bfloat16, false, 0, true>
-                                                          : mla_decode_kernel<__half, false, 0, true>;
-  launch(kernel, q, kv_cache, page_table, prefix_lens, tree_mask, scale, out, lse, part_out, part_lse, num_splits,
-         nullptr, &kv_scale, evict_first);
+// mla_decode_kernel's builds (eagle3/mla_sm90.h), instantiated here, where the template is.
+Kernel kernel_for(bool bf16, bool evict_first, bool fp8) {
+  if (fp8) return bf16 ? mla_decode_kernel<__nv_bfloat16, false, 0, true> : mla_decode_kernel<__half, false, 0, true>;
+  if (bf16) return evict_first ? mla_decode_kernel<__nv_bfloat16, true> : mla_decode_kernel<__nv_bfloat16, false>;
+  return evict_first ? mla_decode_kernel<__half, true> : mla_decode_kernel<__half, false>;
 }
 
 #ifdef EAGLE3_DEV_BUILD
-// The development op (setup.py EAGLE3_DEV_BUILD=1), bf16 only; the arguments as tree_attention_mla_sm90_cuda's, and
-// trace     [grid blocks, 16] int64 contiguous: the kDevTrace build writes its stamps there (bench/dev/trace_mla.py)
-// skeleton  0, or a no-math build (evict-first loads, no trace): 1 without the math, 3 without the math and the
-//           epilogue's stores (kDevNoMath | kDevNoStores; bench/dev/ceiling_mla.py)
-void tree_attention_mla_sm90_dev_cuda(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& page_table,
-                                      const at::Tensor& prefix_lens, const at::Tensor& tree_mask, double scale,
-                                      const at::Tensor& out, const std::optional<at::Tensor>& lse,
-                                      const at::Tensor& part_out, const at::Tensor& part_lse, int64_t num_splits,
-                                      bool evict_first, const std::optional<at::Tensor>& trace, int64_t skeleton) {
-  check_args(q, kv_cache, page_table, prefix_lens, tree_mask, scale, out, lse, part_out, part_lse, num_splits);
-  TORCH_CHECK_TYPE(q.scalar_type() == at::kBFloat16, "the development builds are built for bfloat16 only, got ",
-                   q.scalar_type());
-  const bool traced = trace.has_value();
-  TORCH_CHECK_VALUE(skeleton == 0 || ((skeleton == 1 || skeleton == 3) && evict_first && !traced),
-                    "skeleton must be 0, or 1 | 3 with evict_first and no trace, got ", skeleton);
-  if (traced) {
-    const int64_t B = tree_mask.size(0), N = tree_mask.size(1), G = q.size(1);
-    const int64_t blocks = (N * G + kRows - 1) / kRows * B * num_splits;
-    CHECK_DTYPE((*trace), at::kLong);
-    CHECK_SHAPE((*trace), blocks, kTraceSlots);
-    TORCH_CHECK_VALUE(trace->is_contiguous(), "trace must be contiguous");
-    CHECK_SAME_DEVICE((*trace), q);
-  }
+Kernel dev_kernel_for(bool evict_first, bool traced, int64_t skeleton) {
   using bf16 = __nv_bfloat16;
-  Kernel kernel;
-  if (skeleton == 1) {
-    kernel = mla_decode_kernel<bf16, true, kDevNoMath>;
-  } else if (skeleton == 3) {
-    kernel = mla_decode_kernel<bf16, true, kDevNoMath | kDevNoStores>;
-  } else if (traced) {
-    kernel = evict_first ? mla_decode_kernel<bf16, true, kDevTrace> : mla_decode_kernel<bf16, false, kDevTrace>;
-  } else {
-    kernel = evict_first ? mla_decode_kernel<bf16, true> : mla_decode_kernel<bf16, false>;
-  }
-  launch(kernel, q, kv_cache, page_table, prefix_lens, tree_mask, scale, out, lse, part_out, part_lse, num_splits,
-         traced ? reinterpret_cast<uint64_t*>(trace->data_ptr<int64_t>()) : nullptr);
+  if (skeleton == 1) return mla_decode_kernel<bf16, true, kDevNoMath>;
+  if (skeleton == 3) return mla_decode_kernel<bf16, true, kDevNoMath | kDevNoStores>;
+  if (traced) return evict_first ? mla_decode_kernel<bf16, true, kDevTrace> : mla_decode_kernel<bf16, false, kDevTrace>;
+  return evict_first ? mla_decode_kernel<bf16, true> : mla_decode_kernel<bf16, false>;
 }
 #endif
 
-}  // namespace
+}  // namespace mla_sm90
 }  // namespace eagle3
-
-// internal, Hopper only: the sm_90a kernel over an fp8 e4m3 cache (tree_attention_mla with kv_scale), called by
-// triton_kernels/mla_decode.py's tree_attention_mla_sm90, which picks the splits and merges them. Defined here,
-// beside its only kernel, so that builds without this file have no such op (mla_decode.sm90_supported asks).
-TORCH_LIBRARY_FRAGMENT(eagle3, m) {
-  m.def(
-      "_tree_attention_mla_sm90_fp8(Tensor q, Tensor kv_cache, Tensor kv_scale, Tensor page_table, "
-      "Tensor prefix_lens, Tensor tree_mask, float scale, Tensor(a!) out, Tensor(b!)? lse, Tensor(c!) part_out, "
-      "Tensor(d!) part_lse, int num_splits, bool evict_first=False) -> ()");
-}
-
-TORCH_LIBRARY_IMPL(eagle3, CUDA, m) {
-  m.impl("_tree_attention_mla_sm90", &eagle3::tree_attention_mla_sm90_cuda);
-  m.impl("_tree_attention_mla_sm90_fp8", &eagle3::tree_attention_mla_sm90_fp8_cuda);
-#ifdef EAGLE3_DEV_BUILD
-  m.impl("_tree_attention_mla_sm90_dev", &eagle3::tree_attention_mla_sm90_dev_cuda);
-#endif
-}

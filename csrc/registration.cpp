@@ -51,8 +51,9 @@ TORCH_LIBRARY(eagle3, m) {
   m.def(
       "tree_attention_mla(Tensor q, Tensor kv_cache, Tensor page_table, Tensor prefix_lens, "
       "Tensor tree_mask, float scale, Tensor(a!) out, Tensor(b!)? lse, Tensor? kv_scale=None) -> ()");
-  // internal, Hopper only: tree_attention_mla's sm_90a kernel at 576 / 512 dims (csrc/mla_decode_sm90.cu),
-  // called by its CUDA launcher, which checks the arguments and merges the num_splits partials
+  // internal, Hopper only: tree_attention_mla's sm_90a kernel at 576 / 512 dims (csrc/mla_decode_sm90.cu; the op's
+  // host side csrc/mla_decode_sm90_host.cu), called by its CUDA launcher, which checks the arguments and merges the
+  // num_splits partials
   m.def(
       "_tree_attention_mla_sm90(Tensor q, Tensor kv_cache, Tensor page_table, Tensor prefix_lens, "
       "Tensor tree_mask, float scale, Tensor(a!) out, Tensor(b!)? lse, Tensor(c!) part_out, "

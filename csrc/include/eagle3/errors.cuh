@@ -24,7 +24,7 @@ constexpr bool kDeviceChecks = true;
 // chain case (nothing moved: the checks are most of the work) went from 1.01 to 1.05-1.06 of the build without
 // checks on the H200. What keeps the checks off a kernel's hot path is where it reports: after its loads and
 // stores, from an out-of-line function of its own that re-reads the few values to report (build_tree's
-// report_candidate, mla_decode_sm90's report_request), or on a branch no valid input takes.
+// report_candidate, eagle3/mla_sm90.cuh's report_request), or on a branch no valid input takes.
 __device__ __forceinline__ void report(int64_t* word, int64_t op, int64_t arg, int64_t kind, int64_t i0, int64_t i1,
                                        int64_t i2, int64_t value, int64_t lo, int64_t hi) {
   if constexpr (kDeviceChecks) {

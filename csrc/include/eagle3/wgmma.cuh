@@ -1,5 +1,6 @@
-// Hopper (sm_90a) warpgroup MMA, shared-memory descriptors and cp.async, as inline PTX: the pieces of
-// csrc/mla_decode_sm90.cu's kernel (no CUTLASS: the build vendors no third-party sources).
+// Hopper (sm_90a) warpgroup MMA, shared-memory descriptors, cp.async, 16-byte shared loads / stores and named
+// barriers, as inline PTX: the pieces of csrc/mla_decode_sm90.cu's kernel (no CUTLASS: the build vendors no
+// third-party sources).
 //
 // Shared-memory tiles are [rows x 64] 16-bit elements, 128 bytes a row, in the 128-byte swizzle: the
 // 16-byte chunk c of row r lives at r * 128 + ((c ^ (r % 8)) * 16), so 8 rows form one 1024-byte atom
@@ -57,6 +58,39 @@ __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wai
 template <int kPending>
 __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
+}
+
+// 16 bytes global -> shared with an L2 cache policy (createpolicy): the KV rows are read once
+__device__ __forceinline__ void cp_async16_hint(uint32_t dst, const void* src, uint32_t src_bytes, uint64_t policy) {
+  asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;\n" ::"r"(dst), "l"(src),
+               "r"(src_bytes), "l"(policy)
+               : "memory");
+}
+
+// 16 bytes shared -> registers, and registers -> shared (addr: a 16-byte aligned shared-memory byte address)
+__device__ __forceinline__ void lds128(uint32_t addr, uint32_t (&v)[4]) {
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(v[0]), "=r"(v[1]), "=r"(v[2]), "=r"(v[3])
+               : "r"(addr)
+               : "memory");
+}
+__device__ __forceinline__ void sts128(uint32_t addr, uint32_t a, uint32_t b, uint32_t c, uint32_t d) {
+  asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(a), "r"(b), "r"(c), "r"(d) : "memory");
+}
+
+// Named barrier `id` over `threads` threads: the producer arrives (does not wait), the consumer syncs.
+__device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void named_barrier_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+// The same for a barrier that both warpgroups wait on from their own code (barrier 3): bar.sync is PTX's aligned
+// form, which promises that every thread blocking in one generation executes the same barrier instruction, and two
+// warpgroups waiting at two sites break that promise (compute-sanitizer synccheck: "Divergent thread(s) in block",
+// seen at 3987bd8 on the H200); barrier.sync without .aligned allows it.
+__device__ __forceinline__ void named_barrier_sync_unaligned(int id, int threads) {
+  asm volatile("barrier.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
 // ---- wgmma.mma_async, f32 accumulators, one function per shape and input type (f16 / bf16), stamped out by
