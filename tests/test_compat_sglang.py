@@ -1193,12 +1193,12 @@ def needs_cpp_ops():
     assert not missing, f"this build has no CUDA kernel for {missing} (EAGLE3_CUDA_ONLY without compat_sglang?)"
 
 
-def cpp_matches_paths(fn, args, outs):
-    """fn(*args) on CUDA copies through the C++ op, the Triton kernels and the tensor ops: the arguments in `outs`
-    equal afterwards. Returns the C++ op's copies."""
+def cpp_matches_paths(fn, args, outs, others=("triton", "torch")):
+    """fn(*args) on CUDA copies through the C++ op and the `others` (the Triton kernels, the tensor ops): the
+    arguments in `outs` equal afterwards. Returns the C++ op's copies."""
     needs_cpp_ops()
     runs = {}
-    for path in ("torch", "triton", "auto"):
+    for path in (*others, "auto"):
         copies = [a.clone().cuda() if isinstance(a, torch.Tensor) else a for a in args]
         compat.kernels = path
         try:
@@ -1207,7 +1207,7 @@ def cpp_matches_paths(fn, args, outs):
             compat.kernels = "auto"
         runs[path] = copies
     for i in outs:
-        for other in ("triton", "torch"):
+        for other in others:
             assert_equal(runs["auto"][i].cpu(), runs[other][i].cpu(), f"{fn.__name__} argument {i} (C++ vs {other})")
     return runs["auto"]
 
@@ -1244,24 +1244,13 @@ def test_gpu_cpp_build_full_mask_past_the_buffer(B, topk, depth, N):
     # for: they are on the device, so no host check sees it), on the one-warp kernel (N 4, 16) and the block kernel
     # (N 40): the C++ op writes the entries inside the buffer and skips the rest, as the Triton kernel does, and
     # every other output is the Triton kernel's
-    needs_cpp_ops()
     g = torch.Generator().manual_seed(B * N + 7)
     args = _build_case(g, B, topk, depth, N, TreeMaskMode.FULL_MASK)
     full = args[3].numel()
     for cut in (full - 1, full - N * N - 3, full // 2):
         case = list(args)
         case[3] = args[3][:cut].clone()
-        runs = {}
-        for path in ("triton", "auto"):
-            copies = [a.clone().cuda() if isinstance(a, torch.Tensor) else a for a in case]
-            compat.kernels = path
-            try:
-                build_tree_kernel_efficient(*copies)
-            finally:
-                compat.kernels = "auto"
-            runs[path] = copies
-        for i in (3, 4, 5, 6, 7):
-            assert_equal(runs["auto"][i].cpu(), runs["triton"][i].cpu(), f"argument {i} at a buffer of {cut} of {full}")
+        cpp_matches_paths(build_tree_kernel_efficient, case, (3, 4, 5, 6, 7), others=("triton",))
 
 
 @pytest.mark.gpu
